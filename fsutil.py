@@ -1,0 +1,61 @@
+"""Filesystem helpers shared by the library: one fsspec API for local folders and s3:// prefixes.
+
+Outputs are immutable: written to a temporary sibling and renamed (local) or sent as one PUT (S3),
+so a reader never sees a half-written file and nothing is overwritten in place.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from typing import Any
+
+import fsspec
+
+
+def filesystem_for(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Return (filesystem, path-without-protocol) for a local path or an ``s3://`` URI."""
+    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    return fs, path
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p)
+
+
+def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either nothing or the whole file."""
+    parent = path.rsplit("/", 1)[0]
+    if is_local(fs):
+        os.makedirs(parent, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:  # object stores: a single PUT is atomic
+        fs.pipe_file(path, data)
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_tree(fs: fsspec.AbstractFileSystem, root: str) -> str:
+    """Content hash of every file under ``root`` (relative names + bytes), order-independent."""
+    h = hashlib.sha256()
+    files = sorted(p for p in fs.find(root) if not fs.isdir(p))
+    for p in files:
+        rel = p[len(root.rstrip("/")) + 1:]
+        h.update(rel.encode() + b"\0" + sha256_file(fs, p).encode() + b"\n")
+    return h.hexdigest()
