@@ -1,0 +1,30 @@
+"""Trainer launcher: runs a training job as a subprocess through Dagster Pipes.
+
+Locally the job is `python -m batchrl.training.jobs.<job>` (DeepSpeed on CPU with gloo); with
+``num_gpus > 1`` it goes through the deepspeed launcher. At cluster scale swap this resource for one
+built on ``PipesK8sClient`` with a GPU pod spec: the job code and its reporting stay the same.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import dagster as dg
+
+
+class TrainerLauncherResource(dg.ConfigurableResource):
+    num_gpus: int = 0
+    env: dict[str, str] = {}
+
+    def run_job(self, context: dg.AssetExecutionContext, job: str, config: dict[str, Any],
+                workdir: str) -> dg.MaterializeResult:
+        from batchrl.training.jobs import job_command
+
+        config_path = os.path.join(workdir, f"{job}.json")
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        env = {**os.environ, **self.env, "BATCHRL_NUM_GPUS": str(self.num_gpus)}
+        client = dg.PipesSubprocessClient(env=env, cwd=workdir)
+        invocation = client.run(context=context, command=job_command(job, config_path))
+        return invocation.get_materialize_result()

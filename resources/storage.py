@@ -1,0 +1,100 @@
+"""Artifact storage: a local folder or an s3:// prefix, chosen by config.
+
+Every asset builds its output in a local staging folder, then `publish` moves it to
+``<root>/<asset>/<content-hash>/``. The folder name is the data version, so an output is never
+overwritten and an old checkpoint's inputs stay where its lineage says they are.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator
+
+import dagster as dg
+
+from batchrl import fsutil
+
+LINEAGE_FILE = "lineage.json"
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """Pointer to a published artifact folder; this is what flows between assets."""
+
+    asset: str
+    uri: str
+    data_version: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+class StorageResource(dg.ConfigurableResource):
+    """Where artifacts live. ``root`` is a local folder or ``s3://bucket/prefix``."""
+
+    root: str = ".storage"
+    storage_options: dict[str, Any] = {}
+    cache_dir: str = ".storage/_cache"
+
+    def _fs(self):
+        return fsutil.filesystem_for(self.root, self.storage_options)
+
+    def is_local(self) -> bool:
+        return fsutil.is_local(self._fs()[0])
+
+    @contextlib.contextmanager
+    def staging_dir(self, asset: str) -> Iterator[str]:
+        """A fresh local folder to build an artifact in; removed afterwards."""
+        base = os.path.abspath(os.path.join(self.cache_dir, "_staging"))
+        os.makedirs(base, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=f"{asset}-", dir=base)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def publish(self, local_dir: str, asset: str, lineage: dict[str, Any]) -> ArtifactRef:
+        """Content-address ``local_dir`` (lineage excluded) and move it under the storage root."""
+        local_fs = fsutil.filesystem_for(local_dir)[0]
+        data_version = fsutil.sha256_tree(local_fs, os.path.abspath(local_dir))[:16]
+        with open(os.path.join(local_dir, LINEAGE_FILE), "w") as f:
+            json.dump({**lineage, "asset": asset, "data_version": data_version}, f, indent=2, sort_keys=True)
+        fs, root = self._fs()
+        dest = fsutil.join(root, asset, data_version)
+        uri = dest if self.is_local() else f"{self.root.split('://')[0]}://{dest}"
+        if self.is_local():
+            dest = os.path.abspath(dest)
+            uri = dest
+            if not os.path.exists(dest):  # same content already published: keep the first copy
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                tmp = f"{dest}.tmp-{os.getpid()}"
+                shutil.copytree(local_dir, tmp)
+                os.replace(tmp, dest)
+        elif not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
+            # lineage.json is uploaded last: its presence marks a complete artifact
+            for name in sorted(os.listdir(local_dir)):
+                if name != LINEAGE_FILE:
+                    fs.put(os.path.join(local_dir, name), fsutil.join(dest, name), recursive=True)
+            fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
+        return ArtifactRef(asset=asset, uri=uri, data_version=data_version)
+
+    def localize(self, ref: ArtifactRef | dict) -> str:
+        """A local folder holding the artifact (downloaded once into the cache for S3 roots)."""
+        ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
+        if self.is_local():
+            return ref.uri
+        local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
+        if not os.path.exists(local):
+            fs, _ = self._fs()
+            tmp = f"{local}.tmp-{os.getpid()}"
+            fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True)
+            os.replace(tmp, local)
+        return local
+
+    def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
+        with open(os.path.join(self.localize(ref), LINEAGE_FILE)) as f:
+            return json.load(f)
