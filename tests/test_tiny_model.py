@@ -1,0 +1,75 @@
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batchrl.training.text import render_prompt
+from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+
+ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
+
+
+def arith_texts():
+    rows = [json.loads(line) for line in (ARITH / "train.jsonl").read_text().splitlines()]
+    return [f"{r['prompt']} {r['answer']}" for r in rows]
+
+
+def sha(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    return build_tiny_model(arith_texts(), str(out), seed=0)
+
+
+def test_build_writes_hf_folder_loadable_by_auto_classes(built):
+    path = built["path"]
+    assert (Path(path) / "model.safetensors").exists() and (Path(path) / "tokenizer.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert built["num_parameters"] == sum(p.numel() for p in model.parameters())
+    assert model.config.vocab_size == len(tokenizer) == built["vocab_size"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token is not None
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_chat_template_and_digit_tokenisation(built):
+    tokenizer = AutoTokenizer.from_pretrained(built["path"])
+    rendered = render_prompt(tokenizer, "What is 13 + 4?")
+    assert rendered == "<|im_start|>user\nWhat is 13 + 4?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == rendered
+    pieces = tokenizer.tokenize("123 + 4567")
+    digit_pieces = [p for p in pieces if any(c.isdigit() for c in p)]
+    assert digit_pieces == ["1", "2", "3", "4", "5", "6", "7"]  # one token per digit
+    assert tokenizer.convert_tokens_to_ids("<|im_start|>") != tokenizer.unk_token_id
+
+
+def test_generate_round_trip(built):
+    model, tokenizer = load_model_and_tokenizer(built["path"])
+    batch = tokenizer([render_prompt(tokenizer, "What is 2 + 3?")], return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, batch["input_ids"].shape[1] + 5) or tokenizer.eos_token_id in out[0].tolist()
+    assert isinstance(tokenizer.decode(out[0]), str)
+
+
+def test_rebuild_is_byte_identical_and_seed_matters(built, tmp_path):
+    again = build_tiny_model(arith_texts(), str(tmp_path / "again"), seed=0)
+    assert sha(again["model_file"]) == sha(built["model_file"])
+    assert sha(again["tokenizer_file"]) == sha(built["tokenizer_file"])
+    other = build_tiny_model(arith_texts(), str(tmp_path / "other"), seed=1)
+    assert sha(other["model_file"]) != sha(built["model_file"])
+    assert sha(other["tokenizer_file"]) == sha(built["tokenizer_file"])
+
+
+def test_load_model_and_tokenizer_dtype(built):
+    model, tokenizer = load_model_and_tokenizer(built["path"], dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
+    assert tokenizer.padding_side == "left"

@@ -1,0 +1,119 @@
+"""Rollouts with Hugging Face ``generate`` (CPU or one GPU): the default engine, and the reference
+the vLLM engine is held to.
+
+Prompts are rendered with ``render_prompt`` and left-padded; ``prompts * n`` rows are generated in
+chunks of ``batch_size``. Each chunk reseeds torch from ``(seed, chunk index)`` inside a forked RNG,
+so a run is deterministic for a fixed seed and batch size and leaves the caller's RNG untouched.
+``rollout_logprobs`` come from the raw logits (``output_logits``), see ``base`` for the convention.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchrl.training.rollout.base import make_sample
+from batchrl.training.text import render_prompt
+from batchrl.training.tiny_model import load_model_and_tokenizer
+
+
+def _stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TransformersRolloutEngine:
+    """``RolloutEngine`` over ``transformers`` generate; ``temperature=0`` means greedy decoding."""
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        batch_size: int = 32,
+        device: str = "cpu",
+        dtype: str = "float32",
+        model: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """Load ``model_path``, or use an already loaded ``model`` + ``tokenizer`` (e.g. the trainer's)."""
+        if model is None:
+            model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
+        elif tokenizer is None:
+            raise ValueError("pass tokenizer together with model")
+        self.model, self.tokenizer = model, tokenizer
+        self.tokenizer.padding_side = "left"
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.batch_size = batch_size
+        self.device = next(model.parameters()).device
+        self.stop_ids = _stop_token_ids(model, tokenizer)
+
+    def _generation_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=sorted(self.stop_ids),
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        if self.temperature > 0:
+            # top_k=0 switches off the library default of 50: we sample from the full distribution.
+            kwargs.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=0)
+        else:
+            kwargs.update(do_sample=False)
+        return kwargs
+
+    @torch.no_grad()
+    def _generate_chunk(self, prompt_ids: list[list[int]], seed: int) -> list[tuple[list[int], list[float], bool]]:
+        """Generate one response per row; returns ``(response_ids, logprobs, stopped)`` per row."""
+        pad = self.tokenizer.pad_token_id
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompt_ids], device=self.device)
+        attention_mask = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device
+        )
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
+        new_tokens = out.sequences[:, width:]
+        # logits: one [B, V] tensor per generated step -> [B, steps, V] log-probs of the sampled tokens.
+        logits = torch.stack(out.logits, dim=1).float()
+        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        rows = []
+        for tokens, logps in zip(new_tokens.tolist(), token_logprobs.tolist()):
+            stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
+            end = len(tokens) if stop_at is None else stop_at + 1
+            rows.append((tokens[:end], logps[:end], stop_at is not None))
+        return rows
+
+    def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
+        encoded = [
+            self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
+        ]
+        jobs = [(p, s) for p in range(len(prompts)) for s in range(n)]
+        samples: list[dict[str, Any]] = []
+        for chunk_index, start in enumerate(range(0, len(jobs), self.batch_size)):
+            chunk = jobs[start : start + self.batch_size]
+            chunk_seed = seed * 1_000_003 + chunk_index
+            results = self._generate_chunk([encoded[p] for p, _ in chunk], chunk_seed)
+            for (p, s), (response_ids, logprobs, stopped) in zip(chunk, results):
+                samples.append(
+                    make_sample(
+                        prompt_index=p,
+                        sample_index=s,
+                        prompt=prompts[p],
+                        response=self.tokenizer.decode(response_ids, skip_special_tokens=True),
+                        prompt_ids=encoded[p],
+                        response_ids=response_ids,
+                        rollout_logprobs=logprobs,
+                        stopped=stopped,
+                    )
+                )
+        return samples

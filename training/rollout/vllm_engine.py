@@ -1,0 +1,90 @@
+"""Rollouts with vLLM on GPU hosts (``pip install 'batchrl[gpu]'``); same contract as the transformers engine.
+
+vllm is imported here only, when the engine is built. Prompts are rendered with ``render_prompt``
+and passed as token ids, so prompt tokenisation is identical across engines. ``logprobs=0`` asks for
+the sampled token's log-prob only; vLLM's default ``logprobs_mode="raw_logprobs"`` reports it from
+the raw logits (before temperature/top-p), the same convention as ``base`` documents.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from batchrl.training.rollout.base import make_sample
+from batchrl.training.text import render_prompt
+
+
+class VLLMUnavailableError(ImportError):
+    """vLLM is not installed (it needs a CUDA host and the ``gpu`` extra)."""
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailableError(
+            "the 'vllm' rollout engine needs vLLM, which is not installed here: install it on a GPU "
+            "host with `pip install 'batchrl[gpu]'`, or use the 'transformers' engine"
+        ) from exc
+    return vllm
+
+
+class VLLMRolloutEngine:
+    """``RolloutEngine`` over ``vllm.LLM``; extra keyword arguments go to ``vllm.LLM``."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        **llm_kwargs: Any,
+    ) -> None:
+        vllm = _import_vllm()
+        self._sampling_params = vllm.SamplingParams
+        self.llm = vllm.LLM(
+            model=model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
+        params = self._sampling_params(
+            n=n,
+            seed=seed,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_new_tokens,
+            logprobs=0,
+        )
+        encoded = [
+            self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+        samples = []
+        for p, request in enumerate(outputs):
+            for s, completion in enumerate(request.outputs):
+                response_ids = list(completion.token_ids)
+                logprobs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(response_ids)]
+                samples.append(
+                    make_sample(
+                        prompt_index=p,
+                        sample_index=s,
+                        prompt=prompts[p],
+                        response=completion.text,
+                        prompt_ids=encoded[p],
+                        response_ids=response_ids,
+                        rollout_logprobs=logprobs,
+                        stopped=completion.finish_reason == "stop",
+                    )
+                )
+        return samples
