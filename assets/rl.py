@@ -1,0 +1,165 @@
+"""RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import dagster as dg
+import pandas as pd
+
+from batchrl import fsutil
+from batchrl.assets.common import as_ref, code_version, publish, run_config_for, to_library_config
+from batchrl.assets.models import read_parquet_in
+from batchrl.resources import (
+    ArtifactRef, CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+)
+from batchrl.training.prompts import load_prompts
+from batchrl.training.rewards import RewardConfig
+from batchrl.training.trainer.config import PolicyConfig
+
+RewardRunConfig = run_config_for(RewardConfig, "RewardRunConfig")
+PolicyRunConfig = run_config_for(PolicyConfig, "PolicyRunConfig")
+
+
+class RolloutConfig(dg.Config):
+    """``policy``: "latest" samples from the last policy_checkpoint (the base model on the first run)."""
+
+    policy: str = "latest"
+    samples_per_prompt: int = 8
+    max_prompts: int | None = None
+    seed: int = 0
+
+
+class AdvantageConfig(dg.Config):
+    """Estimator by registry name: grpo, drgrpo, rloo, reinforce_plus_plus(_baseline), remax, gae."""
+
+    estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+
+
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"})
+def prompts(context: dg.AssetExecutionContext, landing: LandingResource, storage: StorageResource,
+            catalog: CatalogResource) -> dg.Output:
+    """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
+    table = load_prompts(landing.prompts, landing.storage_options)
+    fs, path = fsutil.filesystem_for(landing.prompts, landing.storage_options)
+    source = {"uri": landing.prompts, "sha256": fsutil.sha256_file(fs, path)}
+    with storage.staging_dir("prompts") as staging:
+        table.to_parquet(os.path.join(staging, "prompts.parquet"), index=False)
+        return publish(context, storage, catalog, staging, config={"landing": landing.prompts},
+                       input_files=[source],
+                       metadata={"rows": len(table), "categories": table["category"].value_counts().to_dict()})
+
+
+def _current_policy(context: dg.AssetExecutionContext, base_model: dict, choice: str) -> ArtifactRef:
+    if choice == "latest":
+        event = context.instance.get_latest_materialization_event(dg.AssetKey("policy_checkpoint"))
+        if event is not None and event.asset_materialization is not None:
+            meta = event.asset_materialization.metadata
+            return ArtifactRef("policy_checkpoint", meta["uri"].value, meta["data_version"].value)
+    elif choice != "base":
+        raise dg.Failure(f"rollouts: policy must be 'latest' or 'base', got {choice!r}")
+    return as_ref(base_model)
+
+
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout"), kinds={"pytorch"})
+def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: dict, base_model: dict,
+             rollout_engine: RolloutEngineResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """n sampled responses per prompt from the current policy, with token log-probs."""
+    policy = _current_policy(context, base_model, config.policy)
+    table = read_parquet_in(storage, prompts, "prompts.parquet")
+    if config.max_prompts:
+        table = table.head(config.max_prompts)
+    engine = rollout_engine.engine(storage.localize(policy))
+    samples = pd.DataFrame(engine.generate(list(table["prompt"]), n=config.samples_per_prompt, seed=config.seed))
+    meta = table.reset_index(drop=True)[["prompt_id", "answer", "category"]]
+    samples = samples.join(meta, on="prompt_index")
+    with storage.staging_dir("rollouts") as staging:
+        samples.to_parquet(os.path.join(staging, "rollouts.parquet"), index=False)
+        return publish(context, storage, catalog, staging, seed=config.seed,
+                       config={**config.model_dump(), "engine": rollout_engine.model_dump()},
+                       inputs={"prompts": prompts, "policy": policy},
+                       metadata={"samples": len(samples), "policy": policy.uri,
+                                 "mean_response_tokens": float(samples["response_ids"].map(len).mean())})
+
+
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"})
+def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: dict, reward_model: dict,
+            storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """Rule reward + reward-model score per sample, mixed by weights (optionally routed by category)."""
+    from batchrl.training.rewards import compute_rewards
+
+    table = read_parquet_in(storage, rollouts, "rollouts.parquet")
+    cfg = to_library_config(config, RewardConfig)
+    scored = compute_rewards(table, cfg, reward_model_path=storage.localize(reward_model))
+    with storage.staging_dir("rewards") as staging:
+        scored.to_parquet(os.path.join(staging, "rewards.parquet"), index=False)
+        by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()
+        return publish(context, storage, catalog, staging, config=config.model_dump(),
+                       inputs={"rollouts": rollouts, "reward_model": reward_model},
+                       metadata={"samples": len(scored), "mean_reward": float(scored["reward"].mean()),
+                                 "mean_reward_by_category": by_category})
+
+
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos"),
+          kinds={"pytorch"})
+def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: dict,
+               storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """Per-token advantages and returns from the configured estimator (grouped by prompt)."""
+    from batchrl.training.advantages import compute_advantages
+
+    table = read_parquet_in(storage, rewards, "rewards.parquet")
+    out = compute_advantages(table, config.estimator, gamma=config.gamma, lam=config.lam,
+                             norm_adv_by_std=config.norm_adv_by_std)
+    flat = [a for row in out["advantages"] for a in row]
+    with storage.staging_dir("advantages") as staging:
+        out.to_parquet(os.path.join(staging, "advantages.parquet"), index=False)
+        return publish(context, storage, catalog, staging, config=config.model_dump(), inputs={"rewards": rewards},
+                       metadata={"samples": len(out), "estimator": config.estimator,
+                                 "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
+
+
+def work_dir(storage: StorageResource, asset: str, key: dict) -> str:
+    """A stable per-(inputs, config) folder for trainer checkpoints, so a re-run resumes exactly."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = os.path.abspath(os.path.join(storage.cache_dir, "_work", asset, digest))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
+                      catalog: CatalogResource, launcher: TrainerLauncherResource) -> dg.Output:
+    """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model."""
+    workdir = work_dir(storage, context.asset_key.to_user_string(),
+                       {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
+    job_config = {**job_config, "out_dir": workdir}
+    result = launcher.run_job(context, job, job_config, workdir)
+    metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
+    with open(os.path.join(workdir, "model", "train_metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2, sort_keys=True, default=str)
+    with storage.staging_dir(context.asset_key.to_user_string()) as staging:
+        shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
+        return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
+                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata=metrics)
+
+
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.trainer", "batchrl.training.algos"),
+          kinds={"deepspeed"})
+def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: dict,
+                      rollouts: dict, base_model: dict, storage: StorageResource, catalog: CatalogResource,
+                      trainer: TrainerLauncherResource) -> dg.Output:
+    """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes."""
+    policy = storage.read_lineage(rollouts)["inputs"]["policy"]
+    job_config = {
+        "trainer": config.model_dump(),
+        "batch_parquet": os.path.join(storage.localize(advantages), "advantages.parquet"),
+        "model_path": storage.localize(policy),
+        "reference_model_path": storage.localize(base_model),
+    }
+    return train_and_publish(context, "train_policy", job_config,
+                             {"advantages": advantages, "policy": policy, "reference": base_model},
+                             config.seed, storage, catalog, trainer)
