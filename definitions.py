@@ -1,0 +1,58 @@
+"""The Dagster code location: `dagster dev` (workspace.yaml) and `dagster asset materialize -m batchrl.definitions`.
+
+Resources are chosen per environment by ``BATCHRL_ENV`` (local | s3 | gpu), one mapping each.
+"""
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from batchrl.assets import automation, data, dpo, evaluation, models, rl
+from batchrl.resources import (
+    CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+)
+
+STORAGE_ROOT = os.environ.get("BATCHRL_STORAGE", os.path.abspath(".storage"))
+
+
+def _local() -> dict:
+    return {
+        "storage": StorageResource(root=STORAGE_ROOT, cache_dir=os.path.join(STORAGE_ROOT, "_cache")),
+        "catalog": CatalogResource(path=os.path.join(STORAGE_ROOT, "catalog.duckdb")),
+        "landing": LandingResource(),
+        "rollout_engine": RolloutEngineResource(),
+        "trainer": TrainerLauncherResource(),
+    }
+
+
+def _s3() -> dict:
+    options = {"client_kwargs": {"endpoint_url": os.environ["BATCHRL_S3_ENDPOINT"]}} \
+        if os.environ.get("BATCHRL_S3_ENDPOINT") else {}
+    landing = os.environ.get("BATCHRL_LANDING", "")
+    return {**_local(),
+            "storage": StorageResource(root=os.environ.get("BATCHRL_S3_ROOT", "s3://batchrl/artifacts"),
+                                       storage_options=options,
+                                       cache_dir=os.path.join(STORAGE_ROOT, "_cache")),
+            "landing": LandingResource(preferences=f"{landing}/preferences", scored=f"{landing}/scored",
+                                       prompts=f"{landing}/arith/train.jsonl",
+                                       eval_prompts=f"{landing}/arith/eval.jsonl", storage_options=options)
+            if landing else LandingResource()}
+
+
+def _gpu() -> dict:
+    return {**_local(),
+            "rollout_engine": RolloutEngineResource(kind="vllm", device="cuda", dtype="bfloat16"),
+            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")))}
+
+
+RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
+
+defs = dg.Definitions(
+    assets=dg.load_assets_from_modules([data, models, rl, dpo, evaluation]),
+    asset_checks=dg.load_asset_checks_from_modules([data]),
+    jobs=[automation.retrain_job, automation.ingest_job],
+    sensors=[automation.new_logs_sensor],
+    schedules=[automation.nightly_retrain],
+    resources=RESOURCES_BY_ENV[os.environ.get("BATCHRL_ENV", "local")](),
+)
