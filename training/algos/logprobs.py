@@ -1,0 +1,147 @@
+"""Token log-probs and entropy: a naive reference from logits, and a chunked LM-head path.
+
+The chunked path never builds the full [B, T, V] float32 logits: rows (tokens) are processed
+``chunk_size`` at a time, in forward *and* backward (a custom autograd Function that saves only
+the inputs and one log-sum-exp per token, and recomputes each chunk's logits in backward).
+Peak extra memory is O(chunk_size * V) instead of O(B * T * V).
+
+Numerics (both paths): logits are produced in the inputs' dtype (as the model's LM head would),
+then upcast to float32 before temperature scaling, log-softmax and entropy; results are
+float32 (float64 for float64 inputs). Labels < 0 (e.g. -100 padding) give log-prob 0 and no
+gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def token_logprobs_from_logits(logits, labels):
+    """Naive reference: log softmax(logits)[label] in float32, [B, T, V] x [B, T] -> [B, T].
+
+    Materialises full-vocabulary float32 tensors; use ``token_logprobs_from_hidden`` in training.
+    """
+    valid = labels >= 0
+    logp = torch.log_softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
+    picked = logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) over the last dim, float32: H = logsumexp(z) - sum_v p_v z_v
+    (verl ``entropy_from_logits``)."""
+    z = logits.to(_compute_dtype(logits.dtype))
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
+
+
+def _chunk_logits(hidden_chunk, weight, temperature):
+    logits = (hidden_chunk @ weight.t()).to(_compute_dtype(hidden_chunk.dtype))
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+class _ChunkedLMHeadLogProbs(torch.autograd.Function):
+    """logp_n = z_n[y_n] - lse(z_n), H_n = lse(z_n) - sum_v p_nv z_nv, z_n = (h_n W^T) / tau.
+
+    Backward per chunk: dL/dz = g_lp (onehot(y) - p) - g_H p (z - E_p[z]); then
+    dL/dh = (dL/dz / tau) W and dL/dW = sum_chunks (dL/dz / tau)^T h (accumulated in fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy):
+        ctx.set_materialize_grads(False)
+        n_rows = hidden.shape[0]
+        out_dtype = _compute_dtype(hidden.dtype)
+        valid = labels >= 0
+        safe_labels = labels.clamp_min(0)
+        logprobs = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
+        lse = torch.empty_like(logprobs)
+        entropy = torch.empty(n_rows if with_entropy else 0, dtype=out_dtype, device=hidden.device)
+        for start in range(0, n_rows, chunk_size):
+            rows = slice(start, min(start + chunk_size, n_rows))
+            logits = _chunk_logits(hidden[rows], weight, temperature)
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            lse[rows] = chunk_lse
+            logprobs[rows] = logits.gather(-1, safe_labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            if with_entropy:
+                probs = torch.softmax(logits, dim=-1)
+                entropy[rows] = chunk_lse - torch.linalg.vecdot(probs, logits)
+        logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+        ctx.save_for_backward(hidden, weight, safe_labels, valid, lse, entropy)
+        ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, labels, valid, lse, entropy = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        work_dtype = lse.dtype
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        grad_logprobs = torch.where(valid, grad_logprobs.to(work_dtype), torch.zeros_like(lse))
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=work_dtype, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, min(start + ctx.chunk_size, hidden.shape[0]))
+            logits = _chunk_logits(hidden[rows], weight, ctx.temperature)
+            g_lp = grad_logprobs[rows].unsqueeze(-1)
+            probs = torch.exp(logits - lse[rows].unsqueeze(-1))
+            if use_entropy:
+                expected_logit = (lse[rows] - entropy[rows]).unsqueeze(-1)  # E_p[z] = lse - H
+                coef = logits.sub_(expected_logit).mul_(grad_entropy[rows].to(work_dtype).unsqueeze(-1)).add_(g_lp)
+                grad_logits = probs.mul_(coef).neg_()
+            else:
+                del logits
+                grad_logits = probs.mul_(g_lp).neg_()
+            grad_logits.scatter_add_(-1, labels[rows].unsqueeze(-1), g_lp)
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(weight.dtype)
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                grad_weight += (grad_logits.t() @ hidden[rows]).to(work_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def token_logprobs_from_hidden(
+    hidden, lm_head_weight, labels, *, chunk_size=1024, temperature=1.0, with_entropy=False
+):
+    """Token log-probs log softmax(h W^T / tau)[label] without a full [B, T, V] logits tensor.
+
+    hidden [B, T, H] (or [N, H]), lm_head_weight [V, H], labels [B, T] -> float32 [B, T]
+    (float64 for float64 inputs); with ``with_entropy`` also returns the softmax entropy [B, T].
+    Equal to ``token_logprobs_from_logits(hidden @ W.T / tau, labels)`` up to float32 rounding;
+    bf16 inputs give the float32-accurate log-softmax of the bf16 logits, which is what the
+    naive path computes from the model's bf16 logits. Differentiable w.r.t. ``hidden`` and
+    ``lm_head_weight`` (first order; backward is chunked too). ``chunk_size`` counts tokens
+    (rows of the flattened batch): peak extra memory ~ 3 * chunk_size * V * 4 bytes.
+    """
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be > 0")
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0")
+    lead_shape = labels.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).to(torch.long)
+    if flat_hidden.shape[0] != flat_labels.shape[0]:
+        raise ValueError(f"hidden has {flat_hidden.shape[0]} rows, labels {flat_labels.shape[0]}")
+    logprobs, entropy = _ChunkedLMHeadLogProbs.apply(
+        flat_hidden, lm_head_weight, flat_labels, int(chunk_size), float(temperature), bool(with_entropy)
+    )
+    if with_entropy:
+        return logprobs.reshape(lead_shape), entropy.reshape(lead_shape)
+    return logprobs.reshape(lead_shape)
