@@ -1,0 +1,180 @@
+"""Rewards: rule functions, reward-model scores, custom ``module:function`` rewards, and their mix.
+
+A reward function is ``fn(prompt: str, response: str, meta: dict) -> float``; ``meta`` is the whole
+row (``answer``, ``category``, ...). ``compute_rewards`` evaluates every component per row and mixes
+them: ``reward = sum_k w_k(category) * component_k`` where the weights come from
+``RewardConfig.routing[category]`` when the row's category is routed, else ``RewardConfig.weights``
+(the category-routed reward idea: e.g. arithmetic judged by the rule, chat by the RM).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, Field
+
+RewardFn = Callable[[str, str, dict], float]
+REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+RULE, REWARD_MODEL = "rule", "reward_model"
+
+_INTEGER = re.compile(r"[-+]?\d+")
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def decorate(fn: RewardFn) -> RewardFn:
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return decorate
+
+
+def first_integer(text: str) -> int | None:
+    """The first (optionally signed) integer written in ``text``, or None."""
+    match = _INTEGER.search(text)
+    return int(match.group()) if match else None
+
+
+def _gold(meta: Mapping[str, Any]) -> int | None:
+    answer = meta.get("answer")
+    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
+        return None
+    return first_integer(str(answer))
+
+
+@register_reward("arith_exact")
+def arith_exact(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the first integer in the response equals ``meta["answer"]``; 0.0 otherwise (also when
+    the row has no answer). "7", " 7.", "It is 7" score 1 for answer 7; "17", "3 then 7" score 0."""
+    gold = _gold(meta)
+    return float(gold is not None and first_integer(response) == gold)
+
+
+@register_reward("arith_partial")
+def arith_partial(prompt: str, response: str, meta: dict) -> float:
+    """Shaped arithmetic reward: 0.2 for writing any integer, +0.8 if it is the right one (max 1.0).
+
+    The format bonus gives a random policy a gradient long before it hits an exact answer."""
+    if _gold(meta) is None:
+        return 0.0
+    return (0.2 if first_integer(response) is not None else 0.0) + 0.8 * arith_exact(prompt, response, meta)
+
+
+@register_reward("length_penalty")
+def length_penalty(prompt: str, response: str, meta: dict) -> float:
+    """``-min(1, max(0, len(response) - budget) / budget)`` characters, ``budget = meta.get("length_budget", 32)``:
+    0 within budget, falling linearly to -1 at twice the budget."""
+    budget = float(meta.get("length_budget") or 32)
+    return -min(1.0, max(0.0, len(response) - budget) / budget)
+
+
+def get_reward_function(spec: str) -> RewardFn:
+    """A registered name (``"arith_exact"``) or an importable ``"package.module:function"``."""
+    if spec in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[spec]
+    if ":" not in spec:
+        raise KeyError(f"unknown reward {spec!r}: not in {sorted(REWARD_FUNCTIONS)} and not 'module:function'")
+    module_name, _, attr = spec.partition(":")
+    fn = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(fn):
+        raise TypeError(f"{spec!r} does not name a callable")
+    return fn
+
+
+def score_with_reward_model(
+    rm_path: str, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256
+) -> np.ndarray:
+    """Scalar RM scores (float32) of each (prompt, response), from an RM folder (``train_reward_model``)."""
+    from batchrl.training.reward_model import load_reward_model, score_texts
+
+    model, tokenizer = load_reward_model(rm_path)
+    return score_texts(model, tokenizer, list(prompts), list(responses), batch_size=batch_size, max_length=max_length)
+
+
+def mix_rewards(
+    components: Mapping[str, np.ndarray],
+    weights: Mapping[str, float],
+    *,
+    category: str | Iterable[str | None] | None = None,
+    routing: Mapping[str, Mapping[str, float]] | None = None,
+) -> np.ndarray:
+    """``reward[i] = sum_k W_i[k] * components[k][i]``, ``W_i = routing[category_i]`` if routed else ``weights``.
+
+    ``category`` is one label for all rows or one per row. A routed category's weights replace the
+    defaults entirely; a component absent from a weight dict has weight 0. A non-zero weight on a
+    component that was not computed is an error (a silent 0 would hide a misconfiguration).
+    """
+    names = list(components)
+    n = len(next(iter(components.values()))) if components else 0
+    matrix = np.stack([np.asarray(components[k], dtype=np.float64) for k in names], axis=1) if names else np.zeros((n, 0))
+    cats = [category] * n if category is None or isinstance(category, str) else list(category)
+    if len(cats) != n:
+        raise ValueError(f"{len(cats)} categories for {n} rows")
+
+    def weight_vector(w: Mapping[str, float]) -> np.ndarray:
+        missing = [k for k, v in w.items() if v and k not in components]
+        if missing:
+            raise KeyError(f"weights given for components that were not computed: {missing}")
+        return np.array([float(w.get(k, 0.0)) for k in names])
+
+    default = weight_vector(weights)
+    routed = {c: weight_vector(w) for c, w in (routing or {}).items()}
+    row_weights = np.stack([routed.get(c, default) if c is not None else default for c in cats]) if n else default[None][:0]
+    return (matrix * row_weights).sum(axis=1)
+
+
+class RewardConfig(BaseModel):
+    """Reward mix of the ``rewards`` stage.
+
+    - ``rule``: the rule reward (registry name or ``module:function``), column ``rule``;
+    - ``custom``: more rule-like components, ``{column name: registry name or module:function}``;
+    - ``reward_model_path``: RM folder; when set, column ``reward_model`` is always computed (it is
+      reported even at weight 0); a non-zero RM weight without a path is an error;
+    - ``weights`` / ``routing``: see ``mix_rewards``. The default keeps the RM out of the mix: the
+      embedded arithmetic task is judged exactly by its rule, and an RM trained on unrelated logs
+      should be weighted in deliberately (e.g. routed to the categories it was trained on).
+    """
+
+    rule: str = "arith_partial"
+    custom: dict[str, str] = Field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=lambda: {RULE: 1.0, REWARD_MODEL: 0.0})
+    routing: dict[str, dict[str, float]] | None = None
+    reward_model_path: str | None = None
+    rm_batch_size: int = 32
+    rm_max_length: int = 256
+
+
+def _uses(cfg: RewardConfig, component: str) -> bool:
+    all_weights = [cfg.weights, *(cfg.routing or {}).values()]
+    return any(w.get(component, 0.0) for w in all_weights)
+
+
+def compute_rewards(rows: list[dict] | pd.DataFrame, cfg: RewardConfig | None = None) -> pd.DataFrame:
+    """The input rows (needs ``prompt``, ``response``; ``category``/``answer`` etc. go to ``meta``) plus
+    one float column per component (``rule``, each ``custom`` name, ``reward_model`` if an RM path is
+    set) and ``reward``, the mix."""
+    cfg = cfg or RewardConfig()
+    frame = pd.DataFrame(rows).reset_index(drop=True)
+    records = frame.to_dict(orient="records")
+    rule_specs = {RULE: cfg.rule, **cfg.custom}
+    components: dict[str, np.ndarray] = {}
+    for name, spec in rule_specs.items():
+        fn = get_reward_function(spec)
+        components[name] = np.array([float(fn(r["prompt"], r["response"], r)) for r in records], dtype=np.float64)
+    if cfg.reward_model_path:
+        components[REWARD_MODEL] = score_with_reward_model(
+            cfg.reward_model_path, frame["prompt"].tolist(), frame["response"].tolist(),
+            batch_size=cfg.rm_batch_size, max_length=cfg.rm_max_length,
+        ).astype(np.float64)
+    elif _uses(cfg, REWARD_MODEL):
+        raise ValueError("the reward mix weights the reward model but no reward_model_path is set")
+    categories = [c if isinstance(c, str) else None for c in frame["category"]] if "category" in frame else None
+    reward = mix_rewards(components, cfg.weights, category=categories, routing=cfg.routing)
+    out = frame.copy()
+    for name, values in components.items():
+        out[name] = values
+    out["reward"] = reward
+    return out
