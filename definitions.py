@@ -13,13 +13,17 @@ from batchrl.resources import (
     CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
 )
 
-STORAGE_ROOT = os.environ.get("BATCHRL_STORAGE", os.path.abspath(".storage"))
+
+
+def _storage_root() -> str:
+    return os.path.abspath(os.environ.get("BATCHRL_STORAGE", ".storage"))
 
 
 def _local() -> dict:
+    root = _storage_root()
     return {
-        "storage": StorageResource(root=STORAGE_ROOT, cache_dir=os.path.join(STORAGE_ROOT, "_cache")),
-        "catalog": CatalogResource(path=os.path.join(STORAGE_ROOT, "catalog.duckdb")),
+        "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
+        "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")),
         "landing": LandingResource(),
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
@@ -33,7 +37,7 @@ def _s3() -> dict:
     return {**_local(),
             "storage": StorageResource(root=os.environ.get("BATCHRL_S3_ROOT", "s3://batchrl/artifacts"),
                                        storage_options=options,
-                                       cache_dir=os.path.join(STORAGE_ROOT, "_cache")),
+                                       cache_dir=os.path.join(_storage_root(), "_cache")),
             "landing": LandingResource(preferences=f"{landing}/preferences", scored=f"{landing}/scored",
                                        prompts=f"{landing}/arith/train.jsonl",
                                        eval_prompts=f"{landing}/arith/eval.jsonl", storage_options=options)
@@ -48,11 +52,17 @@ def _gpu() -> dict:
 
 RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
 
-defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([data, models, rl, dpo, evaluation]),
-    asset_checks=dg.load_asset_checks_from_modules([data]),
-    jobs=[automation.retrain_job, automation.ingest_job],
-    sensors=[automation.new_logs_sensor],
-    schedules=[automation.nightly_retrain],
-    resources=RESOURCES_BY_ENV[os.environ.get("BATCHRL_ENV", "local")](),
-)
+
+def build_definitions(resources: dict | None = None) -> dg.Definitions:
+    """The code location; ``resources`` overrides the environment's (tests pass their own)."""
+    return dg.Definitions(
+        assets=dg.load_assets_from_modules([data, models, rl, dpo, evaluation]),
+        asset_checks=dg.load_asset_checks_from_modules([data]),
+        jobs=[automation.retrain_job, automation.ingest_job],
+        sensors=[automation.new_logs_sensor],
+        schedules=[automation.nightly_retrain],
+        resources=resources or RESOURCES_BY_ENV[os.environ.get("BATCHRL_ENV", "local")](),
+    )
+
+
+defs = build_definitions()
