@@ -1,0 +1,38 @@
+"""Shared helpers for the Dagster-level tests: resources on a temp storage root, run the asset graph."""
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+
+from batchrl.definitions import build_definitions
+from batchrl.resources import (
+    CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+)
+
+
+def local_resources(root: str, landing: LandingResource | None = None, **overrides) -> dict:
+    return {
+        "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
+        "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")),
+        "landing": landing or LandingResource(),
+        "rollout_engine": RolloutEngineResource(),
+        "trainer": TrainerLauncherResource(),
+        **overrides,
+    }
+
+
+def run_assets(resources: dict, instance: dg.DagsterInstance, selection: list[str] | None = None,
+               run_config: dict | None = None) -> dg.ExecuteInProcessResult:
+    defs = build_definitions(resources)
+    job = defs.resolve_implicit_global_asset_job_def()
+    if selection:
+        keys = dg.AssetSelection.assets(*selection).resolve(defs.resolve_asset_graph())
+        job = job.get_subset(asset_selection=set(keys))
+    return job.execute_in_process(instance=instance, run_config=run_config or {}, raise_on_error=False)
+
+
+def latest_metadata(instance: dg.DagsterInstance, asset: str) -> dict:
+    event = instance.get_latest_materialization_event(dg.AssetKey(asset))
+    assert event is not None, f"{asset} was not materialised"
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
