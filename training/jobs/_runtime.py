@@ -1,0 +1,112 @@
+"""Shared job plumbing: argv -> config, Pipes (or stdout JSON) reporting, rank-0-only output."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Iterator
+
+
+def read_job_config(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", nargs="?", help="path of the job's JSON config")
+    parser.add_argument("--config", dest="config_flag")
+    parser.add_argument("--local_rank", type=int, default=None)  # set by the deepspeed launcher
+    args, _ = parser.parse_known_args(argv)
+    path = args.config_flag or args.config
+    if not path:
+        parser.error("a JSON config path is required")
+    with open(path) as f:
+        return json.load(f)
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _scalar(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def metadata_from(result: dict[str, Any]) -> dict[str, Any]:
+    """Flat JSON-able metadata: scalars as they are, ``final`` metrics prefixed, lists kept."""
+    meta: dict[str, Any] = {}
+    for k, v in result.items():
+        if isinstance(v, dict):
+            meta.update({f"{k}/{kk}": _scalar(vv) for kk, vv in v.items() if isinstance(vv, (int, float, str, bool))})
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            meta[k] = _scalar(v) if v is not None else "none"
+        elif isinstance(v, list):
+            meta[k] = [_scalar(x) for x in v]
+    return meta
+
+
+def tree_hash(root: str) -> str:
+    h = hashlib.sha256()
+    for dirpath, _, files in sorted(os.walk(root)):
+        for name in sorted(files):
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                h.update(os.path.relpath(path, root).encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+class Reporter:
+    """Logs per-step metrics and the final materialisation to Pipes, or JSON lines on stdout."""
+
+    def __init__(self, pipes: Any | None):
+        self.pipes = pipes
+
+    def log(self, message: str) -> None:
+        if self.pipes is not None:
+            self.pipes.log.info(message)
+        else:
+            print(json.dumps({"log": message}), flush=True)
+
+    def step(self, metrics: dict, step: int) -> None:
+        if not is_rank0():
+            return
+        line = json.dumps({"step": step, **{k: _scalar(v) for k, v in metrics.items()}})
+        if self.pipes is not None:
+            self.pipes.log.info(line)
+        else:
+            print(line, flush=True)
+
+    def materialize(self, metadata: dict[str, Any], data_version: str | None) -> None:
+        if not is_rank0():
+            return
+        if self.pipes is not None:
+            self.pipes.report_asset_materialization(metadata=metadata, data_version=data_version)
+        else:
+            print(json.dumps({"materialization": metadata, "data_version": data_version}, default=str), flush=True)
+
+
+@contextlib.contextmanager
+def reporter() -> Iterator[Reporter]:
+    from dagster_pipes import is_dagster_pipes_process, open_dagster_pipes
+
+    if is_dagster_pipes_process():
+        with open_dagster_pipes() as pipes:
+            yield Reporter(pipes)
+    else:
+        yield Reporter(None)
+
+
+def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: list[str] | None = None) -> int:
+    """Read the config, run ``work(config, reporter) -> (result, output_dir)``, report materialisation
+    with ``data_version`` = content hash of ``output_dir``."""
+    config = read_job_config(argv if argv is not None else sys.argv[1:])
+    with reporter() as rep:
+        result, output = work(config, rep)
+        meta = metadata_from(result)
+        version = tree_hash(output) if output and os.path.exists(output) and is_rank0() else None
+        if version:
+            meta["content_hash"] = version
+        rep.materialize(meta, version)
+    return 0

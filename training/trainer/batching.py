@@ -1,0 +1,84 @@
+"""Batch layout shared by the reference pass, DPO and the policy update.
+
+verl's layout: prompts left-padded to ``P``, completions right-padded to ``R``, one row
+``[pad.. prompt | completion ..pad]`` of length ``P + R``; position ids count real tokens only, so a
+row's logits do not depend on how much padding its batch has. The model is asked for the last
+``R + 1`` logits only (``logits_to_keep``): logit ``t`` predicts completion token ``t``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from batchrl.training.algos import entropy_from_logits, token_logprobs_from_logits
+
+
+def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                          pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad prompts, right-pad completions; returns input_ids, attention_mask, position_ids,
+    responses ``[B, R]`` and response_mask ``[B, R]`` (1 on real completion tokens)."""
+    P = max(len(p) for p in prompts)
+    R = max(1, max(len(c) for c in completions))
+    B = len(prompts)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + R), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
+        input_ids[i, P:P + len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+        attention[i, P - len(p):P + len(c)] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids,
+            "responses": input_ids[:, P:].clone(), "response_mask": attention[:, P:].float()}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
+                        with_entropy: bool = False):
+    """Per-token log-probs ``[B, R]`` of the completion tokens (0 on padding), optionally entropy."""
+    R = batch["responses"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], logits_to_keep=R + 1, use_cache=False)
+    logits = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = token_logprobs_from_logits(logits, batch["responses"]) * batch["response_mask"]
+    if not with_entropy:
+        return logp
+    return logp, entropy_from_logits(logits)
+
+
+def encode_pairs(tokenizer: Any, rows: Sequence[dict], max_length: int) -> list[dict]:
+    """Tokenise preference rows (``prompt, chosen, rejected``) into prompt / completion id lists."""
+    from batchrl.training.text import encode_prompt_completion
+
+    encoded = []
+    for row in rows:
+        item = {"id": str(row.get("id", len(encoded)))}
+        for side in ("chosen", "rejected"):
+            ids, start = encode_prompt_completion(tokenizer, row["prompt"], row[side], max_length)
+            item[f"{side}_prompt"], item[side] = ids[:start], ids[start:]
+        encoded.append(item)
+    return encoded
+
+
+def pair_batch(items: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows in one batch (one forward pass for both, as TRL does)."""
+    prompts = [it["chosen_prompt"] for it in items] + [it["rejected_prompt"] for it in items]
+    completions = [it["chosen"] for it in items] + [it["rejected"] for it in items]
+    return pad_prompt_completion(prompts, completions, pad_id)
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Deterministic shuffle for ``epoch``: a pure function of (seed, epoch), so resume can skip to
+    any step without replaying RNG draws."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def micro_batches(order: np.ndarray, size: int) -> list[np.ndarray]:
+    """Full micro-batches only (a ragged tail would change the effective batch size)."""
+    return [order[i:i + size] for i in range(0, len(order) - size + 1, size)] or [order]

@@ -1,0 +1,90 @@
+"""Typed trainer configs (pydantic, JSON round-trip). Defaults train the embedded tiny CPU model.
+
+``TrainerConfig`` holds what every DeepSpeed stage shares; ``DPOConfig`` and ``PolicyConfig`` add the
+algorithm knobs (names follow TRL for DPO and verl for PPO/GRPO so numbers compare with the field).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+T = TypeVar("T", bound="TrainerConfig")
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # optimisation
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = 0.0
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    max_length: int = Field(256, ge=8)
+    # reproducibility / engine
+    seed: int = 0
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 only takes effect on GPU
+    num_gpus: int = Field(1, ge=1)  # >1: the job is started by the deepspeed launcher
+    # checkpoints
+    save_every: int = Field(0, ge=0)  # optimiser steps between checkpoints; 0 = only at the end
+    keep_last: int = Field(2, ge=1)
+    resume: bool = True  # continue from out_dir/checkpoints/latest when present
+    stop_after_steps: int | None = Field(None, ge=1)  # stop early (as if killed) after N total steps
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        return cls.model_validate_json(text)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        return cls.model_validate(json.loads(Path(path).read_text()))
+
+
+class DPOConfig(TrainerConfig):
+    """Direct Preference Optimisation (TRL conventions: summed completion log-probs)."""
+
+    beta: float = Field(0.1, gt=0)
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    micro_batch_size: int = Field(8, ge=1)
+
+
+class PolicyConfig(TrainerConfig):
+    """PPO/GRPO-style policy update on a fixed batch of rollouts (verl ``core_algos`` conventions).
+
+    KL to the reference is a loss term (``kl_coef * k3``) unless ``use_kl_in_reward`` (then it is
+    expected folded into the rewards before advantages, and the loss term is off).
+    """
+
+    adv_estimator: str = "grpo"
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1)
+    kl_coef: float = Field(0.01, ge=0)
+    kl_type: str = "low_var_kl"  # k3, clamped to [-10, 10]
+    use_kl_in_reward: bool = False
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coef: float = 0.0
+    ppo_epochs: int = Field(1, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    # old log-probs: recompute under the current weights (exact on-policy ratio) or take the rollout
+    # engine's with a truncated importance-sampling correction for the engine mismatch.
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    rollout_is_threshold: float | None = Field(2.0, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    micro_batch_size: int = Field(16, ge=1)

@@ -1,0 +1,114 @@
+"""DPO on the DeepSpeed engine: one plain loop over preference pairs against precomputed
+reference log-probs (``reference.py``).
+
+Loss (TRL, ``loss_type="sigmoid"``): ``-log σ(β·[(π_c − ref_c) − (π_r − ref_r)])`` with π, ref the
+completion log-probs summed over tokens; the other types come from ``algos.dpo_loss`` by name.
+Implicit rewards ``β·(π − ref)``; margin = chosen reward − rejected reward.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from batchrl.training.algos import dpo_loss, preference_metrics
+from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order,
+                                               micro_batches, pair_batch, to_device)
+from batchrl.training.trainer.config import DPOConfig
+from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+
+
+def _pair_logps(model: Any, items: list[dict], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Summed completion log-probs (chosen, rejected) and token counts for a list of pairs."""
+    batch = to_device(pair_batch(items, pad_id), device)
+    logps = completion_logprobs(model, batch).sum(-1)
+    lengths = batch["response_mask"].sum(-1)
+    n = len(items)
+    return logps[:n], logps[n:], lengths[:n], lengths[n:]
+
+
+def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
+    pairs = pd.read_parquet(pairs_parquet)
+    if "id" not in pairs.columns:
+        pairs = pairs.assign(id=[str(i) for i in range(len(pairs))])
+    pairs["id"] = pairs["id"].astype(str)
+    ref = pd.read_parquet(reference_parquet)[["id", "ref_chosen_logp", "ref_rejected_logp"]]
+    ref["id"] = ref["id"].astype(str)
+    merged = pairs.merge(ref, on="id", how="inner", validate="one_to_one")
+    if len(merged) != len(pairs):
+        raise ValueError(f"{len(pairs) - len(merged)} pairs have no reference log-probs")
+    return merged
+
+
+@torch.no_grad()
+def mean_margin(model: Any, items: list[dict], ref_c: np.ndarray, ref_r: np.ndarray, pad_id: int,
+                device, batch_size: int = 32) -> dict[str, float]:
+    """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs."""
+    was_training = model.training
+    model.eval()
+    margins = []
+    for start in range(0, len(items), batch_size):
+        pc, pr, _, _ = _pair_logps(model, items[start:start + batch_size], pad_id, device)
+        sl = slice(start, start + batch_size)
+        margins.append((pc.double().cpu().numpy() - ref_c[sl]) - (pr.double().cpu().numpy() - ref_r[sl]))
+    model.train(was_training)
+    m = np.concatenate(margins)
+    return {"margin": float(m.mean()), "accuracy": float((m > 0).mean())}
+
+
+def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, model_path: str,
+              out_dir: str, report: Report | None = None) -> dict[str, Any]:
+    """Train ``model_path`` with DPO; checkpoints in ``out_dir/checkpoints``, HF model in
+    ``out_dir/model``. Returns metrics: last step's, margin/accuracy before and after, curve."""
+    frame = load_pairs(pairs_parquet, reference_parquet)
+    cfg = fit_batch(cfg, len(frame))
+    batch_size = cfg.micro_batch_size * cfg.grad_accum
+    steps_per_epoch = max(1, len(frame) // batch_size)
+    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir,
+                     total_steps=cfg.epochs * steps_per_epoch, report=report)
+    tok, engine = loop.tokenizer, loop.engine
+    pad_id = tok.pad_token_id
+    items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)
+    ref_c = frame["ref_chosen_logp"].to_numpy(np.float64)
+    ref_r = frame["ref_rejected_logp"].to_numpy(np.float64)
+    ref_c_t = torch.as_tensor(ref_c, dtype=torch.float32)
+    ref_r_t = torch.as_tensor(ref_r, dtype=torch.float32)
+    if "before" not in loop.state:  # measured once, before any update (kept across resumes)
+        loop.state["before"] = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device)
+    before = loop.state["before"]
+
+    for epoch in range(loop.state["epoch"], cfg.epochs):
+        order = epoch_order(len(items), cfg.seed, epoch)
+        for step in range(loop.state["step_in_epoch"], steps_per_epoch):
+            if loop.finished():
+                break
+            sums: dict[str, float] = {}
+            for idx in micro_batches(order[step * batch_size:(step + 1) * batch_size], cfg.micro_batch_size):
+                pc, pr, lc, lr_ = _pair_logps(engine, [items[i] for i in idx], pad_id, loop.device)
+                losses, rc, rr = dpo_loss(pc, pr, ref_c_t[idx].to(pc), ref_r_t[idx].to(pc),
+                                          beta=cfg.beta, loss_type=cfg.loss_type,
+                                          label_smoothing=cfg.label_smoothing,
+                                          chosen_lengths=lc, rejected_lengths=lr_)
+                loss = losses.mean()
+                engine.backward(loss)
+                parts = {"loss": loss.item(), **preference_metrics(rc.detach(), rr.detach()),
+                         "logps/chosen": pc.mean().item(), "logps/rejected": pr.mean().item()}
+                for k, v in parts.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) / cfg.grad_accum
+            grad_norm, lr = loop.optimizer_step()
+            loop.end_step({**sums, "grad_norm": grad_norm, "lr": lr, "epoch": epoch},
+                          epoch=epoch, step_in_epoch=step + 1)
+        if loop.finished():
+            break
+        loop.next_epoch(epoch)
+
+    result = loop.summary()
+    if not result["stopped_early"]:
+        after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device)
+        result.update(margin_before=before["margin"], margin_after=after["margin"],
+                      accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],
+                      num_pairs=len(items))
+        result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
+    return result

@@ -1,0 +1,98 @@
+"""DeepSpeed engine construction for the trainer jobs (CPU/gloo in tests, GPU under a launcher).
+
+DeepSpeed is imported inside ``init_deepspeed`` only, so importing the trainer package stays cheap
+and the library remains usable without it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Set the rendezvous variables DeepSpeed needs when not started by deepspeed/torchrun.
+
+    Under a launcher these are already set and left untouched.
+    """
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def use_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def deepspeed_config(cfg: Any) -> dict:
+    """DeepSpeed config dict from a trainer config (zero stage, precision, accumulation, clipping).
+
+    ``train_batch_size = micro_batch_size * grad_accum * world_size``; bf16 is enabled only on GPU
+    (CPU keeps fp32 so results are exact and reproducible).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    bf16 = use_cuda() and cfg.precision == "bf16"
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world,
+        "gradient_clipping": cfg.max_grad_norm,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        # a client torch optimizer is passed: no FusedAdam/cpu_adam compile
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    """Plain torch AdamW (foreach off for bitwise-stable CPU resume)."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay,
+    )
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int):
+    """Linear warmup then constant (``warmup_steps`` optimiser steps)."""
+    warmup = max(0, int(cfg.warmup_steps))
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def init_deepspeed(model: torch.nn.Module, cfg: Any, optimizer: torch.optim.Optimizer | None = None,
+                   lr_scheduler: Any = None):
+    """Wrap ``model`` in a DeepSpeed engine; returns the engine (``engine.optimizer``,
+    ``engine.lr_scheduler`` hold the wrapped optimiser/scheduler).
+
+    Single process on CPU: gloo backend, env set by ``ensure_single_process_env``.
+    """
+    ensure_single_process_env()
+    import deepspeed  # heavy import, job-only
+
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if use_cuda() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if use_cuda():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        model = model.to(f"cuda:{os.environ['LOCAL_RANK']}")
+    optimizer = optimizer or make_optimizer(model, cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=deepspeed_config(cfg),
+    )
+    return engine

@@ -1,0 +1,115 @@
+"""What DPO and the policy update share: seeded setup, DeepSpeed engine, resume, step bookkeeping,
+periodic atomic checkpoints and the final HF export. The algorithm loops stay in dpo.py / policy.py.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, save_checkpoint,
+                                                 seed_everything)
+from batchrl.training.trainer.config import TrainerConfig
+from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler
+
+Report = Callable[[dict, int], None]
+
+
+def load_trainable(model_path: str):
+    from batchrl.training.tiny_model import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=torch.float32, device="cpu")
+    model.config.use_cache = False
+    return model.train(), tokenizer
+
+
+def fit_batch(cfg: TrainerConfig, n: int) -> TrainerConfig:
+    """Shrink micro-batch / accumulation so one optimiser step fits in ``n`` examples (DeepSpeed
+    steps only after exactly ``grad_accum`` backward passes)."""
+    if n >= cfg.micro_batch_size * cfg.grad_accum:
+        return cfg
+    grad_accum = max(1, min(cfg.grad_accum, n))
+    return cfg.model_copy(update={"grad_accum": grad_accum, "micro_batch_size": max(1, n // grad_accum)})
+
+
+class TrainLoop:
+    """Owns the engine and the data position ``(epoch, step_in_epoch, global_step)``.
+
+    ``history`` holds every step's metrics since step 0 (restored on resume), so a resumed run
+    returns the same loss curve as an uninterrupted one.
+    """
+
+    def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
+                 report: Report | None = None):
+        self.cfg, self.out_dir, self.total_steps = cfg, out_dir, total_steps
+        self.report = report or (lambda metrics, step: None)
+        self.ckpt_dir = os.path.join(out_dir, "checkpoints")
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        seed_everything(cfg.seed)
+        model, self.tokenizer = load_trainable(model_path)
+        optimizer = make_optimizer(model, cfg)
+        scheduler = make_scheduler(optimizer, cfg, total_steps)
+        self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
+        self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": []}
+        self.resumed_from: int | None = None
+        if cfg.resume:
+            restored = load_checkpoint(self.engine, self.ckpt_dir)
+            if restored is not None:
+                self.state = restored
+                self.resumed_from = restored["global_step"]
+        self._t0 = time.time()
+
+    @property
+    def global_step(self) -> int:
+        return self.state["global_step"]
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def finished(self) -> bool:
+        stop = self.cfg.stop_after_steps
+        return self.global_step >= self.total_steps or (stop is not None and self.global_step >= stop)
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Apply the accumulated gradients (DeepSpeed clips); returns (grad_norm, lr used)."""
+        lr = self.engine.get_lr()[0]
+        pre_clip = None
+        if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure it here
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            pre_clip = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        self.engine.step()
+        norm = pre_clip if pre_clip is not None else self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan"), float(lr)
+
+    def end_step(self, metrics: dict[str, float], *, epoch: int, step_in_epoch: int) -> None:
+        """Record one optimiser step: report, history, data position, periodic checkpoint."""
+        self.state.update(epoch=epoch, step_in_epoch=step_in_epoch,
+                          global_step=self.global_step + 1)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        self.state["history"].append(metrics)
+        self.report(metrics, self.global_step)
+        every = self.cfg.save_every
+        if (every and self.global_step % every == 0) or self.finished():
+            self.save()
+
+    def next_epoch(self, epoch: int) -> None:
+        self.state.update(epoch=epoch + 1, step_in_epoch=0)
+
+    def save(self) -> str:
+        return save_checkpoint(self.engine, self.ckpt_dir, self.global_step, self.state,
+                               keep_last=self.cfg.keep_last)
+
+    def export(self, extra_metadata: dict[str, Any]) -> str:
+        return export_hf_model(self.engine, self.tokenizer, os.path.join(self.out_dir, "model"),
+                               {"config": self.cfg.model_dump(), **extra_metadata})
+
+    def summary(self) -> dict[str, Any]:
+        hist = self.state["history"]
+        return {"global_step": self.global_step, "total_steps": self.total_steps,
+                "stopped_early": self.global_step < self.total_steps,
+                "resumed_from_step": self.resumed_from, "wall_s": round(time.time() - self._t0, 3),
+                "loss_curve": [h.get("loss") for h in hist],
+                "final": hist[-1] if hist else {}}

@@ -1,0 +1,164 @@
+"""PPO/GRPO policy update on a fixed batch of scored rollouts, on the DeepSpeed engine.
+
+Per token (verl ``core_algos``): ρ = exp(logπ − logπ_old), clipped surrogate with dual clip
+(``algos.get_policy_loss(cfg.policy_loss)``), plus ``kl_coef · k3(logπ, logπ_ref)`` as a loss
+(GRPO's ``use_kl_loss``), minus ``entropy_coef · H``; aggregated by ``loss_agg_mode``.
+
+``logπ_old`` and ``logπ_ref`` are computed once before the first update and cached in
+``out_dir/fixed_logprobs.pt``, so a resumed run uses exactly the same ones as an uninterrupted run.
+With ``old_logprobs="rollout"`` the rollout engine's log-probs serve as ``logπ_old``; with
+"recompute" (default) the trainer's own are used and, when the rows carry rollout log-probs and
+``rollout_is_threshold`` is set, the loss is reweighted by truncated IS min(π_old/π_rollout, C).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_policy_loss,
+                                    kl_penalty, masked_mean)
+from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, micro_batches,
+                                               pad_prompt_completion, to_device)
+from batchrl.training.trainer.config import PolicyConfig
+from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+
+FIXED_LOGPROBS = "fixed_logprobs.pt"
+
+
+def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, torch.Tensor]:
+    batch = pad_prompt_completion([rows["prompt_ids"][i] for i in idx],
+                                  [rows["response_ids"][i] for i in idx], pad_id)
+    R = batch["responses"].shape[1]
+    batch["advantages"] = _pad_floats([rows["advantages"][i] for i in idx], R)
+    return to_device(batch, device)
+
+
+def _pad_floats(seqs: list, width: int) -> torch.Tensor:
+    out = torch.zeros(len(seqs), width, dtype=torch.float32)
+    for i, s in enumerate(seqs):
+        s = list(s)[:width]
+        out[i, :len(s)] = torch.as_tensor(s, dtype=torch.float32)
+    return out
+
+
+@torch.no_grad()
+def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, device, *,
+                            temperature: float, batch_size: int) -> list[np.ndarray]:
+    """Per-row response token log-probs (unpadded float32 arrays) under ``model`` in eval mode."""
+    was_training = model.training
+    model.eval()
+    out: list[np.ndarray] = []
+    for start in range(0, len(rows["prompt_ids"]), batch_size):
+        idx = list(range(start, min(start + batch_size, len(rows["prompt_ids"]))))
+        batch = _row_batch(rows, idx, pad_id, device)
+        logp = completion_logprobs(model, batch, temperature=temperature).float().cpu().numpy()
+        out += [logp[j, :len(rows["response_ids"][i])] for j, i in enumerate(idx)]
+    model.train(was_training)
+    return out
+
+
+def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
+                    reference_model_path: str | None) -> dict[str, list]:
+    """Old-policy and reference log-probs, computed before the first update and cached on disk."""
+    path = os.path.join(loop.out_dir, FIXED_LOGPROBS)
+    if os.path.exists(path):
+        return torch.load(path, weights_only=False)
+    pad_id = loop.tokenizer.pad_token_id
+    kw = dict(temperature=cfg.temperature, batch_size=cfg.micro_batch_size)
+    fixed: dict[str, list] = {}
+    if cfg.old_logprobs == "recompute":
+        fixed["old"] = sequence_token_logprobs(loop.engine.module, rows, pad_id, loop.device, **kw)
+    else:
+        fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
+    if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
+        from batchrl.training.tiny_model import load_model_and_tokenizer
+
+        ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
+        fixed["ref"] = sequence_token_logprobs(ref, rows, pad_id, loop.device, **kw)
+        del ref
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(fixed, tmp)
+    os.replace(tmp, path)
+    return fixed
+
+
+def load_batch(batch_parquet: str) -> dict[str, list]:
+    table = pd.read_parquet(batch_parquet)
+    missing = {"prompt_ids", "response_ids", "advantages"} - set(table.columns)
+    if missing:
+        raise KeyError(f"{batch_parquet} lacks columns {sorted(missing)}")
+    table = table[table["response_ids"].map(len) > 0].reset_index(drop=True)
+    cols = ["prompt_ids", "response_ids", "advantages"] + [
+        c for c in ("rollout_logprobs", "reward") if c in table.columns]
+    return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
+
+
+def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_dir: str,
+                 reference_model_path: str | None = None, report: Report | None = None) -> dict[str, Any]:
+    """One PPO/GRPO update of ``model_path`` on ``batch_parquet``; checkpoints in
+    ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns last-step metrics + curve."""
+    rows = load_batch(batch_parquet)
+    n = len(rows["prompt_ids"])
+    cfg = fit_batch(cfg, n)
+    batch_size, micro = cfg.micro_batch_size * cfg.grad_accum, cfg.micro_batch_size
+    steps_per_epoch = max(1, n // batch_size)
+    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir,
+                     total_steps=cfg.ppo_epochs * steps_per_epoch, report=report)
+    engine, pad_id = loop.engine, loop.tokenizer.pad_token_id
+    fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
+    use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
+              and "rollout_logprobs" in rows)
+    policy_loss_fn = get_policy_loss(cfg.policy_loss)
+
+    for epoch in range(loop.state["epoch"], cfg.ppo_epochs):
+        order = epoch_order(n, cfg.seed, epoch)
+        for step in range(loop.state["step_in_epoch"], steps_per_epoch):
+            if loop.finished():
+                break
+            sums: dict[str, float] = {}
+            for idx in micro_batches(order[step * batch_size:(step + 1) * batch_size], micro):
+                batch = _row_batch(rows, idx, pad_id, loop.device)
+                mask, R = batch["response_mask"], batch["response_mask"].shape[1]
+                old = _pad_floats([fixed["old"][i] for i in idx], R).to(loop.device)
+                logp, entropy = completion_logprobs(engine, batch, temperature=cfg.temperature,
+                                                    with_entropy=True)
+                is_weights = None
+                if use_is:
+                    rollout = _pad_floats([rows["rollout_logprobs"][i] for i in idx], R).to(loop.device)
+                    is_weights = compute_rollout_is_weights(old, rollout, mask, threshold=cfg.rollout_is_threshold)
+                pg_loss, pg_metrics = policy_loss_fn(
+                    old, logp, batch["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
+                    clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+                    loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=is_weights)
+                loss = pg_loss
+                parts = {"pg_loss": pg_loss.item(), **{k: float(v) for k, v in pg_metrics.items()},
+                         "entropy": float(masked_mean(entropy.detach(), mask))}
+                if "ref" in fixed:
+                    ref = _pad_floats([fixed["ref"][i] for i in idx], R).to(loop.device)
+                    kl = agg_loss(kl_penalty(logp, ref, cfg.kl_type), mask, cfg.loss_agg_mode)
+                    loss = loss + cfg.kl_coef * kl
+                    parts["kl_loss"] = kl.item()
+                if cfg.entropy_coef:
+                    loss = loss - cfg.entropy_coef * agg_loss(entropy, mask, cfg.loss_agg_mode)
+                engine.backward(loss)
+                parts["loss"] = loss.item()
+                for k, v in parts.items():
+                    sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
+            grad_norm, lr = loop.optimizer_step()
+            loop.end_step({**sums, "grad_norm": grad_norm, "lr": lr, "epoch": epoch},
+                          epoch=epoch, step_in_epoch=step + 1)
+        if loop.finished():
+            break
+        loop.next_epoch(epoch)
+
+    result = loop.summary()
+    result["num_samples"] = n
+    if "reward" in rows:
+        result["batch_mean_reward"] = float(np.mean(rows["reward"]))
+    if not result["stopped_early"]:
+        result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
+    return result

@@ -1,0 +1,56 @@
+"""Frozen-reference log-probs for DPO, computed once per (pairs, base model) and stored as Parquet.
+
+Per pair: ``ref_chosen_logp`` / ``ref_rejected_logp`` = sum over completion tokens (eos included)
+of ``log p_ref(token | prompt, previous tokens)``, the TRL convention; ``chosen_len`` /
+``rejected_len`` = number of completion tokens. Precomputing takes the reference model out of the
+training process (TRL's ``precompute_ref_log_probs``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from batchrl.training.trainer.batching import completion_logprobs, encode_pairs, pair_batch, to_device
+
+
+@torch.no_grad()
+def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet: str, *,
+                               max_length: int = 256, batch_size: int = 16,
+                               device: str | None = None) -> dict[str, Any]:
+    """Write ``id, ref_chosen_logp, ref_rejected_logp, chosen_len, rejected_len`` (one row per pair,
+    input order) to ``out_parquet`` atomically; returns summary metadata."""
+    from batchrl.training.tiny_model import load_model_and_tokenizer
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=torch.float32, device=device)
+    pairs = pd.read_parquet(pairs_parquet)
+    ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
+    items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
+    cols: dict[str, list] = {k: [] for k in ("ref_chosen_logp", "ref_rejected_logp", "chosen_len", "rejected_len")}
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        batch = to_device(pair_batch(chunk, tokenizer.pad_token_id), device)
+        logps = completion_logprobs(model, batch).sum(-1).double().cpu().numpy()
+        lengths = batch["response_mask"].sum(-1).long().cpu().numpy()
+        n = len(chunk)
+        cols["ref_chosen_logp"] += logps[:n].tolist()
+        cols["ref_rejected_logp"] += logps[n:].tolist()
+        cols["chosen_len"] += lengths[:n].tolist()
+        cols["rejected_len"] += lengths[n:].tolist()
+    table = pd.DataFrame({"id": ids, **cols})
+    os.makedirs(os.path.dirname(os.path.abspath(out_parquet)), exist_ok=True)
+    tmp = f"{out_parquet}.tmp-{os.getpid()}"
+    table.to_parquet(tmp, index=False)
+    os.replace(tmp, out_parquet)
+    return {
+        "num_pairs": len(table),
+        "mean_ref_chosen_logp": float(np.mean(table["ref_chosen_logp"])) if len(table) else 0.0,
+        "mean_ref_rejected_logp": float(np.mean(table["ref_rejected_logp"])) if len(table) else 0.0,
+        "mean_chosen_len": float(np.mean(table["chosen_len"])) if len(table) else 0.0,
+        "mean_rejected_len": float(np.mean(table["rejected_len"])) if len(table) else 0.0,
+        "path": out_parquet,
+    }
