@@ -1,0 +1,100 @@
+"""Data-stage behaviour through Dagster: the blocking gate, landing drift, S3 storage, CLI and sensor."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import dagster as dg
+import pytest
+from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+from batchrl.assets.automation import new_logs_sensor
+from batchrl.resources import LandingResource, StorageResource
+
+DATA = ["raw_logs", "cleaned_logs", "validated_preferences"]
+SAMPLES = LandingResource()
+
+
+def _landing_copy(tmp_path) -> LandingResource:
+    prefs = tmp_path / "landing" / "preferences"
+    shutil.copytree(SAMPLES.preferences, prefs)
+    return LandingResource(preferences=str(prefs))
+
+
+def test_blocking_reject_rate_check_stops_training(tmp_path):
+    landing = _landing_copy(tmp_path)
+    with open(os.path.join(landing.preferences, "zz_broken.jsonl"), "w") as f:
+        for i in range(60):  # far above the 5% default threshold
+            f.write(json.dumps({"prompt": f"q{i}", "chosen": "", "rejected": "x"}) + "\n")
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = run_assets(local_resources(str(tmp_path / "s"), landing), instance,
+                            selection=DATA + ["prompts", "base_model"])
+        checks = {e.event_specific_data.check_name: e.event_specific_data.passed
+                  for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+        assert checks == {"nothing_lost": True, "reject_rate_below_threshold": False}
+        assert instance.get_latest_materialization_event(dg.AssetKey("base_model")) is None
+        assert latest_metadata(instance, "validated_preferences")["reject_rate"] > 0.05
+
+
+def test_landing_changed_after_manifest_fails_loudly(tmp_path):
+    landing = _landing_copy(tmp_path)
+    with dg.DagsterInstance.ephemeral() as instance:
+        resources = local_resources(str(tmp_path / "s"), landing)
+        assert run_assets(resources, instance, selection=["raw_logs"]).success
+        with open(os.path.join(landing.preferences, "new_drop.jsonl"), "w") as f:
+            f.write(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+        result = run_assets(resources, instance, selection=["cleaned_logs"])
+        assert not result.success
+        assert any("landing changed" in (e.message or "") for e in result.all_events if e.is_failure)
+
+
+def test_new_logs_sensor_fires_once_per_landing_change(tmp_path):
+    landing = _landing_copy(tmp_path)
+    first = new_logs_sensor(dg.build_sensor_context(resources={"landing": landing}))
+    assert isinstance(first, dg.RunRequest)
+    again = new_logs_sensor(dg.build_sensor_context(cursor=first.run_key, resources={"landing": landing}))
+    assert isinstance(again, dg.SkipReason)
+    with open(os.path.join(landing.preferences, "drop2.jsonl"), "w") as f:
+        f.write(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
+    new = new_logs_sensor(dg.build_sensor_context(cursor=first.run_key, resources={"landing": landing}))
+    assert isinstance(new, dg.RunRequest) and new.run_key != first.run_key
+
+
+def test_data_assets_on_s3_storage_and_landing(s3_server, tmp_path):
+    import s3fs
+
+    options = {"client_kwargs": {"endpoint_url": s3_server}}
+    fs = s3fs.S3FileSystem(**options)
+    fs.mkdir("landing-bucket")
+    fs.put(SAMPLES.preferences, "landing-bucket/drop1/preferences", recursive=True)
+    landing = LandingResource(preferences="s3://landing-bucket/drop1/preferences", storage_options=options)
+    fs.mkdir("artifacts-bucket")
+    storage = StorageResource(root="s3://artifacts-bucket/batchrl", storage_options=options,
+                              cache_dir=str(tmp_path / "cache"))
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = run_assets(local_resources(str(tmp_path), landing, storage=storage), instance, selection=DATA)
+        assert result.success
+        s3_meta = latest_metadata(instance, "validated_preferences")
+    assert s3_meta["uri"].startswith("s3://artifacts-bucket/batchrl/validated_preferences/")
+    assert fs.exists(s3_meta["uri"] + "/preferences.parquet") and fs.exists(s3_meta["uri"] + "/lineage.json")
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run_assets(local_resources(str(tmp_path / "local")), instance, selection=DATA).success
+        local_meta = latest_metadata(instance, "validated_preferences")
+    assert (s3_meta["valid"], s3_meta["quarantined"]) == (local_meta["valid"], local_meta["quarantined"])
+
+
+def test_dagster_cli_materialize_then_batchrl_audit(tmp_path):
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "BATCHRL_STORAGE": str(tmp_path / "storage")}
+    os.makedirs(env["DAGSTER_HOME"])
+    bindir = os.path.dirname(sys.executable)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([os.path.join(bindir, "dagster"), "asset", "materialize", "-m", "batchrl.definitions",
+                    "--select", ",".join(DATA)], cwd=repo, env=env, check=True, capture_output=True)
+    audit = subprocess.run([os.path.join(bindir, "batchrl"), "audit", "validated_preferences"], cwd=repo, env=env,
+                           check=True, capture_output=True, text=True).stdout
+    assert "validated_preferences@" in audit and "raw_logs@" in audit
+    sample = sorted(os.listdir(SAMPLES.preferences))[0]
+    assert sample in audit and "[ok]" in audit
