@@ -152,11 +152,15 @@ def _uses(cfg: RewardConfig, component: str) -> bool:
     return any(w.get(component, 0.0) for w in all_weights)
 
 
-def compute_rewards(rows: list[dict] | pd.DataFrame, cfg: RewardConfig | None = None) -> pd.DataFrame:
+def compute_rewards(
+    rows: list[dict] | pd.DataFrame, cfg: RewardConfig | None = None, *, reward_model_path: str | None = None
+) -> pd.DataFrame:
     """The input rows (needs ``prompt``, ``response``; ``category``/``answer`` etc. go to ``meta``) plus
     one float column per component (``rule``, each ``custom`` name, ``reward_model`` if an RM path is
-    set) and ``reward``, the mix."""
+    set) and ``reward``, the mix. ``reward_model_path``, when given, overrides ``cfg.reward_model_path``."""
     cfg = cfg or RewardConfig()
+    if reward_model_path:
+        cfg = cfg.model_copy(update={"reward_model_path": reward_model_path})
     frame = pd.DataFrame(rows).reset_index(drop=True)
     records = frame.to_dict(orient="records")
     rule_specs = {RULE: cfg.rule, **cfg.custom}

@@ -1,0 +1,83 @@
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from transformers import AutoModelForSequenceClassification
+
+from batchrl.training.reward_model import train_reward_model
+from batchrl.training.rewards import RewardConfig, compute_rewards, score_with_reward_model
+from batchrl.training.tiny_model import build_tiny_model
+
+ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
+WORDS = [("yes", "no"), ("good", "bad"), ("right", "wrong"), ("correct", "incorrect")]
+
+
+def toy_pairs(n=32):
+    """Separable: the chosen response starts with the 'positive' word of one of four word pairs."""
+    rows = [json.loads(line) for line in (ARITH / "train.jsonl").read_text().splitlines()][:n]
+    return pd.DataFrame(
+        [
+            {"prompt": r["prompt"], "chosen": f"{WORDS[i % 4][0]} {r['answer']}", "rejected": f"{WORDS[i % 4][1]} {r['answer']}"}
+            for i, r in enumerate(rows)
+        ]
+    )
+
+
+@pytest.fixture(scope="module")
+def base_path(tmp_path_factory):
+    rows = [json.loads(line) for line in (ARITH / "train.jsonl").read_text().splitlines()]
+    out = tmp_path_factory.mktemp("tiny") / "base"
+    build_tiny_model([f"{r['prompt']} {r['answer']}" for r in rows] + [" ".join(w) for w in WORDS], str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def trained(base_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm") / "rm"
+    return train_reward_model(toy_pairs(), base_path, str(out), epochs=2, batch_size=8, seed=0)
+
+
+def test_training_raises_train_accuracy(trained):
+    assert trained["train_accuracy_after"] == 1.0
+    assert trained["train_accuracy_after"] > trained["train_accuracy_before"]
+    assert trained["train_loss_after"] < trained["train_loss_before"] - 0.3
+    assert trained["steps"] == 8 and len(trained["step_losses"]) == 8
+
+
+def test_saved_folder_is_hf_sequence_classifier(trained):
+    model = AutoModelForSequenceClassification.from_pretrained(trained["path"])
+    assert type(model).__name__ == "Qwen2ForSequenceClassification"
+    assert model.config.num_labels == 1 and model.config.pad_token_id is not None
+    assert (Path(trained["path"]) / "model.safetensors").exists() and (Path(trained["path"]) / "tokenizer.json").exists()
+
+
+def test_deterministic_for_seed(trained, base_path, tmp_path):
+    again = train_reward_model(toy_pairs(), base_path, str(tmp_path / "again"), epochs=2, batch_size=8, seed=0)
+    digest = lambda p: hashlib.sha256((Path(p) / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert digest(again["path"]) == digest(trained["path"])
+    assert again["step_losses"] == trained["step_losses"]
+
+
+def test_rm_scores_and_reward_mix(trained):
+    pairs = toy_pairs()
+    chosen = score_with_reward_model(trained["path"], pairs["prompt"].tolist(), pairs["chosen"].tolist(), batch_size=5)
+    rejected = score_with_reward_model(trained["path"], pairs["prompt"].tolist(), pairs["rejected"].tolist())
+    assert chosen.shape == (32,) and chosen.dtype == np.float32
+    assert (chosen > rejected).all()
+    rows = [
+        {"prompt": "What is 1 + 1?", "response": "yes 2", "answer": "2", "category": "arith"},
+        {"prompt": "Say something", "response": "no 5", "answer": None, "category": "chat"},
+    ]
+    routing = {"arith": {"rule": 1.0}, "chat": {"reward_model": 1.0}}
+    out = compute_rewards(rows, RewardConfig(rule="arith_exact", routing=routing), reward_model_path=trained["path"])
+    rm = score_with_reward_model(trained["path"], [r["prompt"] for r in rows], [r["response"] for r in rows])
+    np.testing.assert_allclose(out["reward_model"], rm, atol=1e-6)
+    np.testing.assert_allclose(out["reward"], [1.0, rm[1]], atol=1e-6)
+
+
+def test_empty_pairs_rejected(base_path, tmp_path):
+    with pytest.raises(ValueError, match="no preference pairs"):
+        train_reward_model(toy_pairs().iloc[:0], base_path, str(tmp_path / "x"))
