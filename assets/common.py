@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import typing
 from typing import Any
 
 import dagster as dg
@@ -66,6 +67,15 @@ def publish(
     return dg.Output(ref.to_dict(), data_version=dg.DataVersion(ref.data_version), metadata=metadata)
 
 
+def _dagster_type(annotation: Any) -> Any:
+    """Dagster config takes string Literals (as enums) but not int Literals: widen those to int.
+    The library config re-validates the allowed values when the run builds it."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal and not all(isinstance(a, str) for a in args):
+        return type(args[0])
+    return annotation
+
+
 def run_config_for(model_cls: type[pydantic.BaseModel], name: str) -> type[dg.Config]:
     """A Dagster run-config class with the library config's fields and defaults (no field list twice)."""
     if dataclasses.is_dataclass(model_cls):
@@ -74,6 +84,7 @@ def run_config_for(model_cls: type[pydantic.BaseModel], name: str) -> type[dg.Co
     else:
         fields = {key: (field.annotation, field.get_default(call_default_factory=True))
                   for key, field in model_cls.model_fields.items()}
+    fields = {key: (_dagster_type(annotation), default) for key, (annotation, default) in fields.items()}
     return pydantic.create_model(name, __base__=dg.Config, **fields)
 
 
