@@ -1,0 +1,111 @@
+"""Evaluation of a policy folder: greedy arithmetic accuracy, preference accuracy, RM score.
+
+Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
+
+- ``arith_accuracy`` = mean ``arith_exact`` of greedy responses; ``arith_mean_reward`` = mean
+  ``arith_partial``; ``arith_format_rate`` = fraction of responses containing an integer;
+- ``preference_accuracy`` = mean 1[log pi(chosen|x) > log pi(rejected|x)] and
+  ``preference_margin`` = mean (log pi(chosen|x) - log pi(rejected|x)), log-probs summed over the
+  completion tokens (eos included), the DPO convention;
+- ``rm_mean_score`` = mean RM score of the greedy responses, when an RM folder is given.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from batchrl.training.algos import token_logprobs_from_logits
+from batchrl.training.reward_model import right_padded_batch
+from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, score_with_reward_model
+from batchrl.training.rollout import TransformersRolloutEngine
+from batchrl.training.text import encode_prompt_completion
+
+
+def sequence_logprobs(
+    model: Any, tokenizer: Any, prompts: list[str], completions: list[str], *, batch_size: int = 16, max_length: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_logps [N] float32, lengths [N] long)``: sum over completion tokens (eos included) of
+    ``log pi(y_t | x, y_<t)`` for ``render(prompt) + completion + eos`` (``encode_prompt_completion``).
+
+    Right-padded batches, so real tokens keep positions 0..L-1. Gradients flow unless the caller
+    wraps it in ``torch.no_grad()``.
+    """
+    device = next(model.parameters()).device
+    sums, lengths = [], []
+    for start in range(0, len(prompts), batch_size):
+        encoded = [
+            encode_prompt_completion(tokenizer, p, c, max_length)
+            for p, c in zip(prompts[start : start + batch_size], completions[start : start + batch_size])
+        ]
+        ids, mask = right_padded_batch([seq for seq, _ in encoded], tokenizer.pad_token_id, device)
+        completion_mask = torch.zeros_like(mask)
+        for row, (seq, completion_start) in enumerate(encoded):
+            completion_mask[row, completion_start : len(seq)] = 1
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        # logits at t predict token t+1: score labels ids[:, 1:] against logits[:, :-1].
+        token_logps = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+        label_mask = completion_mask[:, 1:].to(token_logps.dtype)
+        sums.append((token_logps * label_mask).sum(-1))
+        lengths.append(completion_mask.sum(-1))
+    if not sums:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(sums), torch.cat(lengths)
+
+
+def _arith_metrics(samples: list[dict], arith_eval: list[dict]) -> dict[str, Any]:
+    exact, partial = REWARD_FUNCTIONS["arith_exact"], REWARD_FUNCTIONS["arith_partial"]
+    rows = [(s, arith_eval[s["prompt_index"]]) for s in samples]
+    return {
+        "arith_n": len(rows),
+        "arith_accuracy": float(np.mean([exact(s["prompt"], s["response"], row) for s, row in rows])),
+        "arith_mean_reward": float(np.mean([partial(s["prompt"], s["response"], row) for s, row in rows])),
+        "arith_format_rate": float(np.mean([first_integer(s["response"]) is not None for s, _ in rows])),
+        "arith_stop_rate": float(np.mean([s["finish_reason"] == "stop" for s in samples])),
+        "mean_response_tokens": float(np.mean([len(s["response_ids"]) for s in samples])),
+    }
+
+
+def evaluate_policy(
+    model_path: str,
+    *,
+    arith_eval: list[dict],
+    pairs: pd.DataFrame | None = None,
+    reward_model_path: str | None = None,
+    max_new_tokens: int = 16,
+    seed: int = 0,
+    batch_size: int = 32,
+    max_length: int = 256,
+    num_examples: int = 5,
+) -> dict[str, Any]:
+    """Evaluate the causal LM in ``model_path`` (CPU, float32, greedy decoding); see the module doc."""
+    engine = TransformersRolloutEngine(model_path, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=batch_size)
+    results: dict[str, Any] = {}
+    samples: list[dict] = []
+    if arith_eval:
+        samples = engine.generate([row["prompt"] for row in arith_eval], n=1, seed=seed)
+        results.update(_arith_metrics(samples, arith_eval))
+        results["examples"] = [
+            {"prompt": s["prompt"], "response": s["response"], "answer": str(arith_eval[s["prompt_index"]].get("answer"))}
+            for s in samples[:num_examples]
+        ]
+    if pairs is not None and len(pairs):
+        prompts = pairs["prompt"].tolist()
+        with torch.no_grad():
+            chosen, _ = sequence_logprobs(engine.model, engine.tokenizer, prompts, pairs["chosen"].tolist(),
+                                          batch_size=batch_size, max_length=max_length)
+            rejected, _ = sequence_logprobs(engine.model, engine.tokenizer, prompts, pairs["rejected"].tolist(),
+                                            batch_size=batch_size, max_length=max_length)
+        margin = (chosen - rejected).double()
+        results.update(
+            preference_n=len(pairs),
+            preference_accuracy=float((margin > 0).double().mean()),
+            preference_margin=float(margin.mean()),
+        )
+    if reward_model_path and samples:
+        scores = score_with_reward_model(reward_model_path, [s["prompt"] for s in samples],
+                                         [s["response"] for s in samples], batch_size=batch_size, max_length=max_length)
+        results["rm_mean_score"] = float(scores.mean())
+    return results
