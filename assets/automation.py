@@ -1,5 +1,4 @@
 """Jobs, the new-logs sensor and the nightly retrain schedule."""
-from __future__ import annotations
 
 import hashlib
 

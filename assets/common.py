@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import os
+import types
 import typing
 from typing import Any
 
@@ -73,6 +74,11 @@ def _dagster_type(annotation: Any) -> Any:
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) is typing.Literal and not all(isinstance(a, str) for a in args):
         return type(args[0])
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return run_config_for(annotation, f"{annotation.__name__}RunConfig")
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        widened = tuple(_dagster_type(a) for a in args)
+        return typing.Optional[widened[0]] if len(widened) == 2 and type(None) in widened else annotation
     return annotation
 
 

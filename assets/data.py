@@ -1,5 +1,4 @@
 """Data assets: landing logs → cleaned → validated preference pairs (+ scored logs → pairs)."""
-from __future__ import annotations
 
 import json
 import os
@@ -20,6 +19,8 @@ REPORT_FILE = "report.json"
 
 def _write_report(staging: str, report) -> dict:
     metadata = report.to_metadata()
+    # outputs are named relative to the artifact folder: the staging paths vanish after publishing
+    metadata["outputs"] = {name: os.path.basename(path) for name, path in metadata.get("outputs", {}).items()}
     with open(os.path.join(staging, REPORT_FILE), "w") as f:
         json.dump(metadata, f, indent=2, sort_keys=True)
     return metadata

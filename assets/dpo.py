@@ -1,5 +1,4 @@
 """DPO path: validated pairs → reference log-probs (frozen base) → dpo_checkpoint."""
-from __future__ import annotations
 
 import os
 

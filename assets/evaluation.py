@@ -1,5 +1,4 @@
 """Evaluation: base vs policy vs DPO checkpoints on held-out arithmetic and on the preference pairs."""
-from __future__ import annotations
 
 import json
 import os

@@ -1,5 +1,4 @@
 """Model assets: the embedded default base model and the Bradley-Terry reward model."""
-from __future__ import annotations
 
 import os
 import shutil

@@ -1,5 +1,4 @@
 """RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint."""
-from __future__ import annotations
 
 import hashlib
 import json
