@@ -92,13 +92,12 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
                                           label_smoothing=cfg.label_smoothing,
                                           chosen_lengths=lc, rejected_lengths=lr_)
                 loss = losses.mean()
-                engine.backward(loss)
+                loop.backward(loss)
                 parts = {"loss": loss.item(), **preference_metrics(rc.detach(), rr.detach()),
                          "logps/chosen": pc.mean().item(), "logps/rejected": pr.mean().item()}
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0.0) + float(v) / cfg.grad_accum
-            grad_norm, lr = loop.optimizer_step()
-            loop.end_step({**sums, "grad_norm": grad_norm, "lr": lr, "epoch": epoch},
+            loop.end_step({**sums, **loop.step_stats(), "epoch": epoch},
                           epoch=epoch, step_in_epoch=step + 1)
         if loop.finished():
             break

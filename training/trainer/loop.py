@@ -54,6 +54,7 @@ class TrainLoop:
         self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
         self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": []}
         self.resumed_from: int | None = None
+        self._lr, self._grad_norm = float("nan"), None
         if cfg.resume:
             restored = load_checkpoint(self.engine, self.ckpt_dir)
             if restored is not None:
@@ -73,16 +74,26 @@ class TrainLoop:
         stop = self.cfg.stop_after_steps
         return self.global_step >= self.total_steps or (stop is not None and self.global_step >= stop)
 
-    def optimizer_step(self) -> tuple[float, float]:
-        """Apply the accumulated gradients (DeepSpeed clips); returns (grad_norm, lr used)."""
-        lr = self.engine.get_lr()[0]
-        pre_clip = None
-        if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure it here
-            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            pre_clip = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch and call ``engine.step()`` (DeepSpeed applies the optimiser only
+        at the accumulation boundary, every ``grad_accum`` calls; it also clips there)."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        self.engine.backward(loss)
+        if boundary:
+            self._lr = float(self.engine.get_lr()[0])
+            self._grad_norm = None
+            if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure it here
+                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+                self._grad_norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         self.engine.step()
-        norm = pre_clip if pre_clip is not None else self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan"), float(lr)
+        if boundary and self._grad_norm is None:
+            self._grad_norm = self.engine.get_global_grad_norm()
+
+    def step_stats(self) -> dict[str, float]:
+        """Pre-clip gradient norm and learning rate of the optimiser step just taken."""
+        norm = self._grad_norm
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": self._lr}
 
     def end_step(self, metrics: dict[str, float], *, epoch: int, step_in_epoch: int) -> None:
         """Record one optimiser step: report, history, data position, periodic checkpoint."""
@@ -109,6 +120,7 @@ class TrainLoop:
     def summary(self) -> dict[str, Any]:
         hist = self.state["history"]
         return {"global_step": self.global_step, "total_steps": self.total_steps,
+                "optimizer_steps": int(self.engine.global_steps),  # DeepSpeed's own count
                 "stopped_early": self.global_step < self.total_steps,
                 "resumed_from_step": self.resumed_from, "wall_s": round(time.time() - self._t0, 3),
                 "loss_curve": [h.get("loss") for h in hist],

@@ -144,12 +144,11 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
                     parts["kl_loss"] = kl.item()
                 if cfg.entropy_coef:
                     loss = loss - cfg.entropy_coef * agg_loss(entropy, mask, cfg.loss_agg_mode)
-                engine.backward(loss)
+                loop.backward(loss)
                 parts["loss"] = loss.item()
                 for k, v in parts.items():
                     sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
-            grad_norm, lr = loop.optimizer_step()
-            loop.end_step({**sums, "grad_norm": grad_norm, "lr": lr, "epoch": epoch},
+            loop.end_step({**sums, **loop.step_stats(), "epoch": epoch},
                           epoch=epoch, step_in_epoch=step + 1)
         if loop.finished():
             break
