@@ -2,8 +2,8 @@
 
 vllm is imported here only, when the engine is built. Prompts are rendered with ``render_prompt``
 and passed as token ids, so prompt tokenisation is identical across engines. ``logprobs=0`` asks for
-the sampled token's log-prob only; vLLM's default ``logprobs_mode="raw_logprobs"`` reports it from
-the raw logits (before temperature/top-p), the same convention as ``base`` documents.
+the sampled token's log-prob only; ``logprobs_mode="raw_logprobs"`` (vLLM's default, set explicitly)
+reports it from the raw logits (before temperature/top-p), the same convention as ``base`` documents.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class VLLMRolloutEngine:
     ) -> None:
         vllm = _import_vllm()
         self._sampling_params = vllm.SamplingParams
+        llm_kwargs.setdefault("logprobs_mode", "raw_logprobs")
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
