@@ -94,3 +94,13 @@ def test_unknown_engine_and_missing_vllm(model_path):
         assert isinstance(info.value, ImportError)
     else:
         pytest.skip("vllm is installed here; the missing-vllm message cannot be exercised")
+
+
+def test_in_memory_model_matches_path_and_keeps_train_mode(engine, model_path):
+    from batchrl.training.tiny_model import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    model.train()
+    in_memory = TransformersRolloutEngine(model=model, tokenizer=tokenizer, max_new_tokens=8, batch_size=4)
+    assert in_memory.generate(PROMPTS, n=2, seed=5) == engine.generate(PROMPTS, n=2, seed=5)
+    assert model.training

@@ -79,9 +79,14 @@ class TransformersRolloutEngine:
         attention_mask = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device
         )
-        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
-            torch.manual_seed(seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
+        was_training = self.model.training
+        self.model.eval()  # an in-memory policy handed over by a trainer may be in train mode
+        try:
+            with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+                torch.manual_seed(seed)
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
+        finally:
+            self.model.train(was_training)
         new_tokens = out.sequences[:, width:]
         # logits: one [B, V] tensor per generated step -> [B, steps, V] log-probs of the sampled tokens.
         logits = torch.stack(out.logits, dim=1).float()
