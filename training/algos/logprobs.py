@@ -39,39 +39,63 @@ def entropy_from_logits(logits):
     return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
 
 
-def _chunk_logits(hidden_chunk, weight, temperature):
-    logits = (hidden_chunk @ weight.t()).to(_compute_dtype(hidden_chunk.dtype))
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
+class _ChunkBuffers:
+    """Reusable [chunk_size, V] work buffers: allocating a fresh ~100 MB tensor per chunk makes
+    the allocator hand pages back and fault them in again, which costs more than the math on CPU."""
+
+    def __init__(self, hidden, weight, chunk_size, n_compute):
+        rows = min(chunk_size, hidden.shape[0])
+        self.compute_dtype = _compute_dtype(hidden.dtype)
+        shape = (rows, weight.shape[0])
+        self.compute = [torch.empty(shape, dtype=self.compute_dtype, device=hidden.device) for _ in range(n_compute)]
+        self.low = None if hidden.dtype == self.compute_dtype else torch.empty(shape, dtype=hidden.dtype, device=hidden.device)
+
+    def logits(self, hidden_chunk, weight, temperature):
+        """z = (h W^T) / tau in the compute dtype, written into the first buffer."""
+        n = hidden_chunk.shape[0]
+        out = self.compute[0][:n]
+        if self.low is None:
+            torch.matmul(hidden_chunk, weight.t(), out=out)
+        else:  # matmul in the model dtype (as the LM head would), softmax math in float32
+            out.copy_(torch.matmul(hidden_chunk, weight.t(), out=self.low[:n]))
+        if temperature != 1.0:
+            out.div_(temperature)
+        return out
 
 
 class _ChunkedLMHeadLogProbs(torch.autograd.Function):
     """logp_n = z_n[y_n] - lse(z_n), H_n = lse(z_n) - sum_v p_nv z_nv, z_n = (h_n W^T) / tau.
 
     Backward per chunk: dL/dz = g_lp (onehot(y) - p) - g_H p (z - E_p[z]); then
-    dL/dh = (dL/dz / tau) W and dL/dW = sum_chunks (dL/dz / tau)^T h (accumulated in fp32).
+    dL/dh = (dL/dz / tau) W and dL/dW = sum_chunks (dL/dz / tau)^T h, accumulated in float32
+    in place (no [V, H] temporary per chunk).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy):
         ctx.set_materialize_grads(False)
         n_rows = hidden.shape[0]
-        out_dtype = _compute_dtype(hidden.dtype)
+        buffers = _ChunkBuffers(hidden, weight, chunk_size, 2 if with_entropy else 1)
         valid = labels >= 0
         safe_labels = labels.clamp_min(0)
-        logprobs = torch.empty(n_rows, dtype=out_dtype, device=hidden.device)
+        logprobs = torch.empty(n_rows, dtype=buffers.compute_dtype, device=hidden.device)
         lse = torch.empty_like(logprobs)
-        entropy = torch.empty(n_rows if with_entropy else 0, dtype=out_dtype, device=hidden.device)
+        entropy = torch.empty(n_rows if with_entropy else 0, dtype=buffers.compute_dtype, device=hidden.device)
         for start in range(0, n_rows, chunk_size):
             rows = slice(start, min(start + chunk_size, n_rows))
-            logits = _chunk_logits(hidden[rows], weight, temperature)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
-            lse[rows] = chunk_lse
-            logprobs[rows] = logits.gather(-1, safe_labels[rows].unsqueeze(-1)).squeeze(-1) - chunk_lse
+            logits = buffers.logits(hidden[rows], weight, temperature)
+            target = logits.gather(-1, safe_labels[rows].unsqueeze(-1)).squeeze(-1)
+            row_max = logits.amax(dim=-1, keepdim=True)
+            shifted = logits.sub_(row_max)  # z - m, in place
             if with_entropy:
-                probs = torch.softmax(logits, dim=-1)
-                entropy[rows] = chunk_lse - torch.linalg.vecdot(probs, logits)
+                unnormalised = torch.exp(shifted, out=buffers.compute[1][: shifted.shape[0]])
+                sum_exp = unnormalised.sum(dim=-1)
+                # H = log S - sum_v e^(z_v - m) (z_v - m) / S, with S = sum_v e^(z_v - m)
+                entropy[rows] = sum_exp.log() - torch.linalg.vecdot(unnormalised, shifted) / sum_exp
+            else:
+                sum_exp = shifted.exp_().sum(dim=-1)
+            lse[rows] = sum_exp.log() + row_max.squeeze(-1)
+            logprobs[rows] = target - lse[rows]
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
         ctx.save_for_backward(hidden, weight, safe_labels, valid, lse, entropy)
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
@@ -83,35 +107,35 @@ class _ChunkedLMHeadLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, labels, valid, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if grad_logprobs is None and grad_entropy is None:
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        if grad_logprobs is None and not use_entropy:
             return None, None, None, None, None, None
         work_dtype = lse.dtype
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
-        grad_logprobs = torch.where(valid, grad_logprobs.to(work_dtype), torch.zeros_like(lse))
-        use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(work_dtype)
+        grad_logprobs = torch.where(valid, grad_logprobs, torch.zeros_like(lse))
+        buffers = _ChunkBuffers(hidden, weight, ctx.chunk_size, 2 if use_entropy else 1)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=work_dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             rows = slice(start, min(start + ctx.chunk_size, hidden.shape[0]))
-            logits = _chunk_logits(hidden[rows], weight, ctx.temperature)
+            logits = buffers.logits(hidden[rows], weight, ctx.temperature)
             g_lp = grad_logprobs[rows].unsqueeze(-1)
-            probs = torch.exp(logits - lse[rows].unsqueeze(-1))
+            row_lse = lse[rows].unsqueeze(-1)
             if use_entropy:
-                expected_logit = (lse[rows] - entropy[rows]).unsqueeze(-1)  # E_p[z] = lse - H
-                coef = logits.sub_(expected_logit).mul_(grad_entropy[rows].to(work_dtype).unsqueeze(-1)).add_(g_lp)
-                grad_logits = probs.mul_(coef).neg_()
+                probs = torch.sub(logits, row_lse, out=buffers.compute[1][: logits.shape[0]]).exp_()
+                expected_logit = row_lse - entropy[rows].unsqueeze(-1)  # E_p[z] = lse - H
+                coef = logits.sub_(expected_logit).mul_(-grad_entropy[rows].to(work_dtype).unsqueeze(-1)).sub_(g_lp)
+                grad_logits = probs.mul_(coef)  # -p (g_lp + g_H (z - E_p[z]))
             else:
-                del logits
-                grad_logits = probs.mul_(g_lp).neg_()
+                grad_logits = logits.sub_(row_lse).exp_().mul_(-g_lp)  # -p g_lp
             grad_logits.scatter_add_(-1, labels[rows].unsqueeze(-1), g_lp)
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
-            grad_logits = grad_logits.to(weight.dtype)
             if need_hidden:
-                grad_hidden[rows] = grad_logits @ weight
+                low = grad_logits if buffers.low is None else buffers.low[: grad_logits.shape[0]].copy_(grad_logits)
+                torch.matmul(low, weight, out=grad_hidden[rows])
             if need_weight:
-                grad_weight += (grad_logits.t() @ hidden[rows]).to(work_dtype)
+                grad_weight.addmm_(grad_logits.t(), hidden[rows].to(work_dtype))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
@@ -128,7 +152,8 @@ def token_logprobs_from_hidden(
     bf16 inputs give the float32-accurate log-softmax of the bf16 logits, which is what the
     naive path computes from the model's bf16 logits. Differentiable w.r.t. ``hidden`` and
     ``lm_head_weight`` (first order; backward is chunked too). ``chunk_size`` counts tokens
-    (rows of the flattened batch): peak extra memory ~ 3 * chunk_size * V * 4 bytes.
+    (rows of the flattened batch): peak extra memory ~ 2 * chunk_size * V * 4 bytes (3 with entropy)
+    plus, in backward, a float32 [V, H] gradient accumulator.
     """
     if chunk_size <= 0:
         raise ValueError("chunk_size must be > 0")
