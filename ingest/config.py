@@ -1,0 +1,162 @@
+"""Ingest configuration, stage reports and the reject-rate gate.
+
+Everything here is plain data (pydantic / dataclass) so it can travel as Dagster run config and
+as asset metadata.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+#: Contract fields per kind (strings, required) and the optional metadata kept through the pipeline.
+REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
+    "preference": ("prompt", "chosen", "rejected"),
+    "scored": ("prompt", "response", "score"),
+}
+METADATA_FIELDS: dict[str, tuple[str, ...]] = {
+    "preference": ("id", "category", "source", "timestamp"),
+    "scored": ("id", "category", "source", "timestamp"),
+}
+
+#: Reason codes written to quarantine.parquet (column ``reason``) and counted in ``StageReport.reasons``.
+REASONS = {
+    # clean_logs: decoding and structure
+    "undecodable": "bytes that are not UTF-8 (detail gives the byte offset in the file)",
+    "invalid_json": "line is not valid JSON",
+    "not_object": "record is valid JSON but not an object",
+    "missing_field": "a contract field is absent or null (detail names it)",
+    "extra_field": "a field outside contract + metadata + mapping (detail names it)",
+    "nested_value": "a contract/metadata value is an object or list (records must be flat)",
+    "wrong_type": "a value has the wrong type (e.g. number for a text field, text for score)",
+    "reader_error": "a custom reader rejected the record",
+    # validate_* / scored_to_pairs: the pandera contract and filters
+    "empty_field": "a text field is empty after cleaning (e.g. whitespace only)",
+    "chosen_equals_rejected": "chosen and rejected are identical after cleaning",
+    "non_finite_score": "score is NaN or infinite",
+    "prompt_too_long": "prompt longer than max_prompt_tokens with the configured tokenizer",
+    "single_response": "scored prompt with fewer than two responses: no pair",
+    "below_margin": "best - worst score is 0 or below pair_min_margin",
+    "duplicate": "exact duplicate (content hash) of an earlier row; counted in .duplicates",
+}
+
+
+class ChatMapping(BaseModel):
+    """How chat-style records (lists of ``{role, content}`` messages) become flat text fields.
+
+    A contract text field whose value is a message list is flattened: completion fields
+    (chosen/rejected/response) take the content of the last ``assistant_role`` message; the turns before
+    it become the prompt when the record has no prompt of its own (TRL/HH conversational style).
+    ``messages_field`` names one conversation that provides prompt and response (scored logs) or prompt
+    only (preferences). A prompt with one user turn is its content; several turns are rendered as
+    ``"{role}: {content}"`` lines joined by ``turn_separator``.
+    """
+
+    messages_field: str | None = None
+    role_key: str = "role"
+    content_key: str = "content"
+    assistant_role: str = "assistant"
+    turn_separator: str = "\n"
+
+
+class IngestConfig(BaseModel):
+    """Configuration of the data plane; defaults work on ``sample_data/``.
+
+    ``field_mapping`` maps a source field (or dotted JSON path, e.g. ``meta.topic``) to a contract or
+    metadata field. Field names are strict otherwise: anything not in the contract, the metadata
+    fields, the mapping or ``drop_fields`` is an ``extra_field``.
+    """
+
+    kind: Literal["preference", "scored"] = "preference"
+    field_mapping: dict[str, str] = Field(default_factory=dict)
+    chat_mapping: ChatMapping | None = None
+    drop_fields: list[str] = Field(default_factory=list)
+    reader: str | None = None  # "module:Class" for formats the built-in readers do not know
+    batch_rows: int = 65536
+    block_bytes: int = 8 << 20  # JSONL read block; memory is bounded by this and batch_rows
+    row_group_rows: int = 65536  # output row groups, fixed so output bytes do not depend on batching
+    collapse_whitespace: bool = False
+    max_prompt_tokens: int | None = None
+    tokenizer_path: str | None = None
+    reject_threshold: float = 0.05
+    pair_min_margin: float = 0.0
+    compression: str = "zstd"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return REQUIRED_FIELDS[self.kind]
+
+    @property
+    def metadata(self) -> tuple[str, ...]:
+        return METADATA_FIELDS[self.kind]
+
+
+class IngestError(ValueError):
+    """A whole input violates the contract (e.g. its header lacks a field); names file, line, fields."""
+
+    def __init__(self, source_file: str, line: int, message: str, missing=(), extra=()):
+        self.source_file, self.line = source_file, line
+        self.missing, self.extra = list(missing), list(extra)
+        parts = [f"{source_file}:{line}: {message}"]
+        if self.missing:
+            parts.append(f"missing fields {self.missing}")
+        if self.extra:
+            parts.append(f"extra fields {self.extra}")
+        super().__init__("; ".join(parts) + " (map other names with IngestConfig.field_mapping / chat_mapping)")
+
+
+@dataclass
+class StageReport:
+    """Row accounting of one stage. Invariant: ``rows_in == valid + quarantined + duplicates``."""
+
+    stage: str
+    rows_in: int = 0
+    valid: int = 0
+    quarantined: int = 0
+    duplicates: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)
+    content_hash: str = ""
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def invariant_holds(self) -> bool:
+        return self.rows_in == self.valid + self.quarantined + self.duplicates
+
+    @property
+    def reject_rate(self) -> float:
+        return self.quarantined / self.rows_in if self.rows_in else 0.0
+
+    def count(self, reason: str, n: int = 1) -> None:
+        self.reasons[reason] = self.reasons.get(reason, 0) + n
+
+    def to_metadata(self) -> dict[str, Any]:
+        meta = asdict(self)
+        meta["reasons"] = dict(sorted(self.reasons.items()))
+        meta["reject_rate"] = round(self.reject_rate, 6)
+        meta["invariant_holds"] = self.invariant_holds
+        meta["seconds"] = round(self.seconds, 3)
+        return meta
+
+
+def check_reject_rate(report: StageReport, threshold: float) -> tuple[bool, str]:
+    """Blocking gate: passes when quarantined / rows_in <= threshold and the row invariant holds.
+
+    Duplicates are not rejects (they are counted, not lost). An empty input passes trivially.
+    """
+    rate = report.reject_rate
+    summary = ", ".join(f"{k}={v}" for k, v in sorted(report.reasons.items())) or "none"
+    desc = (f"{report.stage}: {report.quarantined}/{report.rows_in} quarantined ({rate:.2%}, threshold "
+            f"{threshold:.2%}); {report.duplicates} duplicates; reasons: {summary}")
+    if not report.invariant_holds:
+        return False, f"row invariant broken: rows_in={report.rows_in} != valid {report.valid} + " \
+                      f"quarantined {report.quarantined} + duplicates {report.duplicates}. " + desc
+    if math.isnan(rate) or rate > threshold:
+        return False, "reject rate above threshold. " + desc
+    return True, desc

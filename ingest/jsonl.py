@@ -1,0 +1,214 @@
+"""Streaming JSONL reader: large byte blocks, vectorised parse, per-line fallback only where needed.
+
+A block (``block_bytes``, cut at a newline) is UTF-8-validated and parsed by ``pyarrow.json`` with
+the contract's explicit schema. When the parser stops at a row (invalid JSON, a type change, a nested
+value), the rows before it are kept from the fast parse, that one line goes through the per-line
+reference path (``json.loads`` + ``RecordStructurer``), and parsing resumes after it. Rows the fast
+path cannot judge exactly (nulls, extra fields) are also handed to the reference path, so reason codes
+come from one place. Blank lines are skipped and not counted as rows.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+
+from batchrl.ingest.config import IngestConfig, IngestError
+from batchrl.ingest.discover import InputFile, open_binary
+from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
+
+BOM = b"\xef\xbb\xbf"
+_ROW_RE = re.compile(r"in row (\d+)")
+
+
+class JsonlReader:
+    def __init__(self, file: InputFile, cfg: IngestConfig):
+        self.file, self.cfg = file, cfg
+        self.structurer = RecordStructurer(cfg)
+        self.fast = cfg.chat_mapping is None and not any("." in k for k in cfg.field_mapping)
+        source = {dst: src for src, dst in cfg.field_mapping.items()}
+        fields = []
+        for name in cfg.required + cfg.metadata:
+            fields.append(pa.field(source.get(name, name), pa.float64() if name == "score" else pa.string()))
+        self.parse_schema = pa.schema(fields)
+        self.first_checked = False
+
+    # -- block iteration ---------------------------------------------------------------------
+    def batches(self) -> Iterator[tuple[pa.Table, list[Reject]]]:
+        line_base, offset_base, carry = 0, 0, b""
+        with open_binary(self.file, self.cfg.storage_options) as stream:
+            while True:
+                chunk = stream.read(self.cfg.block_bytes)
+                data = carry + chunk if carry else chunk
+                if chunk:
+                    cut = data.rfind(b"\n")
+                    if cut < 0:
+                        carry = data
+                        continue
+                    block, carry = data[: cut + 1], data[cut + 1:]
+                else:
+                    block, carry = data, b""
+                if block:
+                    yield from self._block(block, line_base, offset_base)
+                    line_base += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+                    offset_base += len(block)
+                if not chunk:
+                    break
+
+    def _block(self, block: bytes, line_base: int, offset_base: int):
+        buf = np.frombuffer(block, dtype=np.uint8)
+        newlines = np.flatnonzero(buf == 10)
+        starts = np.concatenate(([0], newlines + 1))
+        ends = np.concatenate((newlines, [len(block)]))
+        if block.endswith(b"\n"):
+            starts, ends = starts[:-1], ends[:-1]
+        lengths = ends - starts
+        blank = (lengths == 0) | ((lengths == 1) & (buf[np.minimum(starts, len(block) - 1)] == 13))
+        rows = np.flatnonzero(~blank)  # indices of non-blank lines within the block
+        if not self.first_checked and len(rows):
+            self._check_first_record(block[starts[rows[0]]:ends[rows[0]]], line_base + rows[0] + 1)
+        ctx = _Block(block, starts, ends, line_base, offset_base)
+        if not self.fast:
+            good, rejects = self._slow(ctx, rows)
+            fast_tables = []
+        else:
+            fast_tables, slow_rows = self._fast(ctx, rows)
+            good, rejects = self._slow(ctx, slow_rows)
+        tables = [t for t in fast_tables if t.num_rows] + ([good] if good.num_rows else [])
+        if not tables:
+            table = rows_to_table([], [], self.file.uri, self.cfg.kind)
+        elif len(tables) == 1:
+            table = tables[0]
+        else:
+            table = pa.concat_tables(tables)
+            table = table.take(pc.sort_indices(table.column("source_line")))
+        step = self.cfg.batch_rows
+        for i in range(0, max(table.num_rows, 1), step):
+            yield table.slice(i, step), (rejects if i == 0 else [])
+
+    def _check_first_record(self, line: bytes, line_no: int) -> None:
+        self.first_checked = True
+        try:
+            obj = json.loads(line.removeprefix(BOM).decode("utf-8"), strict=False)
+        except ValueError:
+            return  # an undecodable/invalid first line is quarantined like any other
+        if isinstance(obj, dict):
+            missing, extra = self.structurer.check_keys(obj)
+            if missing or extra:
+                raise IngestError(self.file.uri, line_no, "first record does not match the contract",
+                                  missing, extra)
+
+    # -- fast path ---------------------------------------------------------------------------
+    def _fast(self, ctx: "_Block", rows: np.ndarray) -> tuple[list[pa.Table], list[int]]:
+        tables, slow = [], []
+        bad_utf8 = self._invalid_utf8_rows(ctx, rows)
+        if len(bad_utf8):
+            slow.extend(rows[bad_utf8].tolist())
+            rows = np.delete(rows, bad_utf8)
+        s = 0
+        while s < len(rows):
+            seg = rows[s:]
+            try:
+                tables.append(self._parse_segment(ctx, seg, slow))
+                break
+            except pa.ArrowInvalid as e:
+                m = _ROW_RE.search(str(e))
+                if not m:
+                    slow.extend(seg.tolist())
+                    break
+                r = int(m.group(1))
+                if r >= len(seg):
+                    slow.extend(seg.tolist())
+                    break
+                if r:
+                    try:
+                        tables.append(self._parse_segment(ctx, seg[:r], slow))
+                    except pa.ArrowInvalid:
+                        slow.extend(seg[:r].tolist())
+                slow.append(int(seg[r]))
+                s += r + 1
+        return tables, sorted(slow)
+
+    def _invalid_utf8_rows(self, ctx: "_Block", rows: np.ndarray) -> np.ndarray:
+        try:
+            offsets = pa.py_buffer(np.array([0, len(ctx.block)], np.int32))
+            pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(ctx.block)]).cast(pa.string())
+            return np.zeros(0, np.int64)
+        except pa.ArrowInvalid:
+            bad = []
+            for k, i in enumerate(rows):
+                try:
+                    ctx.line(i).decode("utf-8")
+                except UnicodeDecodeError:
+                    bad.append(k)
+            return np.array(bad, np.int64)
+
+    def _parse_segment(self, ctx: "_Block", seg: np.ndarray, slow: list[int]) -> pa.Table:
+        start, end = ctx.starts[seg[0]], ctx.ends[seg[-1]]
+        data = memoryview(ctx.block)[start:end]
+        table = pajson.read_json(
+            pa.BufferReader(pa.py_buffer(data)),
+            read_options=pajson.ReadOptions(use_threads=False, block_size=max(end - start + 1, 1 << 16)),
+            parse_options=pajson.ParseOptions(explicit_schema=self.parse_schema, unexpected_field_behavior="infer"),
+        )
+        if table.num_rows != len(seg):  # whitespace-only lines: let the reference path decide
+            raise pa.ArrowInvalid("row count mismatch")
+        known = set(self.parse_schema.names)
+        extras = [c for c in table.column_names if c not in known and c not in self.cfg.drop_fields]
+        required_src = [self.parse_schema.field(i).name for i in range(len(self.cfg.required))]
+        defer = np.zeros(table.num_rows, bool)
+        for c in required_src:
+            defer |= table.column(c).is_null().to_numpy(zero_copy_only=False)
+        for c in extras:
+            defer |= table.column(c).is_valid().to_numpy(zero_copy_only=False)
+        if defer.any():
+            slow.extend(seg[defer].tolist())
+            table = table.filter(pa.array(~defer))
+            seg = seg[~defer]
+        table = table.drop_columns(extras)
+        lines = ctx.line_base + seg + 1
+        structured, rejects = structure_table(table, lines, self.cfg, self.file.uri, lambda i: "")
+        assert not rejects, rejects  # the explicit schema guarantees flat, typed, non-null values
+        return structured
+
+    # -- reference path ----------------------------------------------------------------------
+    def _slow(self, ctx: "_Block", rows) -> tuple[pa.Table, list[Reject]]:
+        good, good_lines, rejects = [], [], []
+        for i in rows:
+            raw = ctx.line(i)
+            line_no = ctx.line_base + int(i) + 1
+            body = raw.removeprefix(BOM)
+            try:
+                try:
+                    text = body.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    offset = ctx.offset_base + int(ctx.starts[i]) + (len(raw) - len(body)) + e.start
+                    raise RowError("undecodable", f"invalid UTF-8 byte 0x{body[e.start]:02x} at byte offset "
+                                                  f"{offset} (line {line_no}, column {e.start + 1})")
+                if not text.strip():
+                    continue
+                try:
+                    obj = json.loads(text, strict=False)
+                except ValueError as e:
+                    raise RowError("invalid_json", str(e))
+                good.append(self.structurer(obj))
+                good_lines.append(line_no)
+            except RowError as e:
+                rejects.append(Reject(e.reason, e.detail, line_no, raw_text(raw)))
+        return rows_to_table(good, good_lines, self.file.uri, self.cfg.kind), rejects
+
+
+class _Block:
+    __slots__ = ("block", "starts", "ends", "line_base", "offset_base")
+
+    def __init__(self, block, starts, ends, line_base, offset_base):
+        self.block, self.starts, self.ends = block, starts, ends
+        self.line_base, self.offset_base = line_base, offset_base
+
+    def line(self, i) -> bytes:
+        return self.block[self.starts[i]:self.ends[i]].rstrip(b"\r")

@@ -1,0 +1,121 @@
+"""Per-format readers. Each yields ``(structured table, rejects)`` batches of at most ``batch_rows``
+rows, where the table already has the contract columns (before text cleaning).
+
+Built in: jsonl (+.gz/.zst), parquet, arrow/feather (IPC file or stream), csv. Anything else needs a
+custom reader named in config as ``"module:Class"``: ``Class(cfg)`` with
+``records(stream, source_file) -> Iterator[(line_no, record)]`` where ``record`` is a dict (it goes
+through the same mapping and contract) or a ``RowError`` for input the reader could not parse.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, BinaryIO, Iterator, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+from batchrl.ingest.config import IngestConfig, IngestError
+from batchrl.ingest.discover import InputFile, open_binary
+from batchrl.ingest.jsonl import JsonlReader
+from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
+
+
+class RecordReader(Protocol):
+    def __init__(self, cfg: IngestConfig) -> None: ...
+
+    def records(self, stream: BinaryIO, source_file: str) -> Iterator[tuple[int, Any]]: ...
+
+
+def load_reader(spec: str) -> type:
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"reader must be 'module:Class', got {spec!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def structured_batches(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, list[Reject]]]:
+    if file.format == "jsonl":
+        yield from JsonlReader(file, cfg).batches()
+    elif file.format in ("parquet", "arrow", "csv"):
+        yield from _columnar(file, cfg)
+    elif cfg.reader:
+        reader = load_reader(cfg.reader)(cfg)
+        with open_binary(file, cfg.storage_options) as stream:
+            yield from _records(reader.records(stream, file.uri), file, cfg)
+    else:
+        raise IngestError(file.uri, 0, f"unknown format of {file.uri!r}; name a reader in IngestConfig.reader")
+
+
+def _records(records: Iterator[tuple[int, Any]], file: InputFile, cfg: IngestConfig):
+    """Reference path for record streams (custom readers, nested columnar data)."""
+    structurer = RecordStructurer(cfg)
+    good, lines, rejects, first = [], [], [], True
+    for line_no, record in records:
+        if first and isinstance(record, dict):
+            missing, extra = structurer.check_keys(record)
+            if missing or extra:
+                raise IngestError(file.uri, line_no, "first record does not match the contract", missing, extra)
+        first = False
+        try:
+            if isinstance(record, RowError):
+                raise record
+            good.append(structurer(record))
+            lines.append(line_no)
+        except RowError as e:
+            rejects.append(Reject(e.reason, e.detail, line_no, raw_text(record if not isinstance(record, RowError)
+                                                                         else getattr(record, "raw", ""))))
+        if len(good) + len(rejects) >= cfg.batch_rows:
+            yield rows_to_table(good, lines, file.uri, cfg.kind), rejects
+            good, lines, rejects = [], [], []
+    if good or rejects:
+        yield rows_to_table(good, lines, file.uri, cfg.kind), rejects
+
+
+def _columnar_tables(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, int]]:
+    """(table, first line number) batches; header line numbering: csv 1 = header, columnar rows from 1."""
+    with open_binary(file, cfg.storage_options) as stream:
+        if file.format == "parquet":
+            first = 1
+            for batch in pq.ParquetFile(stream).iter_batches(batch_size=cfg.batch_rows):
+                yield pa.Table.from_batches([batch]), first
+                first += batch.num_rows
+        elif file.format == "arrow":
+            try:
+                reader = ipc.open_file(stream)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:
+                stream.seek(0)
+                batches = iter(ipc.open_stream(stream))
+            first = 1
+            for batch in batches:
+                for start in range(0, batch.num_rows, cfg.batch_rows):
+                    part = batch.slice(start, cfg.batch_rows)
+                    yield pa.Table.from_batches([part]), first
+                    first += part.num_rows
+        else:
+            names = set(cfg.required) | set(cfg.metadata) | set(cfg.field_mapping)
+            text_types = {n: pa.string() for n in names if n != "score" and cfg.field_mapping.get(n) != "score"}
+            reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=cfg.block_bytes),
+                                    convert_options=pacsv.ConvertOptions(column_types=text_types,
+                                                                         strings_can_be_null=False))
+            first = 2  # line 1 is the header
+            for batch in reader:
+                for start in range(0, batch.num_rows, cfg.batch_rows):
+                    part = batch.slice(start, cfg.batch_rows)
+                    yield pa.Table.from_batches([part]), first
+                    first += part.num_rows
+
+
+def _columnar(file: InputFile, cfg: IngestConfig):
+    header_line = 1 if file.format == "csv" else 0
+    nested = cfg.chat_mapping is not None or any("." in k for k in cfg.field_mapping)
+    for table, first in _columnar_tables(file, cfg):
+        lines = np.arange(first, first + table.num_rows, dtype=np.int64)
+        if nested:  # mapping into nested values: per-record reference path
+            yield from _records(zip(lines.tolist(), table.to_pylist()), file, cfg)
+            continue
+        yield structure_table(table, lines, cfg, file.uri, lambda i, t=table: raw_text(t.slice(i, 1).to_pylist()[0]),
+                              header_line=header_line)

@@ -1,0 +1,264 @@
+"""Turn source records into contract-shaped rows: field mapping, chat flattening, flatness and types.
+
+Two paths give the same answer: ``RecordStructurer`` works on one parsed record (a dict) and is the
+reference; ``structure_table`` does the same on a flat Arrow table (columnar inputs, JSONL fast path).
+Both produce the pre-cleaning columns of ``ARROW_SCHEMAS[kind]`` and ``Reject`` entries.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from batchrl.ingest.config import IngestConfig, IngestError
+from batchrl.schemas import ARROW_SCHEMAS
+
+
+@dataclass
+class Reject:
+    reason: str
+    detail: str
+    source_line: int
+    raw: str
+
+
+class RowError(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def raw_text(raw: bytes | str | Any) -> str:
+    if isinstance(raw, bytes):
+        return raw.decode("utf-8", errors="backslashreplace")
+    if isinstance(raw, str):
+        return raw
+    return json.dumps(raw, ensure_ascii=False, default=str, sort_keys=True)
+
+
+def _get_path(obj: dict, path: str) -> tuple[bool, Any]:
+    cur: Any = obj
+    for part in path.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return False, None
+        cur = cur[part]
+    return True, cur
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+class RecordStructurer:
+    """Reference per-record path; raises ``RowError`` with a reason code."""
+
+    def __init__(self, cfg: IngestConfig):
+        self.cfg = cfg
+        self.allowed = set(cfg.required) | set(cfg.metadata)
+        self.mapping = dict(cfg.field_mapping)
+        self.consumed = {p.split(".")[0] for p in self.mapping} | set(cfg.drop_fields)
+        if cfg.chat_mapping and cfg.chat_mapping.messages_field:
+            self.consumed.add(cfg.chat_mapping.messages_field.split(".")[0])
+        self.text_fields = [f for f in cfg.required if f != "score"]
+
+    def check_keys(self, obj: dict) -> tuple[list[str], list[str]]:
+        """(missing, extra) contract fields of a record, after mapping; used for the first-record check."""
+        try:
+            row = self._map(obj)
+        except RowError:
+            return [], []
+        extra = sorted(k for k in obj if k not in self.consumed and k not in self.allowed)
+        missing = [f for f in self.cfg.required if f not in row]
+        return missing, extra
+
+    def _map(self, obj: dict) -> dict:
+        row = {k: v for k, v in obj.items() if k in self.allowed and k not in self.consumed}
+        for path, target in self.mapping.items():
+            found, value = _get_path(obj, path)
+            if found:
+                row[target] = value
+        if self.cfg.chat_mapping is not None:
+            self._flatten_chat(obj, row)
+        return row
+
+    def __call__(self, obj: Any) -> dict:
+        if not isinstance(obj, dict):
+            raise RowError("not_object", f"record is a JSON {type(obj).__name__}, expected an object")
+        extra = sorted(k for k in obj if k not in self.consumed and k not in self.allowed)
+        if extra:
+            raise RowError("extra_field", "extra fields: " + ", ".join(extra))
+        row = self._map(obj)
+        missing = [f for f in self.cfg.required if row.get(f) is None]
+        if missing:
+            raise RowError("missing_field", "missing or null fields: " + ", ".join(missing))
+        out: dict[str, Any] = {}
+        for name in self.text_fields:
+            out[name] = self._text(name, row[name])
+        if "score" in self.cfg.required:
+            score = row["score"]
+            if isinstance(score, (dict, list)):
+                raise RowError("nested_value", "score is an object/list")
+            if isinstance(score, bool) or not isinstance(score, (int, float)):
+                raise RowError("wrong_type", f"score is {type(score).__name__}, expected a number")
+            try:
+                out["score"] = float(score)
+            except OverflowError:
+                out["score"] = math.copysign(math.inf, score)
+        for name in self.cfg.metadata:
+            value = row.get(name)
+            if isinstance(value, (dict, list)):
+                raise RowError("nested_value", f"{name} is an object/list; records must be flat")
+            out[name] = None if value is None else (value if isinstance(value, str) else json.dumps(value))
+        return out
+
+    @staticmethod
+    def _text(name: str, value: Any) -> str:
+        if isinstance(value, (dict, list)):
+            raise RowError("nested_value", f"{name} is an object/list; records must be flat "
+                                           "(configure chat_mapping for message lists)")
+        if not isinstance(value, str):
+            raise RowError("wrong_type", f"{name} is {type(value).__name__}, expected a string")
+        return value
+
+    # chat-style records -------------------------------------------------------------------------
+    def _split_last_assistant(self, name: str, messages: list) -> tuple[list, str]:
+        chat = self.cfg.chat_mapping
+        for i in range(len(messages) - 1, -1, -1):
+            if messages[i].get(chat.role_key) == chat.assistant_role:
+                content = messages[i].get(chat.content_key)
+                if not isinstance(content, str):
+                    raise RowError("wrong_type", f"{name}[{i}].{chat.content_key} is not a string")
+                return messages[:i], content
+        raise RowError("missing_field", f"{name} has no {chat.assistant_role!r} message")
+
+    def _render(self, name: str, turns: list) -> str:
+        chat = self.cfg.chat_mapping
+        parts = []
+        for i, m in enumerate(turns):
+            content = m.get(chat.content_key)
+            if not isinstance(content, str):
+                raise RowError("wrong_type", f"{name}[{i}].{chat.content_key} is not a string")
+            parts.append((m.get(chat.role_key), content))
+        if len(parts) == 1:
+            return parts[0][1]
+        return chat.turn_separator.join(f"{role}: {content}" for role, content in parts)
+
+    def _flatten_chat(self, obj: dict, row: dict) -> None:
+        chat = self.cfg.chat_mapping
+        completions = [f for f in self.text_fields if f != "prompt"]
+        prompt_turns = None
+        if chat.messages_field:
+            found, messages = _get_path(obj, chat.messages_field)
+            if found and _is_messages(messages):
+                if self.cfg.kind == "scored" and row.get("response") is None:
+                    prompt_turns, row["response"] = self._split_last_assistant(chat.messages_field, messages)
+                else:
+                    prompt_turns = messages
+        for name in completions:
+            if _is_messages(row.get(name)):
+                before, row[name] = self._split_last_assistant(name, row[name])
+                if prompt_turns is None and before:
+                    prompt_turns = before
+        if _is_messages(row.get("prompt")):
+            row["prompt"] = self._render("prompt", row["prompt"])
+        elif row.get("prompt") is None and prompt_turns:
+            row["prompt"] = self._render("prompt", prompt_turns)
+
+
+def rows_to_table(rows: list[dict], lines: list[int], source_file: str, kind: str) -> pa.Table:
+    schema = ARROW_SCHEMAS[kind]
+    cols = {}
+    for f in schema:
+        if f.name == "source_file":
+            cols[f.name] = pa.array([source_file] * len(rows), f.type)
+        elif f.name == "source_line":
+            cols[f.name] = pa.array(lines, f.type)
+        else:
+            cols[f.name] = pa.array([r.get(f.name) for r in rows], f.type)
+    return pa.table(cols, schema=schema)
+
+
+def _to_float(value: str | None) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _nested(t: pa.DataType) -> bool:
+    return pa.types.is_nested(t)
+
+
+def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, source_file: str,
+                    raw_of: Callable[[int], str], header_line: int = 1) -> tuple[pa.Table, list[Reject]]:
+    """Vectorised structure check of a flat table whose column names are source field names.
+
+    Missing or extra *columns* are a file-level contract error (``IngestError``); bad *values*
+    (null, nested, wrong type) quarantine the row.
+    """
+    renames = {src: dst for src, dst in cfg.field_mapping.items() if "." not in src}
+    table = table.drop_columns([c for c in table.column_names if c in cfg.drop_fields])
+    table = table.rename_columns([renames.get(c, c) for c in table.column_names])
+    allowed = set(cfg.required) | set(cfg.metadata)
+    missing = [f for f in cfg.required if f not in table.column_names]
+    extra = sorted(c for c in table.column_names if c not in allowed)
+    if missing or extra:
+        raise IngestError(source_file, header_line, "columns do not match the contract", missing, extra)
+    n = table.num_rows
+    reason = np.full(n, None, dtype=object)
+    detail = np.full(n, None, dtype=object)
+
+    def flag(mask: np.ndarray, code: str, text: str) -> None:
+        hit = mask & (reason == None)  # noqa: E711 (element-wise)
+        reason[hit], detail[hit] = code, text
+
+    out = {}
+    for f in ARROW_SCHEMAS[cfg.kind]:
+        name = f.name
+        if name in ("source_file", "source_line"):
+            continue
+        if name not in table.column_names:
+            out[name] = pa.nulls(n, f.type)
+            continue
+        col = table.column(name)
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        valid = col.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, bool)
+        required = name in cfg.required
+        if required:
+            flag(~valid, "missing_field", f"missing or null fields: {name}")
+        if _nested(col.type):
+            flag(valid, "nested_value", f"{name} is an object/list; records must be flat")
+            out[name] = pa.nulls(n, f.type)
+        elif name == "score":
+            if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_decimal(col.type):
+                out[name] = col.cast(pa.float64())
+            elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):  # e.g. CSV text
+                parsed = [_to_float(v) for v in col.to_pylist()]
+                flag(valid & np.array([p is None for p in parsed], bool), "wrong_type", "score is not a number")
+                out[name] = pa.array(parsed, pa.float64())
+            else:
+                flag(valid, "wrong_type", f"score is {col.type}, expected a number")
+                out[name] = pa.nulls(n, f.type)
+        elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            out[name] = col.cast(pa.string())
+        elif required:
+            flag(valid, "wrong_type", f"{name} is {col.type}, expected a string")
+            out[name] = pa.nulls(n, f.type)
+        else:  # metadata: numbers, timestamps, booleans are kept as their string form
+            out[name] = col.cast(pa.string())
+    out["source_file"] = pa.array([source_file] * n, pa.string())
+    out["source_line"] = pa.array(lines, pa.int64())
+    result = pa.table(out, schema=ARROW_SCHEMAS[cfg.kind])
+    bad = np.flatnonzero(reason != None)  # noqa: E711
+    rejects = [Reject(reason[i], detail[i], int(lines[i]), raw_of(int(i))) for i in bad]
+    if len(bad):
+        keep = np.ones(n, bool)
+        keep[bad] = False
+        result = result.filter(pa.array(keep))
+    return result, rejects

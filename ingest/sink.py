@@ -1,0 +1,116 @@
+"""Deterministic, atomic Parquet output to a local folder or an object store.
+
+Row groups have a fixed size (``row_group_rows``) whatever the input batching, so the same rows give
+the same bytes. The file is written to a local temporary path first; locally it is renamed into place,
+on an object store it is uploaded in one ``put`` (readers never see a partial file). Its sha256 is the
+data version.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrl.fsutil import filesystem_for, is_local, join
+from batchrl.schemas import QUARANTINE_ARROW
+
+DICTIONARY_COLUMNS = {"category", "source", "source_file", "reason", "timestamp"}
+
+
+class ParquetSink:
+    def __init__(self, out_dir: str, name: str, schema: pa.Schema, row_group_rows: int = 65536,
+                 compression: str = "zstd", storage_options: dict | None = None):
+        self.fs, self.dir_path = filesystem_for(out_dir, storage_options)
+        self.uri = join(out_dir, name)
+        self.path = join(self.dir_path, name)
+        self.schema, self.row_group_rows = schema, row_group_rows
+        self.local = is_local(self.fs)
+        if self.local:
+            os.makedirs(self.dir_path, exist_ok=True)
+            self.tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
+        else:
+            fd, self.tmp = tempfile.mkstemp(suffix=".parquet")
+            os.close(fd)
+        low_cardinality = [n for n in schema.names if n in DICTIONARY_COLUMNS]
+        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression, write_statistics=True,
+                                       store_schema=True, use_dictionary=low_cardinality)
+        self.pending: list[pa.Table] = []
+        self.pending_rows = 0
+        self.rows = 0
+        self.sha256 = ""
+        self.size = 0
+
+    def write(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        self.pending.append(table.select(self.schema.names).cast(self.schema))
+        self.pending_rows += table.num_rows
+        self.rows += table.num_rows
+        while self.pending_rows >= self.row_group_rows:
+            self._flush(self.row_group_rows)
+
+    def _flush(self, n: int) -> None:
+        merged = pa.concat_tables(self.pending)
+        # one contiguous chunk per column: page boundaries must not depend on input batching
+        self.writer.write_table(merged.slice(0, n).combine_chunks(), row_group_size=n)
+        rest = merged.slice(n)
+        self.pending = [rest] if rest.num_rows else []
+        self.pending_rows = rest.num_rows
+
+    def close(self) -> str:
+        if self.pending_rows:
+            self._flush(self.pending_rows)
+        self.writer.close()
+        h = hashlib.sha256()
+        with open(self.tmp, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        self.sha256, self.size = h.hexdigest(), os.path.getsize(self.tmp)
+        if self.local:
+            os.replace(self.tmp, self.path)
+        else:
+            self.fs.put_file(self.tmp, self.path)
+            os.unlink(self.tmp)
+        return self.uri
+
+    def abort(self) -> None:
+        try:
+            self.writer.close()
+        finally:
+            if os.path.exists(self.tmp):
+                os.unlink(self.tmp)
+
+
+class QuarantineSink(ParquetSink):
+    """quarantine.parquet: reason, detail, source_file, source_line, raw."""
+
+    def __init__(self, out_dir: str, cfg, name: str = "quarantine.parquet"):
+        super().__init__(out_dir, name, QUARANTINE_ARROW, cfg.row_group_rows, cfg.compression, cfg.storage_options)
+
+    def add(self, rejects, source_file: str | None = None) -> None:
+        if not rejects:
+            return
+        self.write(pa.table({
+            "reason": [r.reason for r in rejects],
+            "detail": [r.detail for r in rejects],
+            "source_file": [source_file if source_file is not None else getattr(r, "source_file", None)
+                            for r in rejects],
+            "source_line": pa.array([r.source_line for r in rejects], pa.int64()),
+            "raw": [r.raw for r in rejects],
+        }, schema=QUARANTINE_ARROW))
+
+    def add_table(self, table: pa.Table) -> None:
+        self.write(table)
+
+
+def read_parquet_batches(uri: str, batch_rows: int, storage_options: dict | None = None, columns=None):
+    """Stream record batches of one Parquet file (local or object store)."""
+    fs, path = filesystem_for(uri, storage_options)
+    with fs.open(path, "rb") as f:
+        pf = pq.ParquetFile(f)
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            yield pa.Table.from_batches([batch])

@@ -1,0 +1,232 @@
+"""validate_preferences / validate_scored: the pandera contract, long-prompt filter and exact dedupe.
+
+Per batch (vectorised): content key -> pandera contract (check names are reason codes) -> prompt
+token filter -> dedupe against every earlier row (first occurrence in input order wins). Content key:
+DuckDB ``hash()`` over the contract fields (64 bits, pinned DuckDB => stable); ``id`` when absent is
+the 128-bit hex of two such hashes. Quarantined and duplicate rows go to quarantine.parquet with
+``raw`` = the cleaned record as JSON (its origin is ``source_file``/``source_line``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterator
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pandera.pandas as pandera
+
+from batchrl.fsutil import filesystem_for, join
+from batchrl.ingest.config import IngestConfig, StageReport
+from batchrl.ingest.sink import ParquetSink, QuarantineSink, read_parquet_batches
+from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, TEXT_FIELDS, to_pandas
+
+#: contract fields hashed for the content key, per kind
+KEY_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response", "score")}
+REASON_ORDER = ("empty_field", "non_finite_score", "chosen_equals_rejected", "prompt_too_long")
+
+
+class SeenKeys:
+    """Set of 64-bit keys as sorted numpy runs merged like an LSM tree: 8 bytes per unique row."""
+
+    def __init__(self) -> None:
+        self.runs: list[np.ndarray] = []
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        hit = np.zeros(len(keys), bool)
+        for run in self.runs:
+            idx = np.minimum(np.searchsorted(run, keys), len(run) - 1)
+            hit |= run[idx] == keys
+        return hit
+
+    def add(self, keys: np.ndarray) -> None:
+        if len(keys):
+            self.runs.append(np.unique(keys))
+        while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+            last = self.runs.pop()
+            self.runs[-1] = np.union1d(self.runs[-1], last)
+
+
+class PromptLength:
+    """Token count of prompts with the configured tokenizer (HF tokenizers fast batch encode);
+    without ``tokenizer_path`` it counts whitespace-separated words."""
+
+    def __init__(self, tokenizer_path: str | None):
+        self.tokenizer = None
+        if tokenizer_path:
+            from tokenizers import Tokenizer
+
+            fs, path = filesystem_for(tokenizer_path)
+            if fs.isdir(path):
+                path = join(path, "tokenizer.json")
+            with fs.open(path, "rb") as f:
+                self.tokenizer = Tokenizer.from_str(f.read().decode("utf-8"))
+
+    def __call__(self, prompts: pa.Array) -> np.ndarray:
+        if self.tokenizer is None:
+            return pc.list_value_length(pc.utf8_split_whitespace(prompts)).to_numpy(zero_copy_only=False)
+        enc = self.tokenizer.encode_batch(prompts.to_pylist(), add_special_tokens=False)
+        return np.array([len(e.ids) for e in enc], np.int64)
+
+
+def cleaned_files(cleaned_dir: str, storage_options: dict | None = None, stem: str = "cleaned") -> list[str]:
+    """``cleaned_dir`` may be a Parquet file or a folder with ``{stem}.parquet`` / ``{stem}-NNNNN.parquet``."""
+    fs, path = filesystem_for(cleaned_dir, storage_options)
+    if fs.isfile(path):
+        return [cleaned_dir]
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    picked = [n for n in names if n == f"{stem}.parquet" or (n.startswith(f"{stem}-") and n.endswith(".parquet"))]
+    if not picked:
+        raise FileNotFoundError(f"no {stem}.parquet under {cleaned_dir}")
+    return [join(cleaned_dir, n) for n in picked]
+
+
+class ContractValidator:
+    """Streaming contract + filters + dedupe for one kind; shared by validate_* and scored_to_pairs."""
+
+    def __init__(self, kind: str, cfg: IngestConfig):
+        self.kind, self.cfg = kind, cfg
+        self.schema = PANDERA_SCHEMAS[kind]
+        self.seen = SeenKeys()
+        self.length = PromptLength(cfg.tokenizer_path) if cfg.max_prompt_tokens else None
+        self.con = duckdb.connect(config={"threads": 2})
+        key = ", ".join(KEY_FIELDS[kind])
+        self.key_sql = (f"SELECT hash({key}) AS k, lower(lpad(to_hex(hash({key})), 16, '0') || "
+                        f"lpad(to_hex(hash({key}, 'batchrl.id')), 16, '0')) AS cid FROM contract_batch")
+
+    def process(self, table: pa.Table) -> tuple[pa.Table, pa.Table, int]:
+        """-> (valid rows, quarantine rows incl. duplicates, number of duplicates)."""
+        n = table.num_rows
+        self.con.register("contract_batch", table)
+        hashed = self.con.sql(self.key_sql).to_arrow_table()
+        self.con.unregister("contract_batch")
+        key = hashed.column("k").to_numpy()
+        table = table.set_column(0, "id", pc.coalesce(table.column("id"), hashed.column("cid")))
+        reason = np.full(n, None, dtype=object)
+        detail = np.full(n, None, dtype=object)
+        for code, rows, text in self._contract_failures(table):
+            free = rows[reason[rows] == None]  # noqa: E711
+            reason[free], detail[free] = code, text
+        if self.length is not None:
+            ok = np.flatnonzero(reason == None)  # noqa: E711
+            if len(ok):
+                lengths = self.length(table.column("prompt").take(pa.array(ok)).combine_chunks())
+                long_rows = ok[lengths > self.cfg.max_prompt_tokens]
+                reason[long_rows] = "prompt_too_long"
+                detail[long_rows] = [f"prompt has {t} tokens > {self.cfg.max_prompt_tokens}"
+                                     for t in lengths[lengths > self.cfg.max_prompt_tokens]]
+        ok = np.flatnonzero(reason == None)  # noqa: E711
+        dup = np.zeros(len(ok), bool)
+        if len(ok):
+            ok_keys = key[ok]
+            _, first = np.unique(ok_keys, return_index=True)
+            dup = np.ones(len(ok), bool)
+            dup[first] = False
+            dup |= self.seen.contains(ok_keys)
+            self.seen.add(ok_keys[~dup])
+            reason[ok[dup]] = "duplicate"
+            detail[ok[dup]] = [f"content key {k:016x}" for k in ok_keys[dup]]
+        keep = reason == None  # noqa: E711
+        bad = np.flatnonzero(~keep)
+        return table.filter(pa.array(keep)), self._quarantine_rows(table, bad, reason, detail), int(dup.sum())
+
+    def _contract_failures(self, table: pa.Table) -> Iterator[tuple[str, np.ndarray, str]]:
+        try:
+            self.schema.validate(to_pandas(table), lazy=True)
+            return
+        except pandera.errors.SchemaErrors as err:
+            cases = err.failure_cases
+        by_check: dict[str, dict[int, set]] = {}
+        for check, column, index in zip(cases["check"], cases["column"], cases["index"]):
+            if index is None or (isinstance(index, float) and np.isnan(index)):
+                raise ValueError(f"{self.kind} contract: column-level failure {check} on {column}")
+            by_check.setdefault(str(check), {}).setdefault(int(index), set()).add(str(column))
+        for code in REASON_ORDER:
+            hits = by_check.pop(code, {})
+            for row, cols in sorted(hits.items()):
+                text = "chosen == rejected" if code == "chosen_equals_rejected" else f"{code}: {', '.join(sorted(cols))}"
+                yield code, np.array([row], np.int64), text
+        for check, hits in by_check.items():  # any other check: name it
+            yield "wrong_type", np.array(sorted(hits), np.int64), f"pandera check {check}"
+
+    @staticmethod
+    def _quarantine_rows(table: pa.Table, bad: np.ndarray, reason, detail) -> pa.Table:
+        if not len(bad):
+            return QUARANTINE_ARROW.empty_table()
+        rows = table.take(pa.array(bad))
+        records = rows.drop_columns(["source_file", "source_line"]).to_pylist()
+        return pa.table({
+            "reason": pa.array(reason[bad].tolist(), pa.string()),
+            "detail": pa.array(detail[bad].tolist(), pa.string()),
+            "source_file": rows.column("source_file"),
+            "source_line": rows.column("source_line"),
+            "raw": pa.array([json.dumps(r, ensure_ascii=False, sort_keys=True) for r in records], pa.string()),
+        }, schema=QUARANTINE_ARROW)
+
+
+def run_contract(batches: Iterator, out_dir: str, cfg: IngestConfig, kind: str, out_name: str,
+                 stage: str, report: StageReport | None = None) -> StageReport:
+    start = time.perf_counter()
+    report = report or StageReport(stage)
+    validator = ContractValidator(kind, cfg)
+    sink = ParquetSink(out_dir, out_name, ARROW_SCHEMAS[kind], cfg.row_group_rows, cfg.compression,
+                       cfg.storage_options)
+    quarantine = QuarantineSink(out_dir, cfg)
+    try:
+        for item in batches:  # a table, or (table, rows already quarantined upstream)
+            table, upstream = item if isinstance(item, tuple) else (item, None)
+            if upstream is not None and upstream.num_rows:
+                report.rows_in += upstream.num_rows
+                report.quarantined += upstream.num_rows
+                quarantine.write(upstream)
+                for code in upstream.column("reason").to_pylist():
+                    report.count(code)
+            report.rows_in += table.num_rows
+            if not table.num_rows:
+                continue
+            valid, rejected, dups = validator.process(table.select(ARROW_SCHEMAS[kind].names))
+            sink.write(valid)
+            quarantine.write(rejected)
+            report.valid += valid.num_rows
+            report.duplicates += dups
+            report.quarantined += rejected.num_rows - dups
+            for code, count in zip(*np.unique(rejected.column("reason").to_numpy(zero_copy_only=False),
+                                              return_counts=True)) if rejected.num_rows else []:
+                report.count(str(code), int(count))
+        report.outputs.update({out_name.removesuffix(".parquet"): sink.close(), "quarantine": quarantine.close()})
+    except BaseException:
+        sink.abort()
+        quarantine.abort()
+        raise
+    report.content_hash = sink.sha256
+    report.bytes_out = sink.size + quarantine.size
+    report.seconds = time.perf_counter() - start
+    report.extra.setdefault("kind", kind)
+    return report
+
+
+def _validate(cleaned_dir: str, out_dir: str, cfg: IngestConfig, kind: str, out_name: str, stage: str):
+    cfg = (cfg or IngestConfig()).model_copy(update={"kind": kind})
+    files = cleaned_files(cleaned_dir, cfg.storage_options)
+
+    def batches():
+        for uri in files:
+            yield from read_parquet_batches(uri, cfg.batch_rows, cfg.storage_options)
+
+    report = run_contract(batches(), out_dir, cfg, kind, out_name, stage)
+    report.bytes_in = sum(filesystem_for(f, cfg.storage_options)[0].size(filesystem_for(f, cfg.storage_options)[1])
+                          for f in files)
+    report.extra["inputs"] = files
+    return report
+
+
+def validate_preferences(cleaned_dir: str, out_dir: str, cfg: IngestConfig | None = None) -> StageReport:
+    """cleaned.parquet -> preferences.parquet + quarantine.parquet (see module doc)."""
+    return _validate(cleaned_dir, out_dir, cfg, "preference", "preferences.parquet", "validate_preferences")
+
+
+def validate_scored(cleaned_dir: str, out_dir: str, cfg: IngestConfig | None = None) -> StageReport:
+    """cleaned.parquet of scored logs -> scored.parquet + quarantine.parquet."""
+    return _validate(cleaned_dir, out_dir, cfg, "scored", "scored.parquet", "validate_scored")
