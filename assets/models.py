@@ -15,8 +15,9 @@ class BaseModelConfig(dg.Config):
 
     model_path: str | None = None
     vocab_size: int = 1024
-    hidden_size: int = 128
-    num_layers: int = 2
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_layers: int = 4
     seed: int = 0
 
 
@@ -46,8 +47,8 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, valid
             prefs = read_parquet_in(storage, validated_preferences, "preferences.parquet")
             texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"],
                      *read_parquet_in(storage, prompts, "prompts.parquet")["prompt"]]
-            info = build_tiny_model(texts, staging, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                                    num_layers=config.num_layers, seed=config.seed)
+            dims = config.model_dump(exclude={"model_path"})
+            info = build_tiny_model(texts, staging, **dims)
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
                        inputs={"validated_preferences": validated_preferences, "prompts": prompts},
                        metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
