@@ -83,6 +83,7 @@ class IngestConfig(BaseModel):
     reject_threshold: float = 0.05
     pair_min_margin: float = 0.0
     compression: str = "zstd"
+    fast_json: bool = True  # False forces the per-line reference JSONL path (debugging, equivalence tests)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @property

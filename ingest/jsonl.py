@@ -30,7 +30,7 @@ class JsonlReader:
     def __init__(self, file: InputFile, cfg: IngestConfig):
         self.file, self.cfg = file, cfg
         self.structurer = RecordStructurer(cfg)
-        self.fast = cfg.chat_mapping is None and not any("." in k for k in cfg.field_mapping)
+        self.fast = cfg.fast_json and cfg.chat_mapping is None and not any("." in k for k in cfg.field_mapping)
         source = {dst: src for src, dst in cfg.field_mapping.items()}
         fields = []
         for name in cfg.required + cfg.metadata:

@@ -25,7 +25,8 @@ from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, TE
 
 #: contract fields hashed for the content key, per kind
 KEY_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response", "score")}
-REASON_ORDER = ("empty_field", "non_finite_score", "chosen_equals_rejected", "prompt_too_long")
+CHECK_ALIASES = {"not_nullable": "missing_field"}
+REASON_ORDER = ("missing_field", "empty_field", "non_finite_score", "chosen_equals_rejected", "prompt_too_long")
 
 
 class SeenKeys:
@@ -142,7 +143,8 @@ class ContractValidator:
         for check, column, index in zip(cases["check"], cases["column"], cases["index"]):
             if index is None or (isinstance(index, float) and np.isnan(index)):
                 raise ValueError(f"{self.kind} contract: column-level failure {check} on {column}")
-            by_check.setdefault(str(check), {}).setdefault(int(index), set()).add(str(column))
+            check = CHECK_ALIASES.get(str(check), str(check))
+            by_check.setdefault(check, {}).setdefault(int(index), set()).add(str(column))
         for code in REASON_ORDER:
             hits = by_check.pop(code, {})
             for row, cols in sorted(hits.items()):

@@ -65,7 +65,9 @@ ScoredSchema = pa.DataFrameSchema(
         "id": _text(),
         "prompt": _text(checks=[_non_empty()]),
         "response": _text(checks=[_non_empty()]),
-        "score": pa.Column("float64", checks=[pa.Check(lambda s: np.isfinite(s), name="non_finite_score")]),
+        # NaN is "null" to pandas: let the finite check (ignore_na=False) name it
+        "score": pa.Column("float64", nullable=True,
+                           checks=[pa.Check(lambda s: np.isfinite(s), name="non_finite_score", ignore_na=False)]),
         **_META_COLUMNS,
     },
     strict=True,

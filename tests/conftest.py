@@ -1,0 +1,48 @@
+"""Shared fixtures. ``s3_server``: a real S3 API (moto server) on 127.0.0.1 for the whole session.
+
+Use it with ``storage_options={"client_kwargs": {"endpoint_url": s3_server}}`` (no region_name there:
+moto's bucket creation fails with it; the region comes from AWS_DEFAULT_REGION, set here).
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    from moto.server import ThreadedMotoServer
+
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_options(s3_server):
+    """storage_options for s3fs against the session's moto server (fresh instance cache per test)."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    return {"client_kwargs": {"endpoint_url": s3_server}}
