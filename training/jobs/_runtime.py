@@ -64,6 +64,8 @@ class Reporter:
         self.pipes = pipes
 
     def log(self, message: str) -> None:
+        if not is_rank0():
+            return
         if self.pipes is not None:
             self.pipes.log.info(message)
         else:
@@ -89,9 +91,10 @@ class Reporter:
 
 @contextlib.contextmanager
 def reporter() -> Iterator[Reporter]:
-    from dagster_pipes import is_dagster_pipes_process, open_dagster_pipes
+    from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
-    if is_dagster_pipes_process():
+    # one Pipes writer per job: under a multi-GPU launcher only rank 0 reports
+    if is_rank0() and PipesEnvVarParamsLoader().is_dagster_pipes_process():
         with open_dagster_pipes() as pipes:
             yield Reporter(pipes)
     else:

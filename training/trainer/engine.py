@@ -12,6 +12,9 @@ from typing import Any
 import torch
 
 
+_ENV_OWNER = "BATCHRL_DIST_ENV_PID"  # marks rendezvous variables we set ourselves
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -21,13 +24,18 @@ def _free_port() -> int:
 def ensure_single_process_env() -> None:
     """Set the rendezvous variables DeepSpeed needs when not started by deepspeed/torchrun.
 
-    Under a launcher these are already set and left untouched.
+    Under a launcher these are already set and left untouched. Values this function set in a
+    parent process (inherited by a job it started) are replaced: the parent's port is taken.
     """
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    owner = os.environ.get(_ENV_OWNER)
+    if owner is not None and owner != str(os.getpid()):
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:
+        return
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()))
+    os.environ[_ENV_OWNER] = str(os.getpid())
 
 
 def use_cuda() -> bool:

@@ -1,0 +1,116 @@
+"""Trainer jobs as real subprocesses: under Dagster Pipes, standalone, and killed then resumed."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import dagster as dg
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from batchrl.training.jobs import job_command
+from batchrl.training.tiny_model import build_tiny_model
+from batchrl.training.trainer.config import DPOConfig
+from batchrl.training.trainer.dpo import train_dpo
+from batchrl.training.trainer.reference import compute_reference_logprobs
+
+ARITH = [json.loads(line) for line in open("sample_data/arith/train.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobs")
+    build_tiny_model([r["prompt"] + " " + r["answer"] for r in ARITH], str(root / "base"), seed=0,
+                     hidden_size=64, intermediate_size=128)
+    pairs = [{"id": r["id"], "prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + 2)}
+             for r in ARITH[:32]]
+    pd.DataFrame(pairs).to_parquet(root / "pairs.parquet")
+    return {"pairs_parquet": str(root / "pairs.parquet"), "model_path": str(root / "base"), "root": root}
+
+
+def _write_config(path, **config):
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_jobs_under_dagster_pipes(inputs, tmp_path):
+    ref_cfg = _write_config(tmp_path / "ref.json", model_path=inputs["model_path"], pairs_parquet=inputs["pairs_parquet"],
+                            out_parquet=str(tmp_path / "ref" / "reference_logprobs.parquet"), max_length=64)
+    dpo_cfg = _write_config(tmp_path / "dpo.json", trainer={"epochs": 2, "micro_batch_size": 8, "save_every": 2},
+                            pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"],
+                            reference_parquet=str(tmp_path / "ref" / "reference_logprobs.parquet"),
+                            out_dir=str(tmp_path / "dpo"))
+
+    @dg.asset
+    def reference_logprobs(context: dg.AssetExecutionContext, pipes: dg.PipesSubprocessClient):
+        return pipes.run(context=context, command=job_command("reference_logprobs", ref_cfg)).get_materialize_result()
+
+    @dg.asset(deps=[reference_logprobs])
+    def dpo_checkpoint(context: dg.AssetExecutionContext, pipes: dg.PipesSubprocessClient):
+        return pipes.run(context=context, command=job_command("train_dpo", dpo_cfg)).get_materialize_result()
+
+    result = dg.materialize([reference_logprobs, dpo_checkpoint], resources={"pipes": dg.PipesSubprocessClient()})
+    assert result.success
+    ref_meta = result.asset_materializations_for_node("reference_logprobs")[-1].metadata
+    assert ref_meta["num_pairs"].value == 32
+    mat = result.asset_materializations_for_node("dpo_checkpoint")[-1]
+    meta = {k: v.value for k, v in mat.metadata.items()}
+    assert meta["global_step"] == 8 and meta["margin_after"] > meta["margin_before"]
+    assert len(meta["loss_curve"]) == 8 and "final/rewards/accuracies" in meta
+    assert mat.tags["dagster/data_version"] == meta["content_hash"]
+    assert os.path.exists(meta["model_dir"] + "/model.safetensors")
+    logs = [e.message for e in result.all_events if e.event_type_value == "LOGS_CAPTURED" or e.message]
+    assert logs
+
+
+def test_job_runs_standalone_and_prints_json(inputs, tmp_path):
+    ref = tmp_path / "ref.parquet"
+    compute_reference_logprobs(inputs["model_path"], inputs["pairs_parquet"], str(ref), max_length=64)
+    cfg = _write_config(tmp_path / "dpo.json", trainer={"epochs": 1, "micro_batch_size": 16},
+                        pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"],
+                        reference_parquet=str(ref), out_dir=str(tmp_path / "out"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
+    proc = subprocess.run(job_command("train_dpo", cfg, num_gpus=1), capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    steps = [line for line in lines if "step" in line]
+    assert [s["step"] for s in steps] == [1, 2] and all("loss" in s for s in steps)
+    final = [line for line in lines if "materialization" in line][-1]
+    assert final["materialization"]["global_step"] == 2 and len(final["data_version"]) == 64
+
+
+def test_killed_job_resumes_to_the_uninterrupted_result(inputs, tmp_path):
+    ref = tmp_path / "ref.parquet"
+    compute_reference_logprobs(inputs["model_path"], inputs["pairs_parquet"], str(ref), max_length=64)
+    trainer = {"epochs": 10, "micro_batch_size": 8, "save_every": 1, "lr": 1e-3}
+    kw = dict(pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"], reference_parquet=str(ref))
+    full = train_dpo(DPOConfig(**trainer), out_dir=str(tmp_path / "full"), **kw)
+
+    cfg = _write_config(tmp_path / "dpo.json", trainer=trainer, out_dir=str(tmp_path / "cut"), **kw)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
+    proc = subprocess.Popen(job_command("train_dpo", cfg, num_gpus=1), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = tmp_path / "cut" / "checkpoints" / "latest"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and int(latest.read_text().split("_")[1]) >= 3:
+            proc.send_signal(signal.SIGKILL)  # no cleanup, possibly in the middle of a save
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "job finished before it could be killed"
+    assert not (tmp_path / "cut" / "model").exists()
+
+    rerun = subprocess.run(job_command("train_dpo", cfg, num_gpus=1), env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    final = [json.loads(x) for x in rerun.stdout.splitlines() if x.startswith('{"materialization"')][-1]
+    meta = final["materialization"]
+    assert meta["resumed_from_step"] >= 3 and meta["global_step"] == full["global_step"] == 40
+    assert meta["loss_curve"] == pytest.approx(full["loss_curve"], abs=1e-6)
+    a, b = load_file(tmp_path / "full" / "model" / "model.safetensors"), load_file(tmp_path / "cut" / "model" / "model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
