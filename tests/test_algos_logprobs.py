@@ -111,3 +111,5 @@ def test_argument_validation():
         token_logprobs_from_hidden(h, w, labels, chunk_size=0)
     with pytest.raises(ValueError, match="rows"):
         token_logprobs_from_hidden(h, w, labels[:, :-1])
+    with pytest.raises(ValueError, match="lm_head_weight is torch.bfloat16"):
+        token_logprobs_from_hidden(h, w.bfloat16(), labels)

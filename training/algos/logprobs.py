@@ -159,6 +159,8 @@ def token_logprobs_from_hidden(
         raise ValueError("chunk_size must be > 0")
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
+    if hidden.dtype != lm_head_weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} but lm_head_weight is {lm_head_weight.dtype}")
     lead_shape = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).to(torch.long)
