@@ -55,7 +55,9 @@ def deepspeed_config(cfg: Any) -> dict:
         "gradient_accumulation_steps": cfg.grad_accum,
         "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world,
         "gradient_clipping": cfg.max_grad_norm,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": {"stage": cfg.zero_stage,
+                              # full weights for the HF export are gathered on save under ZeRO-3
+                              "stage3_gather_16bit_weights_on_model_save": cfg.zero_stage == 3},
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "steps_per_print": 10**9,

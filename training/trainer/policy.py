@@ -137,6 +137,8 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
                 loss = pg_loss
                 parts = {"pg_loss": pg_loss.item(), **{k: float(v) for k, v in pg_metrics.items()},
                          "entropy": float(masked_mean(entropy.detach(), mask))}
+                if is_weights is not None:
+                    parts["rollout_is_weight_mean"] = float(masked_mean(is_weights, mask))
                 if "ref" in fixed:
                     ref = _pad_floats([fixed["ref"][i] for i in idx], R).to(loop.device)
                     kl = agg_loss(kl_penalty(logp, ref, cfg.kl_type), mask, cfg.loss_agg_mode)
