@@ -109,3 +109,8 @@ def test_evaluation_compares_all_models(pipeline):
     with open(os.path.join(latest_metadata(instance, "evaluation")["uri"], "evaluation.json")) as f:
         report = json.load(f)
     assert set(report) == {"base_model", "policy_checkpoint", "dpo_checkpoint"}
+    # the base model is the DPO reference: its log-ratio margin is zero up to float noise
+    assert abs(report["base_model"]["logratio_margin"]) < 1e-3
+    # DPO moved the chosen-vs-rejected log-ratio margin on the pairs it trained on
+    assert report["dpo_checkpoint"]["logratio_margin"] > 1.0
+    assert report["dpo_checkpoint"]["logratio_accuracy"] > 0.7

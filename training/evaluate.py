@@ -7,6 +7,9 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 - ``preference_accuracy`` = mean 1[log pi(chosen|x) > log pi(rejected|x)] and
   ``preference_margin`` = mean (log pi(chosen|x) - log pi(rejected|x)), log-probs summed over the
   completion tokens (eos included), the DPO convention;
+- with reference log-probs for the same pairs: ``logratio_margin`` = mean of
+  ``(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))`` (DPO's implicit reward margin over beta) and
+  ``logratio_accuracy`` = fraction of pairs where it is positive;
 - ``rm_mean_score`` = mean RM score of the greedy responses, when an RM folder is given.
 """
 from __future__ import annotations
@@ -79,8 +82,10 @@ def evaluate_policy(
     batch_size: int = 32,
     max_length: int = 256,
     num_examples: int = 5,
+    reference: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
-    """Evaluate the causal LM in ``model_path`` (CPU, float32, greedy decoding); see the module doc."""
+    """Evaluate the causal LM in ``model_path`` (CPU, float32, greedy decoding); see the module doc.
+    ``reference`` (rows aligned with ``pairs``) holds ``ref_chosen_logp`` and ``ref_rejected_logp``."""
     engine = TransformersRolloutEngine(model_path, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=batch_size)
     results: dict[str, Any] = {}
     samples: list[dict] = []
@@ -104,6 +109,12 @@ def evaluate_policy(
             preference_accuracy=float((margin > 0).double().mean()),
             preference_margin=float(margin.mean()),
         )
+        if reference is not None:
+            ref_margin = torch.tensor((reference["ref_chosen_logp"] - reference["ref_rejected_logp"]).to_numpy(),
+                                      dtype=torch.float64)
+            logratio = margin - ref_margin
+            results.update(logratio_margin=float(logratio.mean()),
+                           logratio_accuracy=float((logratio > 0).double().mean()))
     if reward_model_path and samples:
         scores = score_with_reward_model(reward_model_path, [s["prompt"] for s in samples],
                                          [s["response"] for s in samples], batch_size=batch_size, max_length=max_length)
