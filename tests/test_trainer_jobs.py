@@ -114,3 +114,23 @@ def test_killed_job_resumes_to_the_uninterrupted_result(inputs, tmp_path):
     assert meta["loss_curve"] == pytest.approx(full["loss_curve"], abs=1e-6)
     a, b = load_file(tmp_path / "full" / "model" / "model.safetensors"), load_file(tmp_path / "cut" / "model" / "model.safetensors")
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+def test_two_rank_data_parallel_matches_one_process(inputs, tmp_path):
+    """torchrun with 2 CPU ranks (gloo), micro-batch 4 each == one process with micro-batch 8."""
+    ref = tmp_path / "ref.parquet"
+    compute_reference_logprobs(inputs["model_path"], inputs["pairs_parquet"], str(ref), max_length=64)
+    kw = dict(pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"], reference_parquet=str(ref))
+    single = train_dpo(DPOConfig(epochs=1, micro_batch_size=8), out_dir=str(tmp_path / "one"), **kw)
+    cfg = _write_config(tmp_path / "dp.json", trainer={"epochs": 1, "micro_batch_size": 4}, out_dir=str(tmp_path / "two"), **kw)
+    # this process's own rendezvous variables (set by the in-process run above) are inherited on purpose
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
+    proc = subprocess.run(job_command("train_dpo", cfg, num_gpus=2), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"materialization"')]
+    assert len(final) == 1  # only rank 0 reports
+    meta = final[0]["materialization"]
+    assert meta["loss_curve"] == pytest.approx(single["loss_curve"], abs=1e-5)
+    assert meta["margin_after"] == pytest.approx(single["margin_after"], abs=1e-4)
+    ckpt = tmp_path / "two" / "checkpoints" / "step_00000004"
+    assert (ckpt / "rng_rank0.pt").exists() and (ckpt / "rng_rank1.pt").exists()

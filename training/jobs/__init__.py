@@ -8,24 +8,21 @@ otherwise, so the same command runs by hand, under Pipes, or in a GPU pod (Pipes
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 JOBS = ("train_dpo", "train_policy", "reference_logprobs")
 
 
 def job_command(job_name: str, config_path: str, num_gpus: int | None = None) -> list[str]:
-    """Command line for a job. One process (CPU/gloo or one GPU) unless ``num_gpus > 1`` (default:
-    ``$BATCHRL_NUM_GPUS``), then the deepspeed launcher (torchrun if deepspeed's is missing)."""
+    """Command line for a job: one process (CPU/gloo or one GPU), or with ``num_gpus > 1`` (default
+    ``$BATCHRL_NUM_GPUS``) one process per GPU under torchrun (``--standalone`` picks a free port;
+    the same command runs data-parallel on CPU with gloo, which the tests use)."""
     if job_name not in JOBS:
         raise ValueError(f"unknown job {job_name!r}; expected one of {JOBS}")
     module = f"batchrl.training.jobs.{job_name}"
     if num_gpus is None:
         num_gpus = int(os.environ.get("BATCHRL_NUM_GPUS", "0") or 0)
     if num_gpus > 1:
-        launcher = shutil.which("deepspeed") or os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        if os.path.exists(launcher):
-            return [launcher, f"--num_gpus={num_gpus}", "--module", module, config_path]
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_gpus}",
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_gpus}",
                 "-m", module, config_path]
     return [sys.executable, "-m", module, config_path]

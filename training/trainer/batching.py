@@ -7,6 +7,7 @@ row's logits do not depend on how much padding its batch has. The model is asked
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -79,6 +80,22 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
-def micro_batches(order: np.ndarray, size: int) -> list[np.ndarray]:
-    """Full micro-batches only (a ragged tail would change the effective batch size)."""
-    return [order[i:i + size] for i in range(0, len(order) - size + 1, size)] or [order]
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process, as set by the launcher (1 process when absent)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def steps_per_epoch(n: int, micro_batch_size: int, grad_accum: int) -> int:
+    """Optimiser steps per pass over ``n`` examples; the global batch spans every rank."""
+    return max(1, n // (micro_batch_size * grad_accum * world()[1]))
+
+
+def step_micro_batches(order: np.ndarray, step: int, micro_batch_size: int, grad_accum: int) -> list[np.ndarray]:
+    """This rank's ``grad_accum`` micro-batches of optimiser step ``step``: the global batch
+    ``order[step·G : (step+1)·G]`` (G = micro · accum · world) is cut into one contiguous slice
+    per rank, so ranks see disjoint data and one process sees the whole batch."""
+    rank, size = world()
+    per_rank = micro_batch_size * grad_accum
+    start = step * per_rank * size + rank * per_rank
+    mine = order[start:start + per_rank]
+    return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

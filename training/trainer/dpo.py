@@ -15,7 +15,7 @@ import torch
 
 from batchrl.training.algos import dpo_loss, preference_metrics
 from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order,
-                                               micro_batches, pair_batch, to_device)
+                                               pair_batch, step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
 
@@ -64,10 +64,9 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     ``out_dir/model``. Returns metrics: last step's, margin/accuracy before and after, curve."""
     frame = load_pairs(pairs_parquet, reference_parquet)
     cfg = fit_batch(cfg, len(frame))
-    batch_size = cfg.micro_batch_size * cfg.grad_accum
-    steps_per_epoch = max(1, len(frame) // batch_size)
-    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir,
-                     total_steps=cfg.epochs * steps_per_epoch, report=report)
+    n_steps = steps_per_epoch(len(frame), cfg.micro_batch_size, cfg.grad_accum)
+    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
+                     report=report)
     tok, engine = loop.tokenizer, loop.engine
     pad_id = tok.pad_token_id
     items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)
@@ -81,11 +80,11 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
 
     for epoch in range(loop.state["epoch"], cfg.epochs):
         order = epoch_order(len(items), cfg.seed, epoch)
-        for step in range(loop.state["step_in_epoch"], steps_per_epoch):
+        for step in range(loop.state["step_in_epoch"], n_steps):
             if loop.finished():
                 break
             sums: dict[str, float] = {}
-            for idx in micro_batches(order[step * batch_size:(step + 1) * batch_size], cfg.micro_batch_size):
+            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum):
                 pc, pr, lc, lr_ = _pair_logps(engine, [items[i] for i in idx], pad_id, loop.device)
                 losses, rc, rr = dpo_loss(pc, pr, ref_c_t[idx].to(pc), ref_r_t[idx].to(pc),
                                           beta=cfg.beta, loss_type=cfg.loss_type,

@@ -27,15 +27,16 @@ def ensure_single_process_env() -> None:
     Under a launcher these are already set and left untouched. Values this function set in a
     parent process (inherited by a job it started) are replaced: the parent's port is taken.
     """
-    owner = os.environ.get(_ENV_OWNER)
-    if owner is not None and owner != str(os.getpid()):
+    owner_pid, _, owner_port = os.environ.get(_ENV_OWNER, "").partition(":")
+    inherited = owner_pid and owner_pid != str(os.getpid()) and os.environ.get("MASTER_PORT") == owner_port
+    if inherited:  # a launcher (torchrun) would have set a new port: these are the parent's
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
     if "RANK" in os.environ and "MASTER_PORT" in os.environ:
         return
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
-    os.environ[_ENV_OWNER] = str(os.getpid())
+    port = str(_free_port())
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    os.environ[_ENV_OWNER] = f"{os.getpid()}:{port}"
 
 
 def use_cuda() -> bool:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+from batchrl.training.trainer.batching import world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, save_checkpoint,
                                                  seed_everything)
 from batchrl.training.trainer.config import TrainerConfig
@@ -26,10 +27,13 @@ def load_trainable(model_path: str):
 
 
 def fit_batch(cfg: TrainerConfig, n: int) -> TrainerConfig:
-    """Shrink micro-batch / accumulation so one optimiser step fits in ``n`` examples (DeepSpeed
-    steps only after exactly ``grad_accum`` backward passes)."""
+    """Shrink micro-batch / accumulation so one optimiser step (over all ranks) fits in ``n``
+    examples (DeepSpeed steps only after exactly ``grad_accum`` backward passes)."""
+    n = n // world()[1]
     if n >= cfg.micro_batch_size * cfg.grad_accum:
         return cfg
+    if n < 1:
+        raise ValueError("fewer examples than ranks")
     grad_accum = max(1, min(cfg.grad_accum, n))
     return cfg.model_copy(update={"grad_accum": grad_accum, "micro_batch_size": max(1, n // grad_accum)})
 
@@ -99,12 +103,20 @@ class TrainLoop:
         """Record one optimiser step: report, history, data position, periodic checkpoint."""
         self.state.update(epoch=epoch, step_in_epoch=step_in_epoch,
                           global_step=self.global_step + 1)
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = self._mean_over_ranks({k: float(v) for k, v in metrics.items()})
         self.state["history"].append(metrics)
         self.report(metrics, self.global_step)
         every = self.cfg.save_every
         if (every and self.global_step % every == 0) or self.finished():
             self.save()
+
+    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if size == 1:
+            return metrics
+        values = torch.tensor(list(metrics.values()), dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(values)
+        return dict(zip(metrics, (values / size).tolist()))
 
     def next_epoch(self, epoch: int) -> None:
         self.state.update(epoch=epoch + 1, step_in_epoch=0)

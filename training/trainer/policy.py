@@ -21,8 +21,8 @@ import torch
 
 from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_policy_loss,
                                     kl_penalty, masked_mean)
-from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, micro_batches,
-                                               pad_prompt_completion, to_device)
+from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, pad_prompt_completion,
+                                               step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
 
@@ -104,10 +104,9 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     rows = load_batch(batch_parquet)
     n = len(rows["prompt_ids"])
     cfg = fit_batch(cfg, n)
-    batch_size, micro = cfg.micro_batch_size * cfg.grad_accum, cfg.micro_batch_size
-    steps_per_epoch = max(1, n // batch_size)
-    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir,
-                     total_steps=cfg.ppo_epochs * steps_per_epoch, report=report)
+    n_steps = steps_per_epoch(n, cfg.micro_batch_size, cfg.grad_accum)
+    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
+                     report=report)
     engine, pad_id = loop.engine, loop.tokenizer.pad_token_id
     fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
     use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
@@ -116,11 +115,11 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
 
     for epoch in range(loop.state["epoch"], cfg.ppo_epochs):
         order = epoch_order(n, cfg.seed, epoch)
-        for step in range(loop.state["step_in_epoch"], steps_per_epoch):
+        for step in range(loop.state["step_in_epoch"], n_steps):
             if loop.finished():
                 break
             sums: dict[str, float] = {}
-            for idx in micro_batches(order[step * batch_size:(step + 1) * batch_size], micro):
+            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum):
                 batch = _row_batch(rows, idx, pad_id, loop.device)
                 mask, R = batch["response_mask"], batch["response_mask"].shape[1]
                 old = _pad_floats([fixed["old"][i] for i in idx], R).to(loop.device)
