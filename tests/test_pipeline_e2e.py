@@ -114,3 +114,19 @@ def test_evaluation_compares_all_models(pipeline):
     # DPO moved the chosen-vs-rejected log-ratio margin on the pairs it trained on
     assert report["dpo_checkpoint"]["logratio_margin"] > 1.0
     assert report["dpo_checkpoint"]["logratio_accuracy"] > 0.7
+
+
+def test_next_rollouts_sample_from_the_latest_policy_checkpoint(pipeline):
+    from batchrl.resources import StorageResource
+
+    _, instance, root = pipeline
+    first_policy = StorageResource(root=root).read_lineage({"asset": "rollouts", **{
+        k: latest_metadata(instance, "rollouts")[k] for k in ("uri", "data_version")}})["inputs"]["policy"]
+    assert first_policy["asset"] == "base_model"  # the first iteration starts from the base model
+    result = run_assets(local_resources(root), instance, selection=["rollouts"], run_config={"ops": {
+        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}})
+    assert result.success
+    meta = latest_metadata(instance, "rollouts")
+    lineage = StorageResource(root=root).read_lineage({"asset": "rollouts", "uri": meta["uri"],
+                                                       "data_version": meta["data_version"]})
+    assert lineage["inputs"]["policy"]["uri"] == latest_metadata(instance, "policy_checkpoint")["uri"]
