@@ -50,7 +50,8 @@ def raw_logs(context: dg.AssetExecutionContext, landing: LandingResource, storag
 def cleaned_logs(context: dg.AssetExecutionContext, config: IngestRunConfig, raw_logs: dict,
                  landing: LandingResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Decoded, BOM/control-char stripped, NFC-normalised, field-mapped rows; bad rows quarantined."""
-    cfg = to_library_config(config, IngestConfig)
+    # the landing's credentials/endpoint reach the readers; run config keeps only the contract knobs
+    cfg = to_library_config(config, IngestConfig).model_copy(update={"storage_options": landing.storage_options})
     with open(os.path.join(storage.localize(raw_logs), "manifest.json")) as f:
         manifest = json.load(f)
     inputs = discover_inputs(landing.preferences, landing.storage_options)
@@ -118,7 +119,7 @@ def reject_rate_below_threshold(validated_preferences: dict, storage: StorageRes
 def scored_logs(context: dg.AssetExecutionContext, landing: LandingResource, storage: StorageResource,
                 catalog: CatalogResource) -> dg.Output:
     """Scored interaction logs (prompt/response/score) cleaned and validated against their contract."""
-    cfg = IngestConfig(kind="scored")
+    cfg = IngestConfig(kind="scored", storage_options=landing.storage_options)
     inputs = discover_inputs(landing.scored, landing.storage_options)
     files = _describe(inputs)
     with storage.staging_dir("scored_logs") as staging:

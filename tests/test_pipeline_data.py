@@ -48,7 +48,8 @@ def test_landing_changed_after_manifest_fails_loudly(tmp_path):
             f.write(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
         result = run_assets(resources, instance, selection=["cleaned_logs"])
         assert not result.success
-        assert any("landing changed" in (e.message or "") for e in result.all_events if e.is_failure)
+        errors = [e.event_specific_data.error.to_string() for e in result.get_step_failure_events()]
+        assert any("landing changed" in text and "new_drop.jsonl" in text for text in errors)
 
 
 def test_new_logs_sensor_fires_once_per_landing_change(tmp_path):
