@@ -70,8 +70,8 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     tok, engine = loop.tokenizer, loop.engine
     pad_id = tok.pad_token_id
     items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)
-    ref_c = frame["ref_chosen_logp"].to_numpy(np.float64)
-    ref_r = frame["ref_rejected_logp"].to_numpy(np.float64)
+    ref_c = frame["ref_chosen_logp"].to_numpy(np.float64, copy=True)
+    ref_r = frame["ref_rejected_logp"].to_numpy(np.float64, copy=True)
     ref_c_t = torch.as_tensor(ref_c, dtype=torch.float32)
     ref_r_t = torch.as_tensor(ref_r, dtype=torch.float32)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
