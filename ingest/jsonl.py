@@ -20,6 +20,7 @@ import pyarrow.json as pajson
 
 from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
+from batchrl.ingest.textclean import CANDIDATE_COLUMN
 from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
 
 BOM = b"\xef\xbb\xbf"
@@ -77,8 +78,9 @@ class JsonlReader:
             good, rejects = self._slow(ctx, rows)
             fast_tables = []
         else:
-            fast_tables, slow_rows = self._fast(ctx, rows)
-            good, rejects = self._slow(ctx, slow_rows)
+            suspicious = self._suspicious_lines(ctx, buf)
+            fast_tables, slow_rows = self._fast(ctx, rows[~suspicious[rows]])
+            good, rejects = self._slow(ctx, sorted(slow_rows + rows[suspicious[rows]].tolist()))
         tables = [t for t in fast_tables if t.num_rows] + ([good] if good.num_rows else [])
         if not tables:
             table = rows_to_table([], [], self.file.uri, self.cfg.kind)
@@ -87,6 +89,9 @@ class JsonlReader:
         else:
             table = pa.concat_tables(tables)
             table = table.take(pc.sort_indices(table.column("source_line")))
+        control = self._control_candidates(ctx, buf)
+        table = table.append_column(CANDIDATE_COLUMN, pa.array(control[table.column("source_line").to_numpy()
+                                                                        - line_base - 1]))
         step = self.cfg.batch_rows
         for i in range(0, max(table.num_rows, 1), step):
             yield table.slice(i, step), (rejects if i == 0 else [])
@@ -103,50 +108,101 @@ class JsonlReader:
                 raise IngestError(self.file.uri, line_no, "first record does not match the contract",
                                   missing, extra)
 
+    @staticmethod
+    def _control_candidates(ctx: "_Block", buf: np.ndarray) -> np.ndarray:
+        """Lines that may hold control characters once decoded: JSON escapes \\u \\b \\f \\r, raw
+        C0/DEL bytes, or UTF-8 C1 (0xC2 0x80-0x9F). Only these rows pay for the control regex."""
+        cand = np.zeros(len(ctx.starts), bool)
+        if not len(cand):
+            return cand
+        back = np.flatnonzero(buf[:-1] == 92)
+        nxt = buf[back + 1]
+        pos = [back[(nxt == 117) | (nxt == 98) | (nxt == 102) | (nxt == 114)],
+               np.flatnonzero(((buf < 32) & (buf != 10) & (buf != 9)) | (buf == 127))]
+        c2 = np.flatnonzero(buf[:-1] == 0xC2)
+        pos.append(c2[(buf[c2 + 1] >= 0x80) & (buf[c2 + 1] <= 0x9F)])
+        for p in pos:
+            if len(p):
+                cand[np.searchsorted(ctx.starts, p, side="right") - 1] = True
+        return cand
+
     # -- fast path ---------------------------------------------------------------------------
+    @staticmethod
+    def _suspicious_lines(ctx: "_Block", buf: np.ndarray) -> np.ndarray:
+        """Byte-level screen (numpy, whole block) for lines the Arrow parser would stop at, so they go
+        straight to the reference path instead of costing a failed parse: not ``{...}`` (truncated,
+        arrays, BOM), raw control bytes, or an object/array as a value (``:{`` / ``:[``).
+        False positives only cost speed; misses are caught by the parse-error isolation."""
+        n = len(ctx.starts)
+        if n == 0:
+            return np.zeros(0, bool)
+        ends = np.maximum(ctx.ends - 1, ctx.starts)
+        last = buf[ends]
+        last = np.where((last == 13) & (ends > ctx.starts), buf[np.maximum(ends - 1, 0)], last)
+        suspicious = (buf[np.minimum(ctx.starts, len(buf) - 1)] != 123) | (last != 125)
+
+        def mark(positions: np.ndarray) -> None:
+            if len(positions):
+                suspicious[np.searchsorted(ctx.starts, positions, side="right") - 1] = True
+
+        mark(np.flatnonzero((buf < 32) & (buf != 10) & (buf != 9) & (buf != 13)))
+        colon = np.flatnonzero(buf[:-2] == 58)
+        nxt, nxt2 = buf[colon + 1], buf[colon + 2]
+        opens = (nxt == 123) | (nxt == 91) | ((nxt == 32) & ((nxt2 == 123) | (nxt2 == 91)))
+        mark(colon[opens])
+        return suspicious
+
     def _fast(self, ctx: "_Block", rows: np.ndarray) -> tuple[list[pa.Table], list[int]]:
         tables, slow = [], []
         bad_utf8 = self._invalid_utf8_rows(ctx, rows)
         if len(bad_utf8):
             slow.extend(rows[bad_utf8].tolist())
             rows = np.delete(rows, bad_utf8)
-        s = 0
-        while s < len(rows):
-            seg = rows[s:]
+        # parse contiguous runs of lines only (a removed line must not be inside a parsed byte range)
+        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+        for run in np.split(rows, breaks):
+            self._isolate(ctx, run, tables, slow)
+        return tables, sorted(set(slow))
+
+    def _isolate(self, ctx: "_Block", seg: np.ndarray, tables: list, slow: list) -> None:
+        """Parse ``seg``; on an error at row r, keep the rows before it, send r (and r-1: an unterminated
+        line swallows the newline, so the parser reports the line after it) to the reference path."""
+        while len(seg):
             try:
                 tables.append(self._parse_segment(ctx, seg, slow))
-                break
+                return
             except pa.ArrowInvalid as e:
                 m = _ROW_RE.search(str(e))
-                if not m:
+                r = int(m.group(1)) if m else -1
+                if r < 0 or r >= len(seg) or len(seg) == 1:
                     slow.extend(seg.tolist())
-                    break
-                r = int(m.group(1))
-                if r >= len(seg):
-                    slow.extend(seg.tolist())
-                    break
-                if r:
-                    try:
-                        tables.append(self._parse_segment(ctx, seg[:r], slow))
-                    except pa.ArrowInvalid:
-                        slow.extend(seg[:r].tolist())
-                slow.append(int(seg[r]))
-                s += r + 1
-        return tables, sorted(slow)
+                    return
+                first_bad = max(r - 1, 0)
+                self._isolate(ctx, seg[:first_bad], tables, slow)
+                slow.extend(seg[first_bad:r + 1].tolist())
+                seg = seg[r + 1:]
 
     def _invalid_utf8_rows(self, ctx: "_Block", rows: np.ndarray) -> np.ndarray:
-        try:
-            offsets = pa.py_buffer(np.array([0, len(ctx.block)], np.int32))
-            pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(ctx.block)]).cast(pa.string())
-            return np.zeros(0, np.int64)
-        except pa.ArrowInvalid:
-            bad = []
-            for k, i in enumerate(rows):
+        """Positions in ``rows`` of lines that are not UTF-8: Arrow validates slices of 32 lines at
+        once, only failing slices are checked line by line."""
+        offsets = np.empty(len(rows) + 1, np.int64)
+        offsets[:-1], offsets[-1] = ctx.starts[rows], len(ctx.block)
+        lines = pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets),
+                                                                      pa.py_buffer(ctx.block)])
+        bad = []
+        for lo in range(0, len(rows), 32):
+            piece = lines.slice(lo, 32)
+            try:
+                piece.cast(pa.large_string())
+                continue
+            except pa.ArrowInvalid:
+                pass
+            for k in range(len(piece)):
                 try:
-                    ctx.line(i).decode("utf-8")
-                except UnicodeDecodeError:
-                    bad.append(k)
-            return np.array(bad, np.int64)
+                    piece.slice(k, 1).cast(pa.large_string())
+                except pa.ArrowInvalid:
+                    bad.append(lo + k)
+        return np.array(bad, np.int64)
 
     def _parse_segment(self, ctx: "_Block", seg: np.ndarray, slow: list[int]) -> pa.Table:
         start, end = ctx.starts[seg[0]], ctx.ends[seg[-1]]

@@ -1,0 +1,215 @@
+"""Data-plane benchmark: batchrl clean+validate+dedupe+Parquet vs raw DuckDB and a per-row Python loop.
+
+    .venv/bin/python bench/bench_ingest.py                 # 1M rows (~650 MB JSONL), side by side
+    .venv/bin/python bench/bench_ingest.py --rows 10000000 --only batchrl   # the 10x RSS check
+
+Input: preference JSONL, ~200 chars per field, 1% bad rows (invalid JSON, undecodable bytes, empty /
+whitespace-only / missing / extra / nested fields, chosen == rejected), 1% exact duplicates, some
+control characters and non-ASCII text. Generated with DuckDB from a seeded word corpus (deterministic,
+no per-row Python). Each contender runs in its own subprocess; peak RSS = the child's ru_maxrss.
+Files go under bench/out/ (gitignored) and are deleted at the end unless --keep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "out")
+BAD_MARK = "\u00a7BAD\u00a7"  # replaced by undecodable bytes after generation
+
+GEN_SQL = """
+WITH base AS (
+  SELECT i, CASE WHEN i % 100 = 57 THEN i - 50 ELSE i END AS c  -- 1% duplicates of an earlier row
+  FROM range({start}, {stop}) t(i)
+), t AS (
+  SELECT i, c,
+    pieces[1 + (hash(c, 'p') % {span})::INT][1 + (hash(c, 'op') % 30)::INT : 170 + (hash(c, 'lp') % 60)::INT] AS p,
+    pieces[1 + (hash(c, 'c') % {span})::INT][1 + (hash(c, 'oc') % 30)::INT : 170 + (hash(c, 'lc') % 60)::INT] AS ch,
+    pieces[1 + (hash(c, 'r') % {span})::INT][1 + (hash(c, 'or') % 30)::INT : 170 + (hash(c, 'lr') % 60)::INT] AS rj,
+    ['math', 'coding', 'writing', 'safety'][1 + (c % 4)::INT] AS cat
+  FROM base, corpus_t
+), shaped AS (
+  SELECT i, CASE WHEN i % 100 = 13 THEN (i // 100) % 8 ELSE -1 END AS bad,
+    CASE WHEN i % 50 = 3 THEN p || chr(7) || ' ' ELSE p END AS p, ch, rj, cat FROM t
+)
+SELECT CASE bad
+  WHEN 0 THEN '{{"prompt": ' || to_json(p) || ', "chosen": ' || to_json(ch) || ', "rejected": '
+  WHEN 1 THEN '{{"prompt": ' || to_json(p) || ', "chosen": "", "rejected": ' || to_json(rj) || '}}'
+  WHEN 2 THEN '{{"prompt": ' || to_json(p) || ', "chosen": ' || to_json(ch) || ', "rejected": "   "}}'
+  WHEN 3 THEN '{{"prompt": ' || to_json(p) || ', "chosen": ' || to_json(ch) || '}}'
+  WHEN 4 THEN '{{"prompt": ' || to_json(p) || ', "chosen": ' || to_json(ch) || ', "rejected": ' || to_json(rj)
+              || ', "debug_blob": "x"}}'
+  WHEN 5 THEN '{{"prompt": ' || to_json(p) || ', "chosen": {{"text": ' || to_json(ch) || '}}, "rejected": '
+              || to_json(rj) || '}}'
+  WHEN 6 THEN '{{"prompt": ' || to_json(p) || ', "chosen": ' || to_json(ch) || ', "rejected": ' || to_json(ch) || '}}'
+  WHEN 7 THEN '{{"prompt": "{bad}' || substr(p, 1, 20) || '", "chosen": ' || to_json(ch) || ', "rejected": '
+              || to_json(rj) || '}}'
+  ELSE '{{"id": "r' || i || '", "prompt": ' || to_json(p) || ', "chosen": ' || to_json(ch) || ', "rejected": '
+       || to_json(rj) || ', "category": "' || cat || '"}}'
+  END || chr(10) AS line
+FROM shaped ORDER BY i
+"""
+
+
+def make_corpus(seed: int = 0, words: int = 400_000) -> str:
+    rng = np.random.default_rng(seed)
+    vocab = np.array(["the", "model", "answer", "question", "because", "data", "value", "function", "returns",
+                      "list", "polite", "reply", "however", "therefore", "example", "café", "naïve", "über",
+                      "数据", "模型", "résumé", "code", "python", "result", "first", "second", "then", "and"])
+    lens = rng.integers(0, len(vocab), words)
+    return " ".join(vocab[lens].tolist())
+
+
+def generate(path: str, rows: int, seed: int = 0) -> int:
+    """Write ``rows`` JSONL lines deterministically; returns bytes written. DuckDB builds the lines, the
+    Arrow value buffer of each chunk is written as-is (no per-row Python)."""
+    import duckdb
+    import pyarrow as pa
+
+    corpus = make_corpus(seed)
+    con = duckdb.connect(config={"threads": 2})
+    pieces = [corpus[k:k + 260] for k in range(0, len(corpus) - 260, 97)]  # overlapping windows
+    con.execute("CREATE TABLE corpus_t AS SELECT ?::VARCHAR[] AS pieces", [pieces])
+    span = len(pieces)
+    written = 0
+    with open(path + ".tmp", "wb") as f:
+        step = 250_000
+        for start in range(0, rows, step):
+            sql = GEN_SQL.format(start=start, stop=min(rows, start + step), span=span, bad=BAD_MARK)
+            col = con.sql(sql).to_arrow_table().column("line").combine_chunks()
+            width = np.int64 if pa.types.is_large_string(col.type) else np.int32
+            offsets = np.frombuffer(col.buffers()[1], width)[col.offset: col.offset + len(col) + 1]
+            data = bytes(memoryview(col.buffers()[2])[offsets[0]:offsets[-1]])
+            data = data.replace(BAD_MARK.encode(), b"\xff\xfe")
+            f.write(data)
+            written += len(data)
+    os.replace(path + ".tmp", path)
+    return written
+
+
+# --- contenders (each runs in a child process) ---------------------------------------------------
+def run_batchrl(src: str, out: str) -> dict:
+    from batchrl.ingest import IngestConfig, clean_logs, discover_inputs, validate_preferences
+
+    cfg = IngestConfig()
+    cleaned = clean_logs(discover_inputs(src, hash_files=False), f"{out}/cleaned", cfg)
+    valid = validate_preferences(f"{out}/cleaned", f"{out}/valid", cfg)
+    return {"clean": cleaned.to_metadata() | {"extra": None}, "validate": valid.to_metadata() | {"extra": None},
+            "stage_seconds": [round(cleaned.seconds, 2), round(valid.seconds, 2)]}
+
+
+def run_duckdb(src: str, out: str) -> dict:
+    import duckdb
+
+    os.makedirs(out, exist_ok=True)
+    con = duckdb.connect(config={"threads": 2})
+    con.execute(f"COPY (SELECT * FROM read_json('{src}', format='newline_delimited', ignore_errors=true, "
+                f"columns={{id: 'VARCHAR', prompt: 'VARCHAR', chosen: 'VARCHAR', rejected: 'VARCHAR', "
+                f"category: 'VARCHAR'}})) TO '{out}/duck.parquet' (FORMAT parquet, COMPRESSION zstd)")
+    return {"rows_out": con.sql(f"SELECT count(*) FROM '{out}/duck.parquet'").fetchone()[0]}
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def run_python(src: str, out: str) -> dict:
+    """The per-row loop a data script would write: json.loads, regex clean, validate, dedupe, json.dumps."""
+    import hashlib
+    import unicodedata
+
+    os.makedirs(out, exist_ok=True)
+    seen, valid, bad, dup = set(), 0, 0, 0
+    with open(src, "rb") as f, open(f"{out}/clean.jsonl", "w", encoding="utf-8") as w:
+        for raw in f:
+            try:
+                row = json.loads(raw.decode("utf-8").lstrip("\ufeff"))
+                if set(row) - {"id", "prompt", "chosen", "rejected", "category"}:
+                    raise ValueError("extra")
+                for k in ("prompt", "chosen", "rejected"):
+                    v = row[k]
+                    if not isinstance(v, str):
+                        raise ValueError("type")
+                    row[k] = unicodedata.normalize("NFC", CONTROL.sub("", v)).strip()
+                    if not row[k]:
+                        raise ValueError("empty")
+                if row["chosen"] == row["rejected"]:
+                    raise ValueError("equal")
+            except (ValueError, KeyError, UnicodeDecodeError):
+                bad += 1
+                continue
+            key = hashlib.blake2b("\x1f".join((row["prompt"], row["chosen"], row["rejected"])).encode(),
+                                  digest_size=16).digest()
+            if key in seen:
+                dup += 1
+                continue
+            seen.add(key)
+            valid += 1
+            w.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return {"valid": valid, "bad": bad, "duplicates": dup}
+
+
+CONTENDERS = {"batchrl": run_batchrl, "duckdb": run_duckdb, "python": run_python}
+
+
+def measure(name: str, src: str) -> dict:
+    out = os.path.join(OUT, f"run_{name}")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, __file__, "--child", name, "--src", src, "--out", out]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    result = json.loads(proc.stdout.read())
+    size = os.path.getsize(src)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"name": name, "seconds": round(seconds, 2), "mb_s": round(size / 1e6 / seconds, 1),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "exit": status, "result": result}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--only", default="batchrl,duckdb,python")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--child")
+    ap.add_argument("--src")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(CONTENDERS[args.child](args.src, args.out)))
+        return
+    os.makedirs(OUT, exist_ok=True)
+    src = os.path.join(OUT, f"prefs_{args.rows}.jsonl")
+    t0 = time.perf_counter()
+    if not os.path.exists(src):
+        generate(src, args.rows)
+    gen = time.perf_counter() - t0
+    size = os.path.getsize(src)
+    print(f"input {src}: {args.rows} rows, {size / 1e6:.0f} MB, generated in {gen:.1f}s "
+          f"({size / 1e6 / max(gen, 1e-9):.0f} MB/s)", flush=True)
+    results = {}
+    for name in args.only.split(","):
+        results[name] = measure(name, src)
+        r = results[name]
+        print(f"{name:8s} {r['seconds']:7.2f}s {r['mb_s']:7.1f} MB/s  peak RSS {r['peak_rss_mb']:7.1f} MB", flush=True)
+    if "batchrl" in results:
+        for other in ("duckdb", "python"):
+            if other in results:
+                print(f"batchrl / {other}: {results['batchrl']['mb_s'] / results[other]['mb_s']:.2f}x")
+        print(json.dumps(results["batchrl"]["result"], indent=1))
+    if not args.keep:
+        os.unlink(src)
+
+
+if __name__ == "__main__":
+    main()
