@@ -121,3 +121,12 @@ def test_policy_resume_is_exact(dpo_inputs, tmp_path):
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert full["final"]["kl_loss"] > 0
+
+
+def test_resume_refuses_checkpoints_of_another_run(dpo_inputs, tmp_path):
+    train_dpo(DPOConfig(epochs=1, micro_batch_size=8, stop_after_steps=1), out_dir=str(tmp_path), **dpo_inputs)
+    with pytest.raises(ValueError, match="another run"):
+        train_dpo(DPOConfig(epochs=1, micro_batch_size=8, lr=1e-2), out_dir=str(tmp_path), **dpo_inputs)
+    # resumable settings may change: this continues the first run
+    done = train_dpo(DPOConfig(epochs=1, micro_batch_size=8, save_every=1), out_dir=str(tmp_path), **dpo_inputs)
+    assert done["resumed_from_step"] == 1

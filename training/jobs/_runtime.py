@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
 import sys
 from typing import Any, Callable, Iterator
+
+
+MAX_CURVE_POINTS = 500
 
 
 def read_job_config(argv: list[str] | None = None) -> dict[str, Any]:
@@ -42,19 +44,18 @@ def metadata_from(result: dict[str, Any]) -> dict[str, Any]:
             meta.update({f"{k}/{kk}": _scalar(vv) for kk, vv in v.items() if isinstance(vv, (int, float, str, bool))})
         elif isinstance(v, (int, float, str, bool)) or v is None:
             meta[k] = _scalar(v) if v is not None else "none"
-        elif isinstance(v, list):
-            meta[k] = [_scalar(x) for x in v]
+        elif isinstance(v, list):  # curves: at most MAX_CURVE_POINTS evenly spaced points
+            stride = max(1, -(-len(v) // MAX_CURVE_POINTS))
+            meta[k] = [_scalar(x) for x in v[::stride]]
     return meta
 
 
 def tree_hash(root: str) -> str:
-    h = hashlib.sha256()
-    for dirpath, _, files in sorted(os.walk(root)):
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                h.update(os.path.relpath(path, root).encode() + b"\0" + hashlib.sha256(f.read()).digest())
-    return h.hexdigest()
+    """Content hash of the output folder (relative names + bytes), streamed file by file."""
+    from batchrl.fsutil import filesystem_for, sha256_tree
+
+    fs, path = filesystem_for(root)
+    return sha256_tree(fs, path)
 
 
 class Reporter:

@@ -66,7 +66,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     cfg = fit_batch(cfg, len(frame))
     n_steps = steps_per_epoch(len(frame), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
-                     report=report)
+                     inputs={"pairs": pairs_parquet, "reference": reference_parquet}, report=report)
     tok, engine = loop.tokenizer, loop.engine
     pad_id = tok.pad_token_id
     items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)

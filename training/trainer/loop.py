@@ -3,6 +3,7 @@ periodic atomic checkpoints and the final HF export. The algorithm loops stay in
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import Any, Callable
@@ -26,6 +27,20 @@ def load_trainable(model_path: str):
     return model.train(), tokenizer
 
 
+# settings that may change between a run and its resumption
+RESUMABLE_FIELDS = {"resume", "stop_after_steps", "save_every", "keep_last"}
+
+
+def run_key(cfg: TrainerConfig, model_path: str, inputs: dict[str, str]) -> str:
+    """Identity of a training run: config (minus resumable settings), start model, input file hashes."""
+    h = hashlib.sha256(cfg.model_dump_json(exclude=RESUMABLE_FIELDS).encode())
+    h.update(os.path.abspath(model_path).encode())
+    for name, path in sorted(inputs.items()):
+        with open(path, "rb") as f:
+            h.update(name.encode() + hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
 def fit_batch(cfg: TrainerConfig, n: int) -> TrainerConfig:
     """Shrink micro-batch / accumulation so one optimiser step (over all ranks) fits in ``n``
     examples (DeepSpeed steps only after exactly ``grad_accum`` backward passes)."""
@@ -46,8 +61,9 @@ class TrainLoop:
     """
 
     def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
-                 report: Report | None = None):
+                 inputs: dict[str, str] | None = None, report: Report | None = None):
         self.cfg, self.out_dir, self.total_steps = cfg, out_dir, total_steps
+        self.run_key = run_key(cfg, model_path, inputs or {})
         self.report = report or (lambda metrics, step: None)
         self.ckpt_dir = os.path.join(out_dir, "checkpoints")
         os.makedirs(self.ckpt_dir, exist_ok=True)
@@ -56,12 +72,16 @@ class TrainLoop:
         optimizer = make_optimizer(model, cfg)
         scheduler = make_scheduler(optimizer, cfg, total_steps)
         self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
-        self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": []}
+        self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [],
+                                      "run_key": self.run_key}
         self.resumed_from: int | None = None
         self._lr, self._grad_norm = float("nan"), None
         if cfg.resume:
             restored = load_checkpoint(self.engine, self.ckpt_dir)
             if restored is not None:
+                if restored.get("run_key") != self.run_key:
+                    raise ValueError(f"{self.ckpt_dir} holds checkpoints of another run (config or inputs "
+                                     "differ); use a fresh out_dir or resume=False")
                 self.state = restored
                 self.resumed_from = restored["global_step"]
         self._t0 = time.time()

@@ -66,10 +66,12 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
     """Old-policy and reference log-probs, computed before the first update and cached on disk."""
     path = os.path.join(loop.out_dir, FIXED_LOGPROBS)
     if os.path.exists(path):
-        return torch.load(path, weights_only=False)
+        cached = torch.load(path, weights_only=False)
+        if cached.get("run_key") == loop.run_key:
+            return cached
     pad_id = loop.tokenizer.pad_token_id
     kw = dict(temperature=cfg.temperature, batch_size=cfg.micro_batch_size)
-    fixed: dict[str, list] = {}
+    fixed: dict[str, Any] = {"run_key": loop.run_key}
     if cfg.old_logprobs == "recompute":
         fixed["old"] = sequence_token_logprobs(loop.engine.module, rows, pad_id, loop.device, **kw)
     else:
@@ -106,7 +108,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     cfg = fit_batch(cfg, n)
     n_steps = steps_per_epoch(n, cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
-                     report=report)
+                     inputs={"batch": batch_parquet}, report=report)
     engine, pad_id = loop.engine, loop.tokenizer.pad_token_id
     fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
     use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
