@@ -98,6 +98,7 @@ def test_exported_model_loads_with_transformers(dpo_inputs, tmp_path):
     ids = torch.tensor([tok("Compute 1 + 2.")["input_ids"]])
     assert model(ids).logits.shape == base(ids).logits.shape
     assert not torch.allclose(model(ids).logits, base(ids).logits)  # the weights were trained
+    assert model.config.use_cache  # exported for generation
     meta = json.loads((tmp_path / "model" / "batchrl_train.json").read_text())
     assert meta["config"]["beta"] == 0.1 and meta["global_step"] == 2
 

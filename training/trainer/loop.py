@@ -146,6 +146,7 @@ class TrainLoop:
                                keep_last=self.cfg.keep_last)
 
     def export(self, extra_metadata: dict[str, Any]) -> str:
+        self.engine.module.config.use_cache = True  # off only for training; generation wants the KV cache
         return export_hf_model(self.engine, self.tokenizer, os.path.join(self.out_dir, "model"),
                                {"config": self.cfg.model_dump(), **extra_metadata})
 
