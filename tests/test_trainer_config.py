@@ -86,3 +86,19 @@ def test_compute_advantages_grpo_outcome_on_tokens():
     rloo = compute_advantages(table, "rloo")
     np.testing.assert_allclose(rloo["advantages"][0], [1.0] * 3, atol=1e-5)
     assert "returns" in out and list(table.columns) == list(out.columns[:3])
+
+
+@pytest.mark.parametrize("schedule,expected", [("constant", [0.5, 1, 1, 1, 1]), ("linear", [0.5, 1, 2 / 3, 1 / 3, 0]),
+                                               ("cosine", [0.5, 1, 0.75, 0.25, 0])])
+def test_lr_schedules(schedule, expected):
+    import torch
+
+    from batchrl.training.trainer.engine import make_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make_scheduler(opt, DPOConfig(warmup_steps=1, lr_schedule=schedule), total_steps=4)
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step(), sched.step()
+    np.testing.assert_allclose(lrs, expected, atol=1e-9)

@@ -21,6 +21,7 @@ class TrainerConfig(BaseModel):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = 0.0
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, decay to 0 or not
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1)
     grad_accum: int = Field(1, ge=1)
@@ -67,6 +68,8 @@ class PolicyConfig(TrainerConfig):
 
     KL to the reference is a loss term (``kl_coef * k3``) unless ``use_kl_in_reward`` (then it is
     expected folded into the rewards before advantages, and the loss term is off).
+    ``adv_estimator`` names the estimator the advantages stage used (``training/advantages.py``);
+    the update itself reads the per-token advantages from its input batch.
     """
 
     adv_estimator: str = "grpo"

@@ -5,6 +5,7 @@ and the library remains usable without it.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Any
@@ -77,11 +78,18 @@ def make_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int):
-    """Linear warmup then constant (``warmup_steps`` optimiser steps)."""
+    """Linear warmup over ``warmup_steps`` optimiser steps, then constant, linear or cosine decay
+    to 0 at ``total_steps`` (``cfg.lr_schedule``)."""
     warmup = max(0, int(cfg.warmup_steps))
+    schedule = getattr(cfg, "lr_schedule", "constant")
 
     def factor(step: int) -> float:
-        return min(1.0, (step + 1) / (warmup + 1)) if warmup else 1.0
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
