@@ -116,7 +116,7 @@ def run_duckdb(src: str, out: str) -> dict:
     con.execute(f"COPY (SELECT * FROM read_json('{src}', format='newline_delimited', ignore_errors=true, "
                 f"columns={{id: 'VARCHAR', prompt: 'VARCHAR', chosen: 'VARCHAR', rejected: 'VARCHAR', "
                 f"category: 'VARCHAR'}})) TO '{out}/duck.parquet' (FORMAT parquet, COMPRESSION zstd)")
-    return {"rows_out": con.sql(f"SELECT count(*) FROM '{out}/duck.parquet'").fetchone()[0]}
+    return {"rows_out": con.sql(f"SELECT count(*) FROM '{out}/duck.parquet'").fetchall()[0][0]}
 
 
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.discover import InputFile
+from batchrl.ingest.jsonl import JsonlReader
 from batchrl.ingest.readers import structured_batches
 from batchrl.ingest.sink import ParquetSink, QuarantineSink
 from batchrl.ingest.textclean import clean_table
@@ -15,10 +18,34 @@ def cleaned_text_columns(cfg: IngestConfig) -> list[str]:
     return [f for f in ARROW_SCHEMAS[cfg.kind].names if f not in ("score", "source_file", "source_line")]
 
 
-def clean_logs(inputs: list[InputFile], out_dir: str, cfg: IngestConfig | None = None) -> StageReport:
+def _cleaned_batches(file: InputFile, cfg: IngestConfig, columns: list[str]):
+    """Structured + cleaned batches in input order. JSONL blocks are parsed and cleaned by
+    ``cfg.threads`` workers (Arrow releases the GIL); at most threads + 2 blocks are in flight."""
+    if file.format != "jsonl" or cfg.threads <= 1:
+        for table, rejects in structured_batches(file, cfg):
+            yield clean_table(table, columns, cfg.collapse_whitespace), rejects
+        return
+    reader = JsonlReader(file, cfg)
+
+    def work(block):
+        return [(clean_table(t, columns, cfg.collapse_whitespace), r) for t, r in reader.process(*block)]
+
+    with ThreadPoolExecutor(cfg.threads) as pool:
+        pending: deque = deque()
+        for block in reader.blocks():
+            pending.append(pool.submit(work, block))
+            while len(pending) > cfg.threads + 1:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+
+
+def clean_logs(inputs: list[InputFile], out_dir: str, cfg: IngestConfig | None = None,
+               on_batch=None) -> StageReport:
     """Decode, structure (mapping/flatness/types) and clean every row; stream, never load a whole file.
 
     Rows that cannot be structured are quarantined with a reason code; this stage finds no duplicates.
+    ``on_batch(table)`` sees every cleaned batch (used by ``ingest_preferences`` to validate in the same pass).
     """
     cfg = cfg or IngestConfig()
     start = time.perf_counter()
@@ -30,11 +57,13 @@ def clean_logs(inputs: list[InputFile], out_dir: str, cfg: IngestConfig | None =
     try:
         for file in inputs:
             report.bytes_in += file.size
-            for table, rejects in structured_batches(file, cfg):
+            for table, rejects in _cleaned_batches(file, cfg, columns):
                 report.rows_in += table.num_rows + len(rejects)
                 if table.num_rows:
-                    sink.write(clean_table(table, columns, cfg.collapse_whitespace))
+                    sink.write(table)
                     report.valid += table.num_rows
+                    if on_batch is not None:
+                        on_batch(table)
                 if rejects:
                     quarantine.add(rejects, file.uri)
                     report.quarantined += len(rejects)

@@ -82,7 +82,8 @@ class IngestConfig(BaseModel):
     tokenizer_path: str | None = None
     reject_threshold: float = 0.05
     pair_min_margin: float = 0.0
-    compression: str = "zstd"
+    compression: str = "snappy"  # parquet codec; snappy writes ~2x faster than zstd, zstd is ~30% smaller
+    threads: int = 2  # JSONL blocks parsed/cleaned in parallel
     fast_json: bool = True  # False forces the per-line reference JSONL path (debugging, equivalence tests)
     storage_options: dict[str, Any] = Field(default_factory=dict)
 

@@ -41,6 +41,11 @@ class JsonlReader:
 
     # -- block iteration ---------------------------------------------------------------------
     def batches(self) -> Iterator[tuple[pa.Table, list[Reject]]]:
+        for block in self.blocks():
+            yield from self.process(*block)
+
+    def blocks(self) -> Iterator[tuple[bytes, int, int]]:
+        """(block, line number before it, byte offset) — sequential I/O; ``process`` may run in threads."""
         line_base, offset_base, carry = 0, 0, b""
         with open_binary(self.file, self.cfg.storage_options) as stream:
             while True:
@@ -55,11 +60,22 @@ class JsonlReader:
                 else:
                     block, carry = data, b""
                 if block:
-                    yield from self._block(block, line_base, offset_base)
+                    if not self.first_checked:
+                        self._check_first_in(block, line_base)
+                    yield block, line_base, offset_base
                     line_base += block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
                     offset_base += len(block)
                 if not chunk:
                     break
+
+    def _check_first_in(self, block: bytes, line_base: int) -> None:
+        for k, line in enumerate(block.split(b"\n")):
+            if line.strip():
+                self._check_first_record(line.rstrip(b"\r"), line_base + k + 1)
+                return
+
+    def process(self, block: bytes, line_base: int, offset_base: int) -> list[tuple[pa.Table, list[Reject]]]:
+        return list(self._block(block, line_base, offset_base))
 
     def _block(self, block: bytes, line_base: int, offset_base: int):
         buf = np.frombuffer(block, dtype=np.uint8)
@@ -71,8 +87,6 @@ class JsonlReader:
         lengths = ends - starts
         blank = (lengths == 0) | ((lengths == 1) & (buf[np.minimum(starts, len(block) - 1)] == 13))
         rows = np.flatnonzero(~blank)  # indices of non-blank lines within the block
-        if not self.first_checked and len(rows):
-            self._check_first_record(block[starts[rows[0]]:ends[rows[0]]], line_base + rows[0] + 1)
         ctx = _Block(block, starts, ends, line_base, offset_base)
         if not self.fast:
             good, rejects = self._slow(ctx, rows)

@@ -1,0 +1,91 @@
+"""The vectorised JSONL path must agree byte for byte with the per-line reference path."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import unicodedata
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from batchrl.ingest import IngestConfig, clean_logs, discover_inputs
+from batchrl.ingest.nfc import nfc_unstable_re, unstable_chars
+from batchrl.ingest.nfc_table import UNIDATA_VERSION, UNSTABLE_RANGES
+
+
+def tricky_lines(n: int = 3000, seed: int = 7) -> bytes:
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "café", "cafe\u0301", "数据", "x\u0007y", "tab\tin", "line\nbreak", "\u0085nel",
+             "{braces}", "[list]", "colon: {x}", "quote\"d", "back\\slash", "  pad  ", "\u212b"]
+    out = []
+    for i in range(n):
+        row = {"prompt": " ".join(rng.choices(words, k=4)), "chosen": rng.choice(words) + str(i),
+               "rejected": rng.choice(words) + str(-i)}
+        if rng.random() < 0.3:
+            row["category"] = rng.choice(["a", "b"])
+        kind = rng.random()
+        line = json.dumps(row, ensure_ascii=rng.random() < 0.5).encode()
+        if kind < 0.02:
+            line = line[: len(line) // 2]                      # truncated
+        elif kind < 0.04:
+            row["chosen"] = {"nested": True}
+            line = json.dumps(row).encode()
+        elif kind < 0.06:
+            row["prompt"] = 12
+            line = json.dumps(row).encode()
+        elif kind < 0.08:
+            row["extra"] = "x"
+            line = json.dumps(row).encode()
+        elif kind < 0.09:
+            line = b"\xef\xbb\xbf" + line                       # BOM mid-file
+        elif kind < 0.10:
+            line = line.replace(b"alpha", b"al\xffpha") if b"alpha" in line else b"\xfe" + line
+        elif kind < 0.11:
+            line = b""                                          # blank line
+        elif kind < 0.12:
+            line = b"   "                                       # whitespace-only line
+        elif kind < 0.13:
+            line = line + b"\r"                                 # CRLF
+        elif kind < 0.14:
+            row["source"] = 5
+            line = json.dumps(row).encode()
+        out.append(line)
+    return b"\n".join(out) + b"\n"
+
+
+def _digests(report):
+    return {k: hashlib.sha256(open(v, "rb").read()).hexdigest() for k, v in report.outputs.items()}
+
+
+@pytest.mark.parametrize("block_bytes", [1 << 20, 4096])
+def test_fast_and_reference_paths_agree(tmp_path, block_bytes):
+    src = tmp_path / "tricky.jsonl"
+    src.write_bytes(tricky_lines())
+    files = discover_inputs(str(src))
+    fast = clean_logs(files, str(tmp_path / "fast"), IngestConfig(block_bytes=block_bytes))
+    ref = clean_logs(files, str(tmp_path / "ref"), IngestConfig(fast_json=False))
+    assert fast.reasons == ref.reasons and len(fast.reasons) == 5
+    assert _digests(fast) == _digests(ref)
+    assert fast.invariant_holds and fast.rows_in == 3000 - sum(1 for l in tricky_lines().split(b"\n")[:-1]
+                                                               if not l.strip())
+
+
+def test_nfc_table_is_current():
+    if UNIDATA_VERSION != unicodedata.unidata_version:
+        pytest.skip("python's unicodedata differs from the committed table's version")
+    assert [tuple(r) for r in UNSTABLE_RANGES] == unstable_chars()
+
+
+def test_nfc_quick_check_never_misses():
+    """Strings without a flagged character are NFC already (random strings over the whole BMP)."""
+    rng = random.Random(0)
+    pattern = nfc_unstable_re()
+    strings = ["".join(chr(rng.choice([rng.randrange(0x20, 0x3000), rng.randrange(0xAC00, 0xD7A4),
+                                      rng.randrange(0x300, 0x370)])) for _ in range(6)) for _ in range(20000)]
+    strings = [s for s in strings if not any(0xD800 <= ord(c) < 0xE000 for c in s)]
+    flagged = pc.match_substring_regex(pa.array(strings), pattern).to_pylist()
+    for s, hit in zip(strings, flagged):
+        if not hit:
+            assert unicodedata.is_normalized("NFC", s), ascii(s)
