@@ -108,6 +108,13 @@ def run_batchrl(src: str, out: str) -> dict:
             "stage_seconds": [round(cleaned.seconds, 2), round(valid.seconds, 2)]}
 
 
+def run_batchrl_fused(src: str, out: str) -> dict:
+    from batchrl.ingest import IngestConfig, discover_inputs, ingest_logs
+
+    cleaned, valid = ingest_logs(discover_inputs(src, hash_files=False), out, IngestConfig())
+    return {"clean": cleaned.to_metadata() | {"extra": None}, "validate": valid.to_metadata() | {"extra": None}}
+
+
 def run_duckdb(src: str, out: str) -> dict:
     import duckdb
 
@@ -158,7 +165,7 @@ def run_python(src: str, out: str) -> dict:
     return {"valid": valid, "bad": bad, "duplicates": dup}
 
 
-CONTENDERS = {"batchrl": run_batchrl, "duckdb": run_duckdb, "python": run_python}
+CONTENDERS = {"batchrl": run_batchrl, "batchrl_fused": run_batchrl_fused, "duckdb": run_duckdb, "python": run_python}
 
 
 def measure(name: str, src: str) -> dict:
@@ -179,7 +186,7 @@ def measure(name: str, src: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--only", default="batchrl,duckdb,python")
+    ap.add_argument("--only", default="batchrl,batchrl_fused,duckdb,python")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--src")
@@ -202,11 +209,13 @@ def main() -> None:
         results[name] = measure(name, src)
         r = results[name]
         print(f"{name:8s} {r['seconds']:7.2f}s {r['mb_s']:7.1f} MB/s  peak RSS {r['peak_rss_mb']:7.1f} MB", flush=True)
-    if "batchrl" in results:
+    for ours in ("batchrl", "batchrl_fused"):
         for other in ("duckdb", "python"):
-            if other in results:
-                print(f"batchrl / {other}: {results['batchrl']['mb_s'] / results[other]['mb_s']:.2f}x")
-        print(json.dumps(results["batchrl"]["result"], indent=1))
+            if ours in results and other in results:
+                print(f"{ours} / {other}: {results[ours]['mb_s'] / results[other]['mb_s']:.2f}x")
+    for ours in ("batchrl", "batchrl_fused"):
+        if ours in results:
+            print(ours, json.dumps(results[ours]["result"]))
     if not args.keep:
         os.unlink(src)
 

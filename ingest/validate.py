@@ -168,45 +168,68 @@ class ContractValidator:
         }, schema=QUARANTINE_ARROW)
 
 
+class ContractStage:
+    """Streams batches through ``ContractValidator`` into ``{out_name}`` + quarantine.parquet."""
+
+    def __init__(self, out_dir: str, cfg: IngestConfig, kind: str, out_name: str, stage: str,
+                 report: StageReport | None = None):
+        self.start = time.perf_counter()
+        self.kind, self.out_name = kind, out_name
+        self.report = report or StageReport(stage)
+        self.validator = ContractValidator(kind, cfg)
+        self.sink = ParquetSink(out_dir, out_name, ARROW_SCHEMAS[kind], cfg.row_group_rows, cfg.compression,
+                                cfg.storage_options)
+        self.quarantine = QuarantineSink(out_dir, cfg)
+
+    def feed(self, table: pa.Table, upstream: pa.Table | None = None) -> None:
+        """``upstream``: rows already quarantined before this stage (counted in rows_in)."""
+        report = self.report
+        if upstream is not None and upstream.num_rows:
+            report.rows_in += upstream.num_rows
+            report.quarantined += upstream.num_rows
+            self.quarantine.write(upstream)
+            for code in upstream.column("reason").to_pylist():
+                report.count(code)
+        report.rows_in += table.num_rows
+        if not table.num_rows:
+            return
+        valid, rejected, dups = self.validator.process(table.select(ARROW_SCHEMAS[self.kind].names))
+        self.sink.write(valid)
+        self.quarantine.write(rejected)
+        report.valid += valid.num_rows
+        report.duplicates += dups
+        report.quarantined += rejected.num_rows - dups
+        if rejected.num_rows:
+            codes, counts = np.unique(rejected.column("reason").to_numpy(zero_copy_only=False), return_counts=True)
+            for code, count in zip(codes, counts):
+                report.count(str(code), int(count))
+
+    def close(self) -> StageReport:
+        report = self.report
+        report.outputs.update({self.out_name.removesuffix(".parquet"): self.sink.close(),
+                               "quarantine": self.quarantine.close()})
+        report.content_hash = self.sink.sha256
+        report.bytes_out = self.sink.size + self.quarantine.size
+        report.seconds = time.perf_counter() - self.start
+        report.extra.setdefault("kind", self.kind)
+        return report
+
+    def abort(self) -> None:
+        self.sink.abort()
+        self.quarantine.abort()
+
+
 def run_contract(batches: Iterator, out_dir: str, cfg: IngestConfig, kind: str, out_name: str,
                  stage: str, report: StageReport | None = None) -> StageReport:
-    start = time.perf_counter()
-    report = report or StageReport(stage)
-    validator = ContractValidator(kind, cfg)
-    sink = ParquetSink(out_dir, out_name, ARROW_SCHEMAS[kind], cfg.row_group_rows, cfg.compression,
-                       cfg.storage_options)
-    quarantine = QuarantineSink(out_dir, cfg)
+    """Each item is a table, or (table, rows already quarantined upstream)."""
+    contract = ContractStage(out_dir, cfg, kind, out_name, stage, report)
     try:
-        for item in batches:  # a table, or (table, rows already quarantined upstream)
-            table, upstream = item if isinstance(item, tuple) else (item, None)
-            if upstream is not None and upstream.num_rows:
-                report.rows_in += upstream.num_rows
-                report.quarantined += upstream.num_rows
-                quarantine.write(upstream)
-                for code in upstream.column("reason").to_pylist():
-                    report.count(code)
-            report.rows_in += table.num_rows
-            if not table.num_rows:
-                continue
-            valid, rejected, dups = validator.process(table.select(ARROW_SCHEMAS[kind].names))
-            sink.write(valid)
-            quarantine.write(rejected)
-            report.valid += valid.num_rows
-            report.duplicates += dups
-            report.quarantined += rejected.num_rows - dups
-            for code, count in zip(*np.unique(rejected.column("reason").to_numpy(zero_copy_only=False),
-                                              return_counts=True)) if rejected.num_rows else []:
-                report.count(str(code), int(count))
-        report.outputs.update({out_name.removesuffix(".parquet"): sink.close(), "quarantine": quarantine.close()})
+        for item in batches:
+            contract.feed(*(item if isinstance(item, tuple) else (item,)))
+        return contract.close()
     except BaseException:
-        sink.abort()
-        quarantine.abort()
+        contract.abort()
         raise
-    report.content_hash = sink.sha256
-    report.bytes_out = sink.size + quarantine.size
-    report.seconds = time.perf_counter() - start
-    report.extra.setdefault("kind", kind)
-    return report
 
 
 def _validate(cleaned_dir: str, out_dir: str, cfg: IngestConfig, kind: str, out_name: str, stage: str):
@@ -232,3 +255,26 @@ def validate_preferences(cleaned_dir: str, out_dir: str, cfg: IngestConfig | Non
 def validate_scored(cleaned_dir: str, out_dir: str, cfg: IngestConfig | None = None) -> StageReport:
     """cleaned.parquet of scored logs -> scored.parquet + quarantine.parquet."""
     return _validate(cleaned_dir, out_dir, cfg, "scored", "scored.parquet", "validate_scored")
+
+
+def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None) -> tuple[StageReport, StageReport]:
+    """clean_logs + validate_* in one streaming pass (no re-read of cleaned.parquet).
+
+    Writes ``out_dir/cleaned/{cleaned,quarantine}.parquet`` and ``out_dir/validated/{preferences|scored,
+    quarantine}.parquet``, byte-identical to running the two stages one after the other.
+    """
+    from batchrl.ingest.clean import clean_logs
+
+    cfg = cfg or IngestConfig()
+    name = "preferences.parquet" if cfg.kind == "preference" else "scored.parquet"
+    stage = "validate_preferences" if cfg.kind == "preference" else "validate_scored"
+    contract = ContractStage(join(out_dir, "validated"), cfg, cfg.kind, name, stage)
+    try:
+        cleaned = clean_logs(inputs, join(out_dir, "cleaned"), cfg, on_batch=contract.feed)
+        validated = contract.close()
+    except BaseException:
+        contract.abort()
+        raise
+    validated.bytes_in = cleaned.bytes_out
+    validated.extra["inputs"] = [cleaned.outputs["cleaned"]]
+    return cleaned, validated

@@ -207,3 +207,13 @@ def test_fast_path_agrees_with_reference_path(tmp_path, sample_run):
     cfg = IngestConfig(fast_json=False)
     ref = clean_logs(discover_inputs(SAMPLE), str(tmp_path / "ref"), cfg)
     assert _digest(ref) == _digest(cleaned) and ref.reasons == cleaned.reasons
+
+
+def test_fused_single_pass_matches_two_stages(tmp_path, sample_run):
+    from batchrl.ingest import ingest_logs
+
+    _, cleaned, valid = sample_run
+    c, v = ingest_logs(discover_inputs(SAMPLE), str(tmp_path / "fused"), IngestConfig())
+    assert _digest(c) == _digest(cleaned) and _digest(v) == _digest(valid)
+    assert (v.rows_in, v.valid, v.quarantined, v.duplicates) == (valid.rows_in, valid.valid, valid.quarantined,
+                                                                 valid.duplicates)
