@@ -47,7 +47,7 @@ def test_sample_data_reason_codes_and_invariant(sample_run):
         assert check_reject_rate(report, 0.05)[0]  # the demo passes the default gate
         meta = report.to_metadata()
         assert json.loads(json.dumps(meta)) == meta
-    assert (cleaned.rows_in, valid.rows_in, valid.valid, valid.duplicates) == (219, 211, 206, 2)
+    assert (cleaned.rows_in, valid.rows_in, valid.valid, valid.duplicates) == (259, 251, 246, 2)
     quarantine = pq.read_table(cleaned.outputs["quarantine"]).to_pylist()
     assert all(q["source_file"].endswith("prefs_001.jsonl") and q["raw"] and q["detail"] for q in quarantine)
     undecodable = next(q for q in quarantine if q["reason"] == "undecodable")

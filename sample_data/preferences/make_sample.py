@@ -2,7 +2,7 @@
 
     python sample_data/preferences/make_sample.py
 
-Preferences: 200 clean rows in four categories (chosen correct/helpful/polite, rejected wrong/curt)
+Preferences: 240 clean rows in four categories (chosen correct/helpful/polite, rejected wrong/curt)
 plus 19 messy rows that exercise every cleaning step and reason code (11 end up quarantined, 2 as
 duplicates: under the default 5% reject threshold at both stages). Scored: 45 prompts with 1-5
 scored responses each.
@@ -137,8 +137,8 @@ def scored_rows(rng: random.Random) -> list[dict]:
 
 def main() -> None:
     rng = random.Random(1234)
-    rows = clean_rows(rng, 200, 0)
-    first, second = rows[:100], rows[100:]
+    rows = clean_rows(rng, 240, 0)
+    first, second = rows[:120], rows[120:]
     part_a = b"\xef\xbb\xbf" + b"".join(line(r) for r in first)  # a file saved with a BOM
     messy = messy_lines({k: v for k, v in second[10].items() if k != "id"} | {"id": second[10]["id"]})
     body = [line(r) for r in second]
