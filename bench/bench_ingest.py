@@ -63,11 +63,14 @@ FROM shaped ORDER BY i
 
 def make_corpus(seed: int = 0, words: int = 400_000) -> str:
     rng = np.random.default_rng(seed)
-    vocab = np.array(["the", "model", "answer", "question", "because", "data", "value", "function", "returns",
-                      "list", "polite", "reply", "however", "therefore", "example", "café", "naïve", "über",
-                      "数据", "模型", "résumé", "code", "python", "result", "first", "second", "then", "and"])
-    lens = rng.integers(0, len(vocab), words)
-    return " ".join(vocab[lens].tolist())
+    ascii_words = np.array(["the", "model", "answer", "question", "because", "data", "value", "function",
+                            "returns", "list", "polite", "reply", "however", "therefore", "example", "code",
+                            "python", "result", "first", "second", "then", "and", "x", "=", "42", "if", "not"])
+    other = np.array(["café", "naïve", "über", "数据", "模型", "résumé", "cafe\u0301", "Ω"])
+    picks = ascii_words[rng.integers(0, len(ascii_words), words)].astype(object)
+    foreign = rng.random(words) < 0.004  # ~1 in 8 fields holds a non-ASCII word (English-dominant logs)
+    picks[foreign] = other[rng.integers(0, len(other), int(foreign.sum()))]
+    return " ".join(picks.tolist())
 
 
 def generate(path: str, rows: int, seed: int = 0) -> int:

@@ -24,6 +24,8 @@ from batchrl.ingest.textclean import CANDIDATE_COLUMN
 from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
 
 BOM = b"\xef\xbb\xbf"
+
+_ESCAPE_HIGH_NIBBLES = np.frombuffer(b"01789", np.uint8)
 _ROW_RE = re.compile(r"in row (\d+)")
 
 
@@ -92,7 +94,7 @@ class JsonlReader:
             good, rejects = self._slow(ctx, rows)
             fast_tables = []
         else:
-            suspicious = self._suspicious_lines(ctx, buf)
+            suspicious, control = self._screen(ctx, buf)
             fast_tables, slow_rows = self._fast(ctx, rows[~suspicious[rows]])
             good, rejects = self._slow(ctx, sorted(slow_rows + rows[suspicious[rows]].tolist()))
         tables = [t for t in fast_tables if t.num_rows] + ([good] if good.num_rows else [])
@@ -103,7 +105,8 @@ class JsonlReader:
         else:
             table = pa.concat_tables(tables)
             table = table.take(pc.sort_indices(table.column("source_line")))
-        control = self._control_candidates(ctx, buf)
+        if not self.fast:
+            control = np.ones(len(starts), bool)
         table = table.append_column(CANDIDATE_COLUMN, pa.array(control[table.column("source_line").to_numpy()
                                                                         - line_base - 1]))
         step = self.cfg.batch_rows
@@ -122,49 +125,50 @@ class JsonlReader:
                 raise IngestError(self.file.uri, line_no, "first record does not match the contract",
                                   missing, extra)
 
-    @staticmethod
-    def _control_candidates(ctx: "_Block", buf: np.ndarray) -> np.ndarray:
-        """Lines that may hold control characters once decoded: JSON escapes \\u \\b \\f \\r, raw
-        C0/DEL bytes, or UTF-8 C1 (0xC2 0x80-0x9F). Only these rows pay for the control regex."""
-        cand = np.zeros(len(ctx.starts), bool)
-        if not len(cand):
-            return cand
-        back = np.flatnonzero(buf[:-1] == 92)
-        nxt = buf[back + 1]
-        pos = [back[(nxt == 117) | (nxt == 98) | (nxt == 102) | (nxt == 114)],
-               np.flatnonzero(((buf < 32) & (buf != 10) & (buf != 9)) | (buf == 127))]
-        c2 = np.flatnonzero(buf[:-1] == 0xC2)
-        pos.append(c2[(buf[c2 + 1] >= 0x80) & (buf[c2 + 1] <= 0x9F)])
-        for p in pos:
-            if len(p):
-                cand[np.searchsorted(ctx.starts, p, side="right") - 1] = True
-        return cand
-
     # -- fast path ---------------------------------------------------------------------------
     @staticmethod
-    def _suspicious_lines(ctx: "_Block", buf: np.ndarray) -> np.ndarray:
-        """Byte-level screen (numpy, whole block) for lines the Arrow parser would stop at, so they go
-        straight to the reference path instead of costing a failed parse: not ``{...}`` (truncated,
-        arrays, BOM), raw control bytes, or an object/array as a value (``:{`` / ``:[``).
-        False positives only cost speed; misses are caught by the parse-error isolation."""
+    def _screen(ctx: "_Block", buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Byte-level screen of the block (numpy compares, sparse hits) -> per line (suspicious, control).
+
+        suspicious: lines the Arrow parser would stop at go straight to the reference path instead of
+        costing a failed parse: not ``{...}`` (truncated, arrays, BOM), raw control bytes, an object or
+        array as a value (``:{`` / ``:[``). False positives only cost speed; misses are caught by the
+        parse-error isolation. control: lines that may hold control characters once decoded (escapes
+        ``\\u00XX`` for C0/DEL/C1, ``\\b \\f \\r``, raw C0/DEL, UTF-8 C1); only those rows pay for the
+        control-character regex."""
         n = len(ctx.starts)
+        suspicious, control = np.zeros(n, bool), np.zeros(n, bool)
         if n == 0:
-            return np.zeros(0, bool)
+            return suspicious, control
         ends = np.maximum(ctx.ends - 1, ctx.starts)
         last = buf[ends]
         last = np.where((last == 13) & (ends > ctx.starts), buf[np.maximum(ends - 1, 0)], last)
-        suspicious = (buf[np.minimum(ctx.starts, len(buf) - 1)] != 123) | (last != 125)
+        suspicious |= (buf[np.minimum(ctx.starts, len(buf) - 1)] != 123) | (last != 125)
+        block = ctx.block
 
-        def mark(positions: np.ndarray) -> None:
+        def mark(flags: np.ndarray, positions) -> None:
             if len(positions):
-                suspicious[np.searchsorted(ctx.starts, positions, side="right") - 1] = True
+                flags[np.searchsorted(ctx.starts, np.asarray(positions), side="right") - 1] = True
 
-        mark(np.flatnonzero((buf < 32) & (buf != 10) & (buf != 9) & (buf != 13)))
-        colon = np.flatnonzero(buf[:-2] == 58)
-        nxt, nxt2 = buf[colon + 1], buf[colon + 2]
-        opens = (nxt == 123) | (nxt == 91) | ((nxt == 32) & ((nxt2 == 123) | (nxt2 == 91)))
-        mark(colon[opens])
-        return suspicious
+        low = buf < 32  # raw control bytes: only when there are more than newlines, tabs and CRs
+        allowed = len(ctx.starts) + np.count_nonzero(buf == 9) + np.count_nonzero(buf == 13)
+        if np.count_nonzero(low) > allowed:
+            raw = np.flatnonzero(low & (buf != 10) & (buf != 9) & (buf != 13))
+            mark(suspicious, raw)
+            mark(control, raw)
+        padded = np.concatenate((buf, np.zeros(6, np.uint8)))
+        colon = np.flatnonzero(buf == 58)  # ":{" ":[" ": {" ": [" -> an object/array value
+        nxt, nxt2 = padded[colon + 1], padded[colon + 2]
+        mark(suspicious, colon[(nxt == 123) | (nxt == 91) | ((nxt == 32) & ((nxt2 == 123) | (nxt2 == 91)))])
+        back = np.flatnonzero(buf == 92)  # \b \f \r \u000X \u001X \u007F \u008X \u009X
+        nxt, nxt2, nxt3, nxt4 = (padded[back + k] for k in (1, 2, 3, 4))
+        escape = (nxt == 98) | (nxt == 102) | (nxt == 114) | (
+            (nxt == 117) & (nxt2 == 48) & (nxt3 == 48) & np.isin(nxt4, _ESCAPE_HIGH_NIBBLES))
+        mark(control, back[escape])
+        c2 = np.flatnonzero(buf == 0xC2)  # UTF-8 C1 controls: C2 80..C2 9F
+        mark(control, c2[(padded[c2 + 1] >= 0x80) & (padded[c2 + 1] <= 0x9F)])
+        mark(control, np.flatnonzero(buf == 127))
+        return suspicious, control
 
     def _fast(self, ctx: "_Block", rows: np.ndarray) -> tuple[list[pa.Table], list[int]]:
         tables, slow = [], []
@@ -176,7 +180,13 @@ class JsonlReader:
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         for run in np.split(rows, breaks):
             self._isolate(ctx, run, tables, slow)
-        return tables, sorted(set(slow))
+        if not tables:
+            return [], sorted(set(slow))
+        parsed = pa.concat_tables([t for t, _ in tables])
+        lines = ctx.line_base + np.concatenate([seg for _, seg in tables]) + 1
+        structured, rejects = structure_table(parsed, lines, self.cfg, self.file.uri, lambda i: "")
+        assert not rejects, rejects  # the explicit schema guarantees flat, typed, non-null values
+        return [structured], sorted(set(slow))
 
     def _isolate(self, ctx: "_Block", seg: np.ndarray, tables: list, slow: list) -> None:
         """Parse ``seg``; on an error at row r, keep the rows before it, send r (and r-1: an unterminated
@@ -197,28 +207,29 @@ class JsonlReader:
                 seg = seg[r + 1:]
 
     def _invalid_utf8_rows(self, ctx: "_Block", rows: np.ndarray) -> np.ndarray:
-        """Positions in ``rows`` of lines that are not UTF-8: Arrow validates slices of 32 lines at
-        once, only failing slices are checked line by line."""
+        """Positions in ``rows`` of lines that are not UTF-8: Arrow validates 64-line slices, failing
+        slices are halved down to the bad lines."""
         offsets = np.empty(len(rows) + 1, np.int64)
         offsets[:-1], offsets[-1] = ctx.starts[rows], len(ctx.block)
         lines = pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets),
                                                                       pa.py_buffer(ctx.block)])
-        bad = []
-        for lo in range(0, len(rows), 32):
-            piece = lines.slice(lo, 32)
+        bad: list[int] = []
+
+        def scan(lo: int, n: int) -> None:  # halve failing ranges down to single lines
             try:
-                piece.cast(pa.large_string())
-                continue
+                lines.slice(lo, n).cast(pa.large_string())
             except pa.ArrowInvalid:
-                pass
-            for k in range(len(piece)):
-                try:
-                    piece.slice(k, 1).cast(pa.large_string())
-                except pa.ArrowInvalid:
-                    bad.append(lo + k)
+                if n == 1:
+                    bad.append(lo)
+                else:
+                    scan(lo, n // 2)
+                    scan(lo + n // 2, n - n // 2)
+
+        for lo in range(0, len(rows), 64):
+            scan(lo, min(64, len(rows) - lo))
         return np.array(bad, np.int64)
 
-    def _parse_segment(self, ctx: "_Block", seg: np.ndarray, slow: list[int]) -> pa.Table:
+    def _parse_segment(self, ctx: "_Block", seg: np.ndarray, slow: list[int]) -> tuple[pa.Table, np.ndarray]:
         start, end = ctx.starts[seg[0]], ctx.ends[seg[-1]]
         data = memoryview(ctx.block)[start:end]
         table = pajson.read_json(
@@ -240,11 +251,7 @@ class JsonlReader:
             slow.extend(seg[defer].tolist())
             table = table.filter(pa.array(~defer))
             seg = seg[~defer]
-        table = table.drop_columns(extras)
-        lines = ctx.line_base + seg + 1
-        structured, rejects = structure_table(table, lines, self.cfg, self.file.uri, lambda i: "")
-        assert not rejects, rejects  # the explicit schema guarantees flat, typed, non-null values
-        return structured
+        return table.select(self.parse_schema.names), seg
 
     # -- reference path ----------------------------------------------------------------------
     def _slow(self, ctx: "_Block", rows) -> tuple[pa.Table, list[Reject]]:
