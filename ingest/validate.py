@@ -269,8 +269,20 @@ def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None) -> tuple[
     name = "preferences.parquet" if cfg.kind == "preference" else "scored.parquet"
     stage = "validate_preferences" if cfg.kind == "preference" else "validate_scored"
     contract = ContractStage(join(out_dir, "validated"), cfg, cfg.kind, name, stage)
+    pending: list[pa.Table] = []
+
+    def feed(table: pa.Table | None) -> None:  # validate in batch_rows batches: fewer, larger calls
+        if table is not None:
+            pending.append(table)
+        rows = sum(t.num_rows for t in pending)
+        if rows and (table is None or rows >= cfg.batch_rows):
+            merged = pa.concat_tables(pending)
+            pending.clear()
+            contract.feed(merged)
+
     try:
-        cleaned = clean_logs(inputs, join(out_dir, "cleaned"), cfg, on_batch=contract.feed)
+        cleaned = clean_logs(inputs, join(out_dir, "cleaned"), cfg, on_batch=feed)
+        feed(None)
         validated = contract.close()
     except BaseException:
         contract.abort()
