@@ -97,5 +97,5 @@ def test_dagster_cli_materialize_then_batchrl_audit(tmp_path):
     audit = subprocess.run([os.path.join(bindir, "batchrl"), "audit", "validated_preferences"], cwd=repo, env=env,
                            check=True, capture_output=True, text=True).stdout
     assert "validated_preferences@" in audit and "raw_logs@" in audit
-    sample = sorted(os.listdir(SAMPLES.preferences))[0]
+    sample = sorted(f for f in os.listdir(SAMPLES.preferences) if f.endswith(".jsonl"))[0]
     assert sample in audit and "[ok]" in audit
