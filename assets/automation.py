@@ -34,5 +34,5 @@ def new_logs_sensor(context: dg.SensorEvaluationContext, landing: LandingResourc
     return dg.RunRequest(run_key=fingerprint, tags={"batchrl/landing_fingerprint": fingerprint})
 
 
-nightly_retrain = dg.ScheduleDefinition(job=retrain_job, cron_schedule="0 3 * * *",
+nightly_retrain = dg.ScheduleDefinition(name="nightly_retrain", job=retrain_job, cron_schedule="0 3 * * *",
                                         default_status=dg.DefaultScheduleStatus.STOPPED)
