@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
 import types
 import typing
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 import dagster as dg
 import pydantic
 
-from batchrl.resources import ArtifactRef, CatalogResource, StorageResource
+from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
 
 
 def code_version(*modules: str) -> str:
@@ -96,3 +98,27 @@ def run_config_for(model_cls: type[pydantic.BaseModel], name: str) -> type[dg.Co
 
 def to_library_config(config: dg.Config, model_cls: type):
     return model_cls(**config.model_dump())
+
+
+def work_dir(storage: StorageResource, asset: str, key: dict) -> str:
+    """A stable per-(inputs, config) folder for trainer checkpoints, so a re-run resumes exactly."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = os.path.abspath(os.path.join(storage.cache_dir, "_work", asset, digest))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
+                      catalog: CatalogResource, launcher: TrainerLauncherResource) -> dg.Output:
+    """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model."""
+    workdir = work_dir(storage, context.asset_key.to_user_string(),
+                       {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
+    job_config = {**job_config, "out_dir": workdir}
+    result = launcher.run_job(context, job, job_config, workdir)
+    metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
+    with open(os.path.join(workdir, "model", "train_metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2, sort_keys=True, default=str)
+    with storage.staging_dir(context.asset_key.to_user_string()) as staging:
+        shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
+        return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
+                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata=metrics)

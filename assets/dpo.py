@@ -4,8 +4,7 @@ import os
 
 import dagster as dg
 
-from batchrl.assets.common import code_version, publish, run_config_for
-from batchrl.assets.rl import train_and_publish
+from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish
 from batchrl.resources import CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import DPOConfig
 

@@ -1,15 +1,14 @@
 """RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint."""
 
-import hashlib
-import json
 import os
-import shutil
 
 import dagster as dg
 import pandas as pd
 
 from batchrl import fsutil
-from batchrl.assets.common import as_ref, code_version, publish, run_config_for, to_library_config
+from batchrl.assets.common import (
+    as_ref, code_version, publish, run_config_for, to_library_config, train_and_publish,
+)
 from batchrl.assets.models import read_parquet_in
 from batchrl.resources import (
     ArtifactRef, CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
@@ -120,30 +119,6 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
         return publish(context, storage, catalog, staging, config=config.model_dump(), inputs={"rewards": rewards},
                        metadata={"samples": len(out), "estimator": config.estimator,
                                  "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
-
-
-def work_dir(storage: StorageResource, asset: str, key: dict) -> str:
-    """A stable per-(inputs, config) folder for trainer checkpoints, so a re-run resumes exactly."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = os.path.abspath(os.path.join(storage.cache_dir, "_work", asset, digest))
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
-                      catalog: CatalogResource, launcher: TrainerLauncherResource) -> dg.Output:
-    """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model."""
-    workdir = work_dir(storage, context.asset_key.to_user_string(),
-                       {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
-    job_config = {**job_config, "out_dir": workdir}
-    result = launcher.run_job(context, job, job_config, workdir)
-    metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
-    with open(os.path.join(workdir, "model", "train_metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2, sort_keys=True, default=str)
-    with storage.staging_dir(context.asset_key.to_user_string()) as staging:
-        shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
-        return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
-                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata=metrics)
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.trainer", "batchrl.training.algos"),
