@@ -6,8 +6,8 @@
 Input: preference JSONL, ~200 chars per field, 1% bad rows (invalid JSON, undecodable bytes, empty /
 whitespace-only / missing / extra / nested fields, chosen == rejected), 1% exact duplicates, some
 control characters and non-ASCII text. Generated with DuckDB from a seeded word corpus (deterministic,
-no per-row Python). Each contender runs in its own subprocess; peak RSS = the child's ru_maxrss.
-Files go under bench/out/ (gitignored) and are deleted at the end unless --keep.
+no per-row Python). Each contender runs in its own subprocess, one after the other, on the same file.
+Peak RSS is the child's VmHWM (/proc, reset at exec). Files go under bench/out/ (gitignored) and are deleted at the end unless --keep.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -183,7 +182,8 @@ def measure(name: str, src: str) -> dict:
     size = os.path.getsize(src)
     shutil.rmtree(out, ignore_errors=True)
     return {"name": name, "seconds": round(seconds, 2), "mb_s": round(size / 1e6 / seconds, 1),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "exit": status, "result": result}
+            "peak_rss_mb": result.pop("vm_hwm_mb"), "ru_maxrss_mb": round(usage.ru_maxrss / 1024, 1),
+            "exit": status, "result": result}
 
 
 def main() -> None:
@@ -195,14 +195,21 @@ def main() -> None:
     ap.add_argument("--src")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.child == "generate":
+        generate(args.src, args.rows)
+        return
     if args.child:
-        print(json.dumps(CONTENDERS[args.child](args.src, args.out)))
+        result = CONTENDERS[args.child](args.src, args.out)
+        with open("/proc/self/status") as f:  # VmHWM: this process image's peak RSS (reset at exec)
+            result["vm_hwm_mb"] = round(int(next(l for l in f if l.startswith("VmHWM")).split()[1]) / 1024, 1)
+        print(json.dumps(result))
         return
     os.makedirs(OUT, exist_ok=True)
     src = os.path.join(OUT, f"prefs_{args.rows}.jsonl")
     t0 = time.perf_counter()
-    if not os.path.exists(src):
-        generate(src, args.rows)
+    if not os.path.exists(src):  # in a child, so this process stays small
+        subprocess.run([sys.executable, __file__, "--child", "generate", "--src", src, "--rows", str(args.rows)],
+                       check=True)
     gen = time.perf_counter() - t0
     size = os.path.getsize(src)
     print(f"input {src}: {args.rows} rows, {size / 1e6:.0f} MB, generated in {gen:.1f}s "

@@ -34,7 +34,13 @@ class TsvReader:
     def records(self, stream: BinaryIO, source_file: str) -> Iterator[tuple[int, Any]]:
         header: list[str] | None = None
         for line_no, raw in enumerate(stream, start=1):
-            text = raw.decode("utf-8", errors="strict").rstrip("\r\n").removeprefix("\ufeff")
+            try:
+                text = raw.decode("utf-8").rstrip("\r\n").removeprefix("\ufeff")
+            except UnicodeDecodeError as e:
+                err = RowError("undecodable", f"invalid UTF-8 at column {e.start + 1} of line {line_no}")
+                err.raw = raw.decode("utf-8", errors="backslashreplace")
+                yield line_no, err
+                continue
             if header is None:
                 header = text.split("\t")
                 continue

@@ -8,6 +8,7 @@ the 128-bit hex of two such hashes. Quarantined and duplicate rows go to quarant
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import Iterator
@@ -131,6 +132,9 @@ class ContractValidator:
             detail[ok[dup]] = [f"content key {k:016x}" for k in ok_keys[dup]]
         keep = reason == None  # noqa: E711
         bad = np.flatnonzero(~keep)
+        # pandera leaves reference cycles that hold this batch's DataFrame; collect the young
+        # generations now so memory stays bounded by the batch size, not by the input size
+        gc.collect(1)
         return table.filter(pa.array(keep)), self._quarantine_rows(table, bad, reason, detail), int(dup.sum())
 
     def _contract_failures(self, table: pa.Table) -> Iterator[tuple[str, np.ndarray, str]]:
