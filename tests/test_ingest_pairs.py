@@ -59,3 +59,18 @@ def test_sample_scored_pairs_pass_gate_and_rerun_identically(tmp_path):
     assert set(table.column("category").to_pylist()) == {"math", "writing", "coding"}
     assert table.schema.names == ["id", "prompt", "chosen", "rejected", "category", "source", "timestamp",
                                   "source_file", "source_line"]
+
+
+def test_scored_pipeline_on_s3(s3_options, tmp_path):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options)
+    fs.mkdir("scored-bucket")
+    fs.put(os.path.join(REPO, "sample_data", "scored") + "/", "scored-bucket/in/", recursive=True)
+    cfg = IngestConfig(kind="scored", storage_options=s3_options)
+    clean_logs(discover_inputs("s3://scored-bucket/in", s3_options), "s3://scored-bucket/c", cfg)
+    validate_scored("s3://scored-bucket/c", "s3://scored-bucket/s", cfg)
+    pairs = scored_to_pairs("s3://scored-bucket/s", "s3://scored-bucket/p", IngestConfig(storage_options=s3_options))
+    _, local = scored_pipeline(os.path.join(REPO, "sample_data", "scored"), tmp_path / "local")
+    assert pairs.outputs["pairs"] == "s3://scored-bucket/p/pairs.parquet"
+    assert (pairs.valid, pairs.quarantined) == (local.valid, local.quarantined)
