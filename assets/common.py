@@ -48,6 +48,7 @@ def publish(
     seed: int | None = None,
     input_files: list[dict[str, Any]] | None = None,
     metadata: dict[str, Any] | None = None,
+    sidecars: dict[str, dict] | None = None,
 ) -> dg.Output:
     """Publish ``staging`` as this asset's new immutable version and return the Dagster output."""
     asset = context.asset_key.to_user_string()
@@ -60,7 +61,7 @@ def publish(
         "input_files": input_files or [],
         "dagster_run_id": context.run.run_id,
     }
-    ref = storage.publish(staging, asset, lineage)
+    ref = storage.publish(staging, asset, lineage, sidecars)
     metadata = dict(metadata or {})
     catalog.record(asset=asset, data_version=ref.data_version, uri=ref.uri, run_id=context.run.run_id,
                    code_version=code, metadata=metadata)
@@ -116,9 +117,14 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     job_config = {**job_config, "out_dir": workdir}
     result = launcher.run_job(context, job, job_config, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
-    with open(os.path.join(workdir, "model", "train_metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2, sort_keys=True, default=str)
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
         shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
+        sidecars = {"train_metrics.json": metrics}
+        record = os.path.join(staging, "batchrl_train.json")
+        if os.path.exists(record):  # holds wall-clock times: kept, but out of the weights' version
+            with open(record) as f:
+                sidecars["batchrl_train.json"] = json.load(f)
+            os.remove(record)
         return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
-                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata=metrics)
+                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata=metrics,
+                       sidecars=sidecars)

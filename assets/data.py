@@ -17,12 +17,10 @@ IngestRunConfig = run_config_for(IngestConfig, "IngestRunConfig")
 REPORT_FILE = "report.json"
 
 
-def _write_report(staging: str, report) -> dict:
+def _report(report) -> dict:
     metadata = report.to_metadata()
     # outputs are named relative to the artifact folder: the staging paths vanish after publishing
     metadata["outputs"] = {name: os.path.basename(path) for name, path in metadata.get("outputs", {}).items()}
-    with open(os.path.join(staging, REPORT_FILE), "w") as f:
-        json.dump(metadata, f, indent=2, sort_keys=True)
     return metadata
 
 
@@ -61,9 +59,10 @@ def cleaned_logs(context: dg.AssetExecutionContext, config: IngestRunConfig, raw
         changed = sorted({uri for uri, _ in set(current.items()) ^ set(recorded.items())})
         raise dg.Failure(f"landing changed since raw_logs was materialised: {changed}; rematerialise raw_logs")
     with storage.staging_dir("cleaned_logs") as staging:
-        metadata = _write_report(staging, clean_logs(inputs, staging, cfg))
+        metadata = _report(clean_logs(inputs, staging, cfg))
         return publish(context, storage, catalog, staging, inputs={"raw_logs": raw_logs},
-                       config=config.model_dump(), input_files=manifest, metadata=metadata)
+                       config=config.model_dump(), input_files=manifest, metadata=metadata,
+                       sidecars={REPORT_FILE: metadata})
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"})
@@ -75,7 +74,7 @@ def validated_preferences(context: dg.AssetExecutionContext, config: IngestRunCo
     with open(os.path.join(cleaned_dir, REPORT_FILE)) as f:
         cleaned = json.load(f)
     with storage.staging_dir("validated_preferences") as staging:
-        stage = _write_report(staging, validate_preferences(cleaned_dir, staging, cfg))
+        stage = _report(validate_preferences(cleaned_dir, staging, cfg))
         # Accounting across both stages: every landed row is valid, quarantined or a duplicate.
         totals = {
             "rows_in": cleaned["rows_in"],
@@ -84,11 +83,9 @@ def validated_preferences(context: dg.AssetExecutionContext, config: IngestRunCo
             "duplicates": cleaned.get("duplicates", 0) + stage["duplicates"],
         }
         totals["reject_rate"] = totals["quarantined"] / max(totals["rows_in"], 1)
-        with open(os.path.join(staging, "totals.json"), "w") as f:
-            json.dump(totals, f, indent=2, sort_keys=True)
         return publish(context, storage, catalog, staging, inputs={"cleaned_logs": cleaned_logs},
-                       config=config.model_dump(), metadata={**totals, "stage": stage,
-                                                             "reasons_clean": cleaned.get("reasons", {})})
+                       config=config.model_dump(), sidecars={REPORT_FILE: stage, "totals.json": totals},
+                       metadata={**totals, "stage": stage, "reasons_clean": cleaned.get("reasons", {})})
 
 
 def _totals(storage: StorageResource, ref: dict) -> dict:
@@ -128,10 +125,8 @@ def scored_logs(context: dg.AssetExecutionContext, landing: LandingResource, sto
         stage = validate_scored(cleaned_dir, staging, cfg)
         metadata = {"rows_in": cleaned.rows_in, "valid": stage.valid,
                     "quarantined": cleaned.quarantined + stage.quarantined, "duplicates": stage.duplicates}
-        with open(os.path.join(staging, REPORT_FILE), "w") as f:
-            json.dump(metadata, f, indent=2, sort_keys=True)
         return publish(context, storage, catalog, staging, input_files=files,
-                       config={"landing": landing.scored}, metadata=metadata)
+                       config={"landing": landing.scored}, metadata=metadata, sidecars={REPORT_FILE: metadata})
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"})
@@ -141,6 +136,7 @@ def scored_pairs(context: dg.AssetExecutionContext, scored_logs: dict, storage: 
     cfg = IngestConfig()
     scored_dir = storage.localize(scored_logs)
     with storage.staging_dir("scored_pairs") as staging:
-        metadata = _write_report(staging, scored_to_pairs(os.path.join(scored_dir, "scored.parquet"), staging, cfg))
+        metadata = _report(scored_to_pairs(os.path.join(scored_dir, "scored.parquet"), staging, cfg))
         return publish(context, storage, catalog, staging, inputs={"scored_logs": scored_logs},
-                       config={"pair_min_margin": cfg.pair_min_margin}, metadata=metadata)
+                       config={"pair_min_margin": cfg.pair_min_margin}, metadata=metadata,
+                       sidecars={REPORT_FILE: metadata})

@@ -57,10 +57,17 @@ class StorageResource(dg.ConfigurableResource):
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def publish(self, local_dir: str, asset: str, lineage: dict[str, Any]) -> ArtifactRef:
-        """Content-address ``local_dir`` (lineage excluded) and move it under the storage root."""
+    def publish(self, local_dir: str, asset: str, lineage: dict[str, Any],
+                sidecars: dict[str, dict] | None = None) -> ArtifactRef:
+        """Content-address ``local_dir`` and move it under the storage root.
+
+        The hash covers the data files only: ``lineage.json`` and the ``sidecars`` (JSON reports with
+        timings and paths) are written after hashing, so the same data gives the same version."""
         local_fs = fsutil.filesystem_for(local_dir)[0]
         data_version = fsutil.sha256_tree(local_fs, os.path.abspath(local_dir))[:16]
+        for name, content in (sidecars or {}).items():
+            with open(os.path.join(local_dir, name), "w") as f:
+                json.dump(content, f, indent=2, sort_keys=True, default=str)
         with open(os.path.join(local_dir, LINEAGE_FILE), "w") as f:
             json.dump({**lineage, "asset": asset, "data_version": data_version}, f, indent=2, sort_keys=True)
         fs, root = self._fs()

@@ -93,7 +93,8 @@ def test_data_assets_are_deterministic(pipeline, tmp_path):
     _, instance, root = pipeline
     first = {a: latest_metadata(instance, a)["data_version"]
              for a in ("raw_logs", "cleaned_logs", "validated_preferences", "prompts")}
-    with dg.DagsterInstance.local_temp(str(tmp_path)) as other:
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as other:
         rerun = run_assets(local_resources(str(tmp_path / "storage")), other, selection=list(first))
         assert rerun.success
         assert {a: latest_metadata(other, a)["data_version"] for a in first} == first
