@@ -79,7 +79,7 @@ def _columnar_tables(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Ta
     with open_binary(file, cfg.storage_options) as stream:
         if file.format == "parquet":
             first = 1
-            for batch in pq.ParquetFile(stream).iter_batches(batch_size=cfg.batch_rows):
+            for batch in pq.ParquetFile(stream, pre_buffer=False).iter_batches(batch_size=cfg.batch_rows):
                 yield pa.Table.from_batches([batch]), first
                 first += batch.num_rows
         elif file.format == "arrow":

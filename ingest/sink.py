@@ -111,6 +111,6 @@ def read_parquet_batches(uri: str, batch_rows: int, storage_options: dict | None
     """Stream record batches of one Parquet file (local or object store)."""
     fs, path = filesystem_for(uri, storage_options)
     with fs.open(path, "rb") as f:
-        pf = pq.ParquetFile(f)
+        pf = pq.ParquetFile(f, pre_buffer=False)  # pre_buffer would cache every row group read: RSS ~ file size
         for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
             yield pa.Table.from_batches([batch])
