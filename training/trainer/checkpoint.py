@@ -23,6 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from batchrl import fsutil
+
+_LOCAL_FS = fsutil.filesystem_for("/")[0]
+
 LATEST = "latest"
 TAG_PREFIX = "step_"
 
@@ -64,12 +68,7 @@ def seed_everything(seed: int) -> None:
 
 
 def _write_text_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fsutil.atomic_write_bytes(_LOCAL_FS, path, text.encode())
 
 
 def list_checkpoints(ckpt_dir: str) -> list[str]:
