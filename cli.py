@@ -30,18 +30,26 @@ def _latest_uri(instance, asset: str) -> str | None:
     return event.asset_materialization.metadata["uri"].value
 
 
+RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     ensure_dagster_home()
     import dagster as dg
 
-    from batchrl.definitions import defs
+    from batchrl.definitions import defs, execute_assets
 
-    job = defs.resolve_implicit_global_asset_job_def()
-    selection = None if args.select == "*" else dg.AssetSelection.from_coercible(args.select.split(","))
     with dg.DagsterInstance.get() as instance:
-        if selection is not None:
-            job = job.get_subset(asset_selection=set(selection.resolve(defs.resolve_asset_graph())))
-        result = job.execute_in_process(instance=instance, raise_on_error=False)
+        result = execute_assets(defs, instance, None if args.select == "*" else args.select.split(","))
+        # Further on-policy iterations: each samples from the latest policy_checkpoint, with a new seed.
+        for iteration in range(1, args.rl_iterations):
+            if not result.success:
+                break
+            print(f"\n=== RL iteration {iteration + 1} of {args.rl_iterations}")
+            result = execute_assets(defs, instance, list(RL_LOOP),
+                                    {"ops": {"rollouts": {"config": {"seed": iteration}}}})
+        if result.success and args.rl_iterations > 1:
+            result = execute_assets(defs, instance, ["evaluation"])
         print("\n=== batchrl run:", "SUCCESS" if result.success else "FAILED", "run_id", result.run_id)
         for asset in ("validated_preferences", "policy_checkpoint", "dpo_checkpoint", "evaluation"):
             print(f"{asset:>22}: {_latest_uri(instance, asset)}")
@@ -84,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialise assets (default: all) into the persistent Dagster instance")
     run.add_argument("--select", default="*", help="comma-separated asset names, or * for all")
+    run.add_argument("--rl-iterations", type=int, default=1,
+                     help="rollout→policy_checkpoint iterations (each from the latest checkpoint), then evaluation")
     run.set_defaults(func=cmd_run)
     audit = sub.add_parser("audit", help="print the lineage of the latest materialisation of an asset")
     audit.add_argument("asset", nargs="?", default="policy_checkpoint")

@@ -65,4 +65,14 @@ def build_definitions(resources: dict | None = None) -> dg.Definitions:
     )
 
 
+def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,
+                   run_config: dict | None = None) -> dg.ExecuteInProcessResult:
+    """Materialise ``selection`` (default: every asset, with its checks) in this process."""
+    job = defs.resolve_implicit_global_asset_job_def()
+    if selection:
+        keys = dg.AssetSelection.assets(*selection).resolve(defs.resolve_asset_graph())
+        job = job.get_subset(asset_selection=set(keys))
+    return job.execute_in_process(instance=instance, run_config=run_config or {}, raise_on_error=False)
+
+
 defs = build_definitions()

@@ -5,7 +5,7 @@ import os
 
 import dagster as dg
 
-from batchrl.definitions import build_definitions
+from batchrl.definitions import build_definitions, execute_assets
 from batchrl.resources import (
     CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
 )
@@ -24,12 +24,7 @@ def local_resources(root: str, landing: LandingResource | None = None, **overrid
 
 def run_assets(resources: dict, instance: dg.DagsterInstance, selection: list[str] | None = None,
                run_config: dict | None = None) -> dg.ExecuteInProcessResult:
-    defs = build_definitions(resources)
-    job = defs.resolve_implicit_global_asset_job_def()
-    if selection:
-        keys = dg.AssetSelection.assets(*selection).resolve(defs.resolve_asset_graph())
-        job = job.get_subset(asset_selection=set(keys))
-    return job.execute_in_process(instance=instance, run_config=run_config or {}, raise_on_error=False)
+    return execute_assets(build_definitions(resources), instance, selection, run_config)
 
 
 def latest_metadata(instance: dg.DagsterInstance, asset: str) -> dict:
