@@ -110,11 +110,21 @@ def run_batchrl(src: str, out: str) -> dict:
             "stage_seconds": [round(cleaned.seconds, 2), round(valid.seconds, 2)]}
 
 
-def run_batchrl_fused(src: str, out: str) -> dict:
+def run_batchrl_fused(src: str, out: str, engine: str = "auto") -> dict:
     from batchrl.ingest import IngestConfig, discover_inputs, ingest_logs
 
-    cleaned, valid = ingest_logs(discover_inputs(src, hash_files=False), out, IngestConfig())
+    cleaned, valid = ingest_logs(discover_inputs(src, hash_files=False), out, IngestConfig(engine=engine))
     return {"clean": cleaned.to_metadata() | {"extra": None}, "validate": valid.to_metadata() | {"extra": None}}
+
+
+def run_fused_duckdb(src: str, out: str) -> dict:
+    """ingest_logs with the DuckDB block engine (IngestConfig.engine="duckdb")."""
+    return run_batchrl_fused(src, out, "duckdb")
+
+
+def run_fused_arrow(src: str, out: str) -> dict:
+    """ingest_logs with the pyarrow.json block engine (IngestConfig.engine="arrow")."""
+    return run_batchrl_fused(src, out, "arrow")
 
 
 def run_duckdb(src: str, out: str) -> dict:
@@ -167,7 +177,9 @@ def run_python(src: str, out: str) -> dict:
     return {"valid": valid, "bad": bad, "duplicates": dup}
 
 
-CONTENDERS = {"batchrl": run_batchrl, "batchrl_fused": run_batchrl_fused, "duckdb": run_duckdb, "python": run_python}
+CONTENDERS = {"batchrl": run_batchrl, "batchrl_fused": run_batchrl_fused, "fused_duckdb": run_fused_duckdb,
+              "fused_arrow": run_fused_arrow, "duckdb": run_duckdb, "python": run_python}
+FUSED = ("batchrl", "batchrl_fused", "fused_duckdb", "fused_arrow")
 
 
 def measure(name: str, src: str) -> dict:
@@ -189,7 +201,7 @@ def measure(name: str, src: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--only", default="batchrl,batchrl_fused,duckdb,python")
+    ap.add_argument("--only", default="fused_duckdb,fused_arrow,batchrl,duckdb,python")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--src")
@@ -218,12 +230,12 @@ def main() -> None:
     for name in args.only.split(","):
         results[name] = measure(name, src)
         r = results[name]
-        print(f"{name:8s} {r['seconds']:7.2f}s {r['mb_s']:7.1f} MB/s  peak RSS {r['peak_rss_mb']:7.1f} MB", flush=True)
-    for ours in ("batchrl", "batchrl_fused"):
-        for other in ("duckdb", "python"):
-            if ours in results and other in results:
+        print(f"{name:13s} {r['seconds']:7.2f}s {r['mb_s']:7.1f} MB/s  peak RSS {r['peak_rss_mb']:7.1f} MB", flush=True)
+    for ours in FUSED:
+        for other in ("duckdb", "python", "fused_arrow"):
+            if ours in results and other in results and ours != other:
                 print(f"{ours} / {other}: {results[ours]['mb_s'] / results[other]['mb_s']:.2f}x")
-    for ours in ("batchrl", "batchrl_fused"):
+    for ours in FUSED:
         if ours in results:
             print(ours, json.dumps(results[ours]["result"]))
     if not args.keep:

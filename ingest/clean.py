@@ -7,8 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.discover import InputFile
-from batchrl.ingest.jsonl import JsonlReader
-from batchrl.ingest.readers import structured_batches
+from batchrl.ingest.readers import jsonl_reader, structured_batches
 from batchrl.ingest.sink import ParquetSink, QuarantineSink
 from batchrl.ingest.textclean import clean_table
 from batchrl.schemas import ARROW_SCHEMAS
@@ -25,7 +24,7 @@ def _cleaned_batches(file: InputFile, cfg: IngestConfig, columns: list[str]):
         for table, rejects in structured_batches(file, cfg):
             yield clean_table(table, columns, cfg.collapse_whitespace), rejects
         return
-    reader = JsonlReader(file, cfg)
+    reader = jsonl_reader(file, cfg)
 
     def work(block):
         return [(clean_table(t, columns, cfg.collapse_whitespace), r) for t, r in reader.process(*block)]

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
+from batchrl.ingest.duckjsonl import DuckJsonlReader, duckdb_applies
 from batchrl.ingest.jsonl import JsonlReader
 from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
 
@@ -36,9 +37,14 @@ def load_reader(spec: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def jsonl_reader(file: InputFile, cfg: IngestConfig) -> JsonlReader:
+    """DuckDB block engine where it is exact (``duckdb_applies``), else the pyarrow.json one."""
+    return DuckJsonlReader(file, cfg) if duckdb_applies(cfg) else JsonlReader(file, cfg)
+
+
 def structured_batches(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, list[Reject]]]:
     if file.format == "jsonl":
-        yield from JsonlReader(file, cfg).batches()
+        yield from jsonl_reader(file, cfg).batches()
     elif file.format in ("parquet", "arrow", "csv"):
         yield from _columnar(file, cfg)
     elif cfg.reader:

@@ -201,12 +201,15 @@ def test_byte_identical_reruns_and_streaming_batches(tmp_path, sample_run):
     assert pq.ParquetFile(v3.outputs["preferences"]).metadata.num_row_groups == 1
 
 
-def test_fast_path_agrees_with_reference_path(tmp_path, sample_run):
-    """The vectorised JSONL path and the per-line reference path agree byte for byte."""
-    _, cleaned, _ = sample_run
-    cfg = IngestConfig(fast_json=False)
-    ref = clean_logs(discover_inputs(SAMPLE), str(tmp_path / "ref"), cfg)
-    assert _digest(ref) == _digest(cleaned) and ref.reasons == cleaned.reasons
+@pytest.mark.parametrize("cfg", [IngestConfig(fast_json=False), IngestConfig(engine="duckdb")],
+                         ids=["reference", "duckdb"])
+def test_fast_path_agrees_with_reference_path(tmp_path, sample_run, cfg):
+    """The default (pyarrow.json) engine agrees byte for byte with the per-line reference path and the
+    DuckDB engine, in both stages."""
+    _, cleaned, valid = sample_run
+    other = run(SAMPLE, tmp_path / "other", cfg)
+    assert [_digest(r) for r in other] == [_digest(cleaned), _digest(valid)]
+    assert [r.reasons for r in other] == [cleaned.reasons, valid.reasons]
 
 
 def test_fused_single_pass_matches_two_stages(tmp_path, sample_run):
