@@ -99,3 +99,20 @@ def test_dagster_cli_materialize_then_batchrl_audit(tmp_path):
     assert "validated_preferences@" in audit and "raw_logs@" in audit
     sample = sorted(f for f in os.listdir(SAMPLES.preferences) if f.endswith(".jsonl"))[0]
     assert sample in audit and "[ok]" in audit
+
+
+def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
+    from batchrl.definitions import RESOURCES_BY_ENV
+
+    monkeypatch.setenv("BATCHRL_STORAGE", str(tmp_path))
+    monkeypatch.setenv("BATCHRL_S3_ROOT", "s3://team-bucket/batchrl")
+    monkeypatch.setenv("BATCHRL_S3_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("BATCHRL_LANDING", "s3://team-bucket/landing")
+    monkeypatch.setenv("BATCHRL_NUM_GPUS", "2")
+    local, s3, gpu = (RESOURCES_BY_ENV[env]() for env in ("local", "s3", "gpu"))
+    assert local["storage"].root == str(tmp_path) and local["storage"].is_local()
+    assert s3["storage"].root == "s3://team-bucket/batchrl" and not s3["storage"].is_local()
+    assert s3["landing"].preferences == "s3://team-bucket/landing/preferences"
+    assert s3["landing"].storage_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9"
+    assert (gpu["rollout_engine"].kind, gpu["trainer"].num_gpus) == ("vllm", 2)
+    assert (local["rollout_engine"].kind, local["trainer"].num_gpus) == ("transformers", 0)
