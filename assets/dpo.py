@@ -14,6 +14,7 @@ DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
 class ReferenceConfig(dg.Config):
     max_length: int = 256
     batch_size: int = 16
+    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
 
 
 def _pairs_path(storage: StorageResource, validated_preferences: dict) -> str:
@@ -29,7 +30,8 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
     with storage.staging_dir("reference_logprobs") as staging:
         stats = compute_reference_logprobs(storage.localize(base_model), _pairs_path(storage, validated_preferences),
                                            os.path.join(staging, "reference_logprobs.parquet"),
-                                           max_length=config.max_length, batch_size=config.batch_size)
+                                           max_length=config.max_length, batch_size=config.batch_size,
+                                           dtype=config.dtype)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
                        inputs={"validated_preferences": validated_preferences, "reference": base_model},
                        metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str))})

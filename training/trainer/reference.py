@@ -20,13 +20,18 @@ from batchrl.training.trainer.batching import completion_logprobs, encode_pairs,
 @torch.no_grad()
 def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet: str, *,
                                max_length: int = 256, batch_size: int = 16,
-                               device: str | None = None) -> dict[str, Any]:
+                               device: str | None = None, dtype: str = "auto") -> dict[str, Any]:
     """Write ``id, ref_chosen_logp, ref_rejected_logp, chosen_len, rejected_len`` (one row per pair,
-    input order) to ``out_parquet`` atomically; returns summary metadata."""
+    input order) to ``out_parquet`` atomically; returns summary metadata.
+
+    ``dtype="auto"``: bfloat16 on GPU (the precision the GPU trainer runs in; measured 5x faster than
+    float32 on an H200, see bench/RESULTS.md), float32 on CPU."""
     from batchrl.training.tiny_model import load_model_and_tokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=torch.float32, device=device)
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
     pairs = pd.read_parquet(pairs_parquet)
     ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
     items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
