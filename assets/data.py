@@ -5,10 +5,10 @@ import os
 
 import dagster as dg
 
-from batchrl.assets.common import as_ref, code_version, publish, run_config_for, to_library_config
+from batchrl.assets.common import code_version, publish, run_config_for, to_library_config
 from batchrl.ingest import (
-    IngestConfig, check_reject_rate, clean_logs, discover_inputs, scored_to_pairs, validate_preferences,
-    validate_scored,
+    IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, scored_to_pairs,
+    validate_preferences, validate_scored,
 )
 from batchrl.resources import CatalogResource, LandingResource, StorageResource
 
@@ -107,9 +107,11 @@ def reject_rate_below_threshold(validated_preferences: dict, storage: StorageRes
     t = _totals(storage, validated_preferences)
     lineage = storage.read_lineage(validated_preferences)
     threshold = lineage["config"].get("reject_threshold", IngestConfig().reject_threshold)
-    passed = t["reject_rate"] <= threshold
-    return dg.AssetCheckResult(passed=passed, metadata={"reject_rate": t["reject_rate"], "threshold": threshold},
-                               description=f"reject rate {t['reject_rate']:.2%} vs threshold {threshold:.2%}")
+    both_stages = StageReport(stage="clean+validate", rows_in=t["rows_in"], valid=t["valid"],
+                              quarantined=t["quarantined"], duplicates=t["duplicates"])
+    passed, description = check_reject_rate(both_stages, threshold)
+    return dg.AssetCheckResult(passed=passed, description=description,
+                               metadata={"reject_rate": t["reject_rate"], "threshold": threshold})
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"})
