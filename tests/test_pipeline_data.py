@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import dagster as dg
-import pytest
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
 from batchrl.assets.automation import new_logs_sensor
