@@ -1,6 +1,8 @@
 """Data-plane benchmark: batchrl clean+validate+dedupe+Parquet vs raw DuckDB and a per-row Python loop.
 
     .venv/bin/python bench/bench_ingest.py                 # 1M rows (~650 MB JSONL), side by side
+    # contenders: fused_duckdb / fused_arrow (ingest_logs per IngestConfig.engine), batchrl (two stages,
+    # default engine), duckdb (read_json -> parquet ceiling), duckdb_sql (whole job in one SQL), python
     .venv/bin/python bench/bench_ingest.py --rows 10000000 --only batchrl   # the 10x RSS check
 
 Input: preference JSONL, ~200 chars per field, 1% bad rows (invalid JSON, undecodable bytes, empty /
@@ -138,6 +140,41 @@ def run_duckdb(src: str, out: str) -> dict:
     return {"rows_out": con.sql(f"SELECT count(*) FROM '{out}/duck.parquet'").fetchall()[0][0]}
 
 
+SQL_CONTROL = r"[\x00-\x08\x0B-\x1F\x7F-\x{9F}]"  # RE2: C0 except \t \n, DEL, C1
+
+
+def run_duckdb_sql(src: str, out: str) -> dict:
+    """The whole job as one DuckDB SQL statement (what a full-SQL engine would cost): lines via read_csv,
+    JSON classification (valid/object/keys/types), control-char regex, NFC, trim, contract checks, hash
+    dedupe, COPY to Parquet. Approximate: no quarantine file or lineage, any duplicate kept (no input order)."""
+    import duckdb
+
+    os.makedirs(out, exist_ok=True)
+    fields = ["prompt", "chosen", "rejected", "id", "category"]
+    types = "[" + ", ".join(["'$'"] + [f"'$.{f}'" for f in fields]) + "]"
+    paths = "[" + ", ".join(f"'$.{f}'" for f in fields) + "]"
+
+    def clean(e: str) -> str:
+        return f"trim(nfc_normalize(regexp_replace({e}, '{SQL_CONTROL}', '', 'g')), ' ' || chr(9) || chr(10))"
+
+    sql = f"""COPY (
+      WITH r AS (SELECT line FROM read_csv('{src}', columns={{'line': 'VARCHAR'}}, header=false, delim=chr(1),
+                 quote='', escape='', new_line='\\n', ignore_errors=true, auto_detect=false)),
+      p AS (SELECT line, CASE WHEN json_valid(line) THEN json_type(line, {types}) END AS t FROM r),
+      k AS (SELECT line, t, CASE WHEN t[1] = 'OBJECT' THEN json_keys(line) END AS keys FROM p),
+      v AS (SELECT json_extract_string(line, {paths}) AS v FROM k
+            WHERE list_has_all({fields}, keys) AND len(keys) = len(list_distinct(keys))
+              AND t[2] = 'VARCHAR' AND t[3] = 'VARCHAR' AND t[4] = 'VARCHAR'),
+      c AS (SELECT v[4] AS id, {clean('v[1]')} AS prompt, {clean('v[2]')} AS chosen, {clean('v[3]')} AS rejected,
+                   v[5] AS category FROM v)
+      SELECT * FROM c WHERE prompt <> '' AND chosen <> '' AND rejected <> '' AND chosen <> rejected
+      QUALIFY row_number() OVER (PARTITION BY hash(prompt, chosen, rejected)) = 1
+    ) TO '{out}/prefs.parquet' (FORMAT parquet, COMPRESSION snappy)"""
+    con = duckdb.connect(config={"threads": 2})
+    con.execute(sql)
+    return {"rows_out": con.sql(f"SELECT count(*) FROM '{out}/prefs.parquet'").fetchall()[0][0]}
+
+
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -178,7 +215,7 @@ def run_python(src: str, out: str) -> dict:
 
 
 CONTENDERS = {"batchrl": run_batchrl, "batchrl_fused": run_batchrl_fused, "fused_duckdb": run_fused_duckdb,
-              "fused_arrow": run_fused_arrow, "duckdb": run_duckdb, "python": run_python}
+              "fused_arrow": run_fused_arrow, "duckdb": run_duckdb, "duckdb_sql": run_duckdb_sql, "python": run_python}
 FUSED = ("batchrl", "batchrl_fused", "fused_duckdb", "fused_arrow")
 
 
@@ -201,7 +238,7 @@ def measure(name: str, src: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--only", default="fused_duckdb,fused_arrow,batchrl,duckdb,python")
+    ap.add_argument("--only", default="fused_duckdb,fused_arrow,batchrl,duckdb,duckdb_sql,python")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--src")
@@ -232,12 +269,11 @@ def main() -> None:
         r = results[name]
         print(f"{name:13s} {r['seconds']:7.2f}s {r['mb_s']:7.1f} MB/s  peak RSS {r['peak_rss_mb']:7.1f} MB", flush=True)
     for ours in FUSED:
-        for other in ("duckdb", "python", "fused_arrow"):
+        for other in ("duckdb", "duckdb_sql", "python", "fused_arrow"):
             if ours in results and other in results and ours != other:
                 print(f"{ours} / {other}: {results[ours]['mb_s'] / results[other]['mb_s']:.2f}x")
-    for ours in FUSED:
-        if ours in results:
-            print(ours, json.dumps(results[ours]["result"]))
+    for name, r in results.items():
+        print(name, json.dumps(r["result"]))
     if not args.keep:
         os.unlink(src)
 
