@@ -24,7 +24,8 @@ METADATA_FIELDS: dict[str, tuple[str, ...]] = {
 #: Reason codes written to quarantine.parquet (column ``reason``) and counted in ``StageReport.reasons``.
 REASONS = {
     # clean_logs: decoding and structure
-    "undecodable": "bytes that are not UTF-8 (detail gives the byte offset in the file)",
+    "undecodable": "bytes that are not UTF-8 (detail gives the byte offset in the file), or a lone-surrogate "
+                   "\\u escape in a text value",
     "invalid_json": "line is not valid JSON",
     "not_object": "record is valid JSON but not an object",
     "missing_field": "a contract field is absent or null (detail names it)",

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from batchrl.ingest.config import IngestConfig
 from batchrl.ingest.discover import InputFile
-from batchrl.ingest.jsonl import JsonlReader, _Block
+from batchrl.ingest.jsonl import JsonlReader, _Block, split_lines
 from batchrl.ingest.textclean import CANDIDATE_COLUMN
 from batchrl.schemas import ARROW_SCHEMAS
 
@@ -91,7 +91,6 @@ class DuckJsonlReader(JsonlReader):
                 checks.append(f"coalesce(t[{k}], 'NULL') IN ('VARCHAR', 'NULL')")
         cols = [f"TRY_CAST(v[{k}] AS DOUBLE) AS score" if name == "score" else f'v[{k}] AS "{name}"'
                 for k, name in enumerate(fields, start=1)]
-        self.fields = fields
         self.sql = f"""
         WITH p AS (
           SELECT i, line, CASE WHEN json_valid(line) THEN json_type(line, {paths}) END AS t FROM blk WHERE keep
@@ -116,14 +115,8 @@ class DuckJsonlReader(JsonlReader):
         return cur
 
     def _block(self, block: bytes, line_base: int, offset_base: int):
-        buf = np.frombuffer(block, dtype=np.uint8)
-        newlines = np.flatnonzero(buf == 10)
-        starts = np.concatenate(([0], newlines + 1))
-        ends = np.concatenate((newlines, [len(block)]))
-        if block.endswith(b"\n"):
-            starts, ends = starts[:-1], ends[:-1]
+        buf, starts, ends, blank = split_lines(block)
         lengths = ends - starts
-        blank = (lengths == 0) | ((lengths == 1) & (buf[np.minimum(starts, len(block) - 1)] == 13))
         ctx = _Block(block, starts, ends, line_base, offset_base)
         rows = np.flatnonzero(~blank)
         bad = rows[self._invalid_utf8_rows(ctx, rows)]

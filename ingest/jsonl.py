@@ -30,6 +30,19 @@ _ESCAPE_HIGH_NIBBLES = np.frombuffer(b"01789", np.uint8)
 _ROW_RE = re.compile(r"in row (\d+)")
 
 
+def split_lines(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(bytes as uint8, line starts, line ends without the newline, blank: empty or a lone ``\\r``)."""
+    buf = np.frombuffer(block, dtype=np.uint8)
+    newlines = np.flatnonzero(buf == 10)
+    starts = np.concatenate(([0], newlines + 1))
+    ends = np.concatenate((newlines, [len(block)]))
+    if block.endswith(b"\n"):
+        starts, ends = starts[:-1], ends[:-1]
+    lengths = ends - starts
+    blank = (lengths == 0) | ((lengths == 1) & (buf[np.minimum(starts, len(block) - 1)] == 13))
+    return buf, starts, ends, blank
+
+
 class JsonlReader:
     def __init__(self, file: InputFile, cfg: IngestConfig):
         self.file, self.cfg = file, cfg
@@ -81,14 +94,7 @@ class JsonlReader:
         return list(self._block(block, line_base, offset_base))
 
     def _block(self, block: bytes, line_base: int, offset_base: int):
-        buf = np.frombuffer(block, dtype=np.uint8)
-        newlines = np.flatnonzero(buf == 10)
-        starts = np.concatenate(([0], newlines + 1))
-        ends = np.concatenate((newlines, [len(block)]))
-        if block.endswith(b"\n"):
-            starts, ends = starts[:-1], ends[:-1]
-        lengths = ends - starts
-        blank = (lengths == 0) | ((lengths == 1) & (buf[np.minimum(starts, len(block) - 1)] == 13))
+        buf, starts, ends, blank = split_lines(block)
         rows = np.flatnonzero(~blank)  # indices of non-blank lines within the block
         ctx = _Block(block, starts, ends, line_base, offset_base)
         if not self.fast:

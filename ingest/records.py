@@ -50,6 +50,16 @@ def _get_path(obj: dict, path: str) -> tuple[bool, Any]:
     return True, cur
 
 
+def _encodable(name: str, value: str) -> str:
+    """json.loads turns a lone-surrogate escape (``\\ud800``) into a str that Arrow cannot store."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError("undecodable", f"{name} holds a lone surrogate (\\u{ord(value[e.start]):04x} escape) at "
+                                      f"character {e.start + 1}: not encodable as UTF-8")
+    return value
+
+
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
@@ -113,7 +123,8 @@ class RecordStructurer:
             value = row.get(name)
             if isinstance(value, (dict, list)):
                 raise RowError("nested_value", f"{name} is an object/list; records must be flat")
-            out[name] = None if value is None else (value if isinstance(value, str) else json.dumps(value))
+            out[name] = None if value is None else (_encodable(name, value) if isinstance(value, str)
+                                                    else json.dumps(value))
         return out
 
     @staticmethod
@@ -123,7 +134,7 @@ class RecordStructurer:
                                            "(configure chat_mapping for message lists)")
         if not isinstance(value, str):
             raise RowError("wrong_type", f"{name} is {type(value).__name__}, expected a string")
-        return value
+        return _encodable(name, value)
 
     # chat-style records -------------------------------------------------------------------------
     def _split_last_assistant(self, name: str, messages: list) -> tuple[list, str]:

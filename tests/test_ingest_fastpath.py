@@ -85,6 +85,8 @@ EDGE_LINES = [
     b'{"prompt": "n", "chosen": null, "rejected": "b"}',
     b'{"prompt": "s", "chosen": ["x"], "rejected": "b"}',
     rb'{"prompt": "pair \ud83d\ude00", "chosen": "a", "rejected": "b"}',  # surrogate pair escape
+    rb'{"prompt": "lone \ud800", "chosen": "a", "rejected": "b"}',       # json.loads accepts, Arrow cannot store
+    rb'{"prompt": "p", "chosen": "a", "rejected": "b", "source": "\udc00"}',
     rb'{"prompt": "ws", "chosen": "a\u2003", "rejected": "\u00a0b"}',
     b'{"prompt": "unterminated',
     b'[1, 2]',
@@ -103,18 +105,21 @@ SCORED_LINES = [
 
 
 @pytest.mark.parametrize("kind,lines", [("preference", EDGE_LINES), ("scored", SCORED_LINES)])
-def test_duckdb_engine_edge_cases_match_reference(tmp_path, kind, lines):
-    """Lines where DuckDB's JSON reading differs from Python's must still give the reference answer."""
+def test_engines_edge_cases_match_reference(tmp_path, kind, lines):
+    """Lines where DuckDB's or Arrow's JSON reading differs from Python's must still give the reference answer."""
     src = tmp_path / "edge.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     files = discover_inputs(str(src))
     runs = {}
     for name, cfg in {"duckdb": IngestConfig(kind=kind, engine="duckdb"),
+                      "arrow": IngestConfig(kind=kind, engine="arrow"),
                       "ref": IngestConfig(kind=kind, fast_json=False)}.items():
         cleaned, validated = ingest_logs(files, str(tmp_path / name), cfg)
         assert cleaned.invariant_holds and validated.invariant_holds
         runs[name] = (cleaned.reasons, validated.reasons, _digests(cleaned), _digests(validated))
-    assert runs["duckdb"] == runs["ref"]
+    assert runs["duckdb"] == runs["ref"] == runs["arrow"]
+    if kind == "preference":
+        assert runs["ref"][0]["undecodable"] == 2  # the lone surrogates
 
 
 def test_nfc_table_is_current():
