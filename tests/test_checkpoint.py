@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from batchrl.training.tiny_model import build_tiny_model
+from arith_pairs import build_arith_pairs
+
 from batchrl.training.trainer.checkpoint import (LATEST, latest_tag, list_checkpoints, load_checkpoint,
                                                  save_checkpoint)
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig
@@ -18,21 +19,15 @@ from batchrl.training.trainer.engine import init_deepspeed
 from batchrl.training.trainer.policy import train_policy
 from batchrl.training.trainer.reference import compute_reference_logprobs
 
-ARITH = [json.loads(line) for line in open("sample_data/arith/train.jsonl")]
 
 
 @pytest.fixture(scope="module")
 def dpo_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
-    build_tiny_model([r["prompt"] + " " + r["answer"] for r in ARITH], str(root / "base"), seed=0,
-                     hidden_size=64, intermediate_size=128)
-    pairs = [{"id": r["id"], "prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + 3)}
-             for r in ARITH[:32]]
-    pd.DataFrame(pairs).to_parquet(root / "pairs.parquet")
-    compute_reference_logprobs(str(root / "base"), str(root / "pairs.parquet"), str(root / "ref.parquet"),
+    paths = build_arith_pairs(root, rejected_offset=3)
+    compute_reference_logprobs(paths["model_path"], paths["pairs_parquet"], str(root / "ref.parquet"),
                                max_length=64, batch_size=16)
-    return {"pairs_parquet": str(root / "pairs.parquet"), "reference_parquet": str(root / "ref.parquet"),
-            "model_path": str(root / "base")}
+    return {**paths, "reference_parquet": str(root / "ref.parquet")}
 
 
 def _weights(out_dir):

@@ -6,29 +6,23 @@ import subprocess
 import time
 
 import dagster as dg
-import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from arith_pairs import build_arith_pairs
+
 from batchrl.training.jobs import job_command
-from batchrl.training.tiny_model import build_tiny_model
 from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.trainer.dpo import train_dpo
 from batchrl.training.trainer.reference import compute_reference_logprobs
 
-ARITH = [json.loads(line) for line in open("sample_data/arith/train.jsonl")]
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("jobs")
-    build_tiny_model([r["prompt"] + " " + r["answer"] for r in ARITH], str(root / "base"), seed=0,
-                     hidden_size=64, intermediate_size=128)
-    pairs = [{"id": r["id"], "prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + 2)}
-             for r in ARITH[:32]]
-    pd.DataFrame(pairs).to_parquet(root / "pairs.parquet")
-    return {"pairs_parquet": str(root / "pairs.parquet"), "model_path": str(root / "base"), "root": root}
+    return {**build_arith_pairs(root, rejected_offset=2), "root": root}
 
 
 def _write_config(path, **config):
