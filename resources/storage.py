@@ -72,21 +72,21 @@ class StorageResource(dg.ConfigurableResource):
             json.dump({**lineage, "asset": asset, "data_version": data_version}, f, indent=2, sort_keys=True)
         fs, root = self._fs()
         dest = fsutil.join(root, asset, data_version)
-        uri = dest if self.is_local() else f"{self.root.split('://')[0]}://{dest}"
         if self.is_local():
-            dest = os.path.abspath(dest)
-            uri = dest
+            uri = dest = os.path.abspath(dest)
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 tmp = f"{dest}.tmp-{os.getpid()}"
                 shutil.copytree(local_dir, tmp)
                 os.replace(tmp, dest)
-        elif not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
-            # lineage.json is uploaded last: its presence marks a complete artifact
-            for name in sorted(os.listdir(local_dir)):
-                if name != LINEAGE_FILE:
-                    fs.put(os.path.join(local_dir, name), fsutil.join(dest, name), recursive=True)
-            fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
+        else:
+            uri = f"{self.root.split('://')[0]}://{dest}"
+            if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
+                # lineage.json is uploaded last: its presence marks a complete artifact
+                for name in sorted(os.listdir(local_dir)):
+                    if name != LINEAGE_FILE:
+                        fs.put(os.path.join(local_dir, name), fsutil.join(dest, name), recursive=True)
+                fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
         return ArtifactRef(asset=asset, uri=uri, data_version=data_version)
 
     def localize(self, ref: ArtifactRef | dict) -> str:
