@@ -15,7 +15,7 @@ import pandas as pd
 import pandera.pandas as pa
 import pyarrow
 
-TEXT = pd.StringDtype("pyarrow")
+TEXT = pd.ArrowDtype(pyarrow.string())
 
 _LINEAGE = [("source_file", pyarrow.string()), ("source_line", pyarrow.int64())]
 _META = [("category", pyarrow.string()), ("source", pyarrow.string()), ("timestamp", pyarrow.string())]
