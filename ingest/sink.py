@@ -92,19 +92,23 @@ class QuarantineSink(ParquetSink):
         super().__init__(out_dir, name, QUARANTINE_ARROW, cfg.row_group_rows, cfg.compression, cfg.storage_options)
 
     def add(self, rejects, source_file: str | None = None) -> None:
-        if not rejects:
-            return
-        self.write(pa.table({
-            "reason": [r.reason for r in rejects],
-            "detail": [r.detail for r in rejects],
-            "source_file": [source_file if source_file is not None else getattr(r, "source_file", None)
-                            for r in rejects],
-            "source_line": pa.array([r.source_line for r in rejects], pa.int64()),
-            "raw": [r.raw for r in rejects],
-        }, schema=QUARANTINE_ARROW))
+        if rejects:
+            self.write(rejects_table(rejects, source_file))
 
     def add_table(self, table: pa.Table) -> None:
         self.write(table)
+
+
+def rejects_table(rejects, source_file: str | None = None) -> pa.Table:
+    """``Reject`` entries -> quarantine rows (source_file from the argument, else from each entry)."""
+    return pa.table({
+        "reason": [r.reason for r in rejects],
+        "detail": [r.detail for r in rejects],
+        "source_file": [source_file if source_file is not None else getattr(r, "source_file", None)
+                        for r in rejects],
+        "source_line": pa.array([r.source_line for r in rejects], pa.int64()),
+        "raw": [r.raw for r in rejects],
+    }, schema=QUARANTINE_ARROW)
 
 
 def read_parquet_batches(uri: str, batch_rows: int, storage_options: dict | None = None, columns=None):

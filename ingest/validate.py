@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import duckdb
@@ -22,12 +24,16 @@ import pandera.pandas as pandera
 from batchrl.fsutil import filesystem_for, join
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.sink import ParquetSink, QuarantineSink, read_parquet_batches
-from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, TEXT_FIELDS, to_pandas
+from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, contract_violations, to_pandas
 
 #: contract fields hashed for the content key, per kind
 KEY_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response", "score")}
 CHECK_ALIASES = {"not_nullable": "missing_field"}
 REASON_ORDER = ("missing_field", "empty_field", "non_finite_score", "chosen_equals_rejected", "prompt_too_long")
+
+
+def _detail(code: str, columns) -> str:
+    return "chosen == rejected" if code == "chosen_equals_rejected" else f"{code}: {', '.join(sorted(columns))}"
 
 
 class SeenKeys:
@@ -44,11 +50,15 @@ class SeenKeys:
         return hit
 
     def add(self, keys: np.ndarray) -> None:
+        """``keys``: unique and not in the set yet. Runs merge when the newer one is at least half the size
+        of the one before; a stable sort of two sorted runs is a linear merge (timsort)."""
         if len(keys):
-            self.runs.append(np.unique(keys))
+            self.runs.append(keys if np.all(keys[1:] > keys[:-1]) else np.sort(keys))
         while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
             last = self.runs.pop()
-            self.runs[-1] = np.union1d(self.runs[-1], last)
+            merged = np.concatenate((self.runs[-1], last))
+            merged.sort(kind="stable")
+            self.runs[-1] = merged
 
 
 class PromptLength:
@@ -85,30 +95,69 @@ def cleaned_files(cleaned_dir: str, storage_options: dict | None = None, stem: s
     return [join(cleaned_dir, n) for n in picked]
 
 
+@dataclass
+class Checked:
+    """One batch after the order-independent part of the contract (``ContractValidator.check``)."""
+
+    table: pa.Table     # the batch, ``id`` filled with the content id where it was null
+    key: np.ndarray     # uint64 content key per row
+    reason: np.ndarray  # reason code per row, None where the row passes the contract and filters
+    detail: np.ndarray
+
+
 class ContractValidator:
-    """Streaming contract + filters + dedupe for one kind; shared by validate_* and scored_to_pairs."""
+    """Streaming contract + filters + dedupe for one kind; shared by validate_* and scored_to_pairs.
+
+    ``check`` is order-independent and thread-safe (the pipeline runs it in worker threads);
+    ``dedupe`` runs on the batches in input order, so the first occurrence of a row wins."""
 
     def __init__(self, kind: str, cfg: IngestConfig):
         self.kind, self.cfg = kind, cfg
         self.schema = PANDERA_SCHEMAS[kind]
         self.seen = SeenKeys()
         self.length = PromptLength(cfg.tokenizer_path) if cfg.max_prompt_tokens else None
-        self.con = duckdb.connect(config={"threads": 2})
+        self.con = duckdb.connect(config={"threads": 1})
+        self.local = threading.local()
         key = ", ".join(KEY_FIELDS[kind])
-        self.key_sql = (f"SELECT hash({key}) AS k, lower(lpad(to_hex(hash({key})), 16, '0') || "
-                        f"lpad(to_hex(hash({key}, 'batchrl.id')), 16, '0')) AS cid FROM contract_batch")
+        self.key_sql = f"SELECT hash({key}) AS k FROM contract_batch"
+        self.id_sql = (f"SELECT lower(lpad(to_hex(hash({key})), 16, '0') || "
+                       f"lpad(to_hex(hash({key}, 'batchrl.id')), 16, '0')) AS cid FROM contract_batch")
+
+    def _sql(self, sql: str, table: pa.Table) -> pa.Table:
+        cursor = getattr(self.local, "cursor", None)
+        if cursor is None:  # one DuckDB cursor per thread: a connection serves one query at a time
+            cursor = self.local.cursor = self.con.cursor()
+        cursor.register("contract_batch", table)
+        try:
+            return cursor.sql(sql).to_arrow_table()
+        finally:
+            cursor.unregister("contract_batch")
 
     def process(self, table: pa.Table) -> tuple[pa.Table, pa.Table, int]:
         """-> (valid rows, quarantine rows incl. duplicates, number of duplicates)."""
+        return self.dedupe(self.check(table))
+
+    def check(self, table: pa.Table) -> Checked:
+        """Content key, id, contract reason codes (Arrow checks, then pandera on the rows that pass),
+        long-prompt filter. Needs no earlier batch."""
         n = table.num_rows
-        self.con.register("contract_batch", table)
-        hashed = self.con.sql(self.key_sql).to_arrow_table()
-        self.con.unregister("contract_batch")
-        key = hashed.column("k").to_numpy()
-        table = table.set_column(0, "id", pc.coalesce(table.column("id"), hashed.column("cid")))
+        key = self._sql(self.key_sql, table).column("k").to_numpy()
+        ids = table.column("id")
+        if ids.null_count:  # content id only where the source gave none
+            missing = ids.is_null().combine_chunks()
+            cid = self._sql(self.id_sql, table.filter(missing)).column("cid").combine_chunks()
+            table = table.set_column(0, "id", pc.replace_with_mask(ids.combine_chunks(), missing, cid))
         reason = np.full(n, None, dtype=object)
         detail = np.full(n, None, dtype=object)
-        for code, rows, text in self._contract_failures(table):
+        for code, mask, columns in contract_violations(table, self.kind):
+            rows = np.flatnonzero(mask)
+            free = reason[rows] == None  # noqa: E711
+            reason[rows[free]] = code
+            detail[rows[free]] = [_detail(code, c) for c, f in zip(columns, free) if f]
+        passing = np.flatnonzero(reason == None)  # noqa: E711
+        # pandera is the contract: every row that reaches the output has passed it
+        for code, rows, text in self._contract_failures(table.take(pa.array(passing)) if len(passing) < n else table):
+            rows = passing[rows]
             free = rows[reason[rows] == None]  # noqa: E711
             reason[free], detail[free] = code, text
         if self.length is not None:
@@ -119,23 +168,29 @@ class ContractValidator:
                 reason[long_rows] = "prompt_too_long"
                 detail[long_rows] = [f"prompt has {t} tokens > {self.cfg.max_prompt_tokens}"
                                      for t in lengths[lengths > self.cfg.max_prompt_tokens]]
+        # pandera leaves reference cycles that hold this batch's DataFrame; collect the young
+        # generations now so memory stays bounded by the batch size, not by the input size
+        gc.collect(1)
+        return Checked(table, key, reason, detail)
+
+    def dedupe(self, checked: Checked) -> tuple[pa.Table, pa.Table, int]:
+        """Exact dedupe against every earlier row -> (valid rows, quarantine rows, number of duplicates)."""
+        table, key, reason, detail = checked.table, checked.key, checked.reason, checked.detail
         ok = np.flatnonzero(reason == None)  # noqa: E711
         dup = np.zeros(len(ok), bool)
         if len(ok):
             ok_keys = key[ok]
-            _, first = np.unique(ok_keys, return_index=True)
-            dup = np.ones(len(ok), bool)
-            dup[first] = False
-            dup |= self.seen.contains(ok_keys)
-            self.seen.add(ok_keys[~dup])
+            unique, first = np.unique(ok_keys, return_index=True)  # sorted: fast lookups below
+            seen = self.seen.contains(unique)
+            dup = np.ones(len(ok), bool)  # later copies within the batch are duplicates
+            dup[first] = seen
+            self.seen.add(unique[~seen])
             reason[ok[dup]] = "duplicate"
             detail[ok[dup]] = [f"content key {k:016x}" for k in ok_keys[dup]]
         keep = reason == None  # noqa: E711
         bad = np.flatnonzero(~keep)
-        # pandera leaves reference cycles that hold this batch's DataFrame; collect the young
-        # generations now so memory stays bounded by the batch size, not by the input size
-        gc.collect(1)
-        return table.filter(pa.array(keep)), self._quarantine_rows(table, bad, reason, detail), int(dup.sum())
+        valid = table if not len(bad) else table.filter(pa.array(keep))
+        return valid, self._quarantine_rows(table, bad, reason, detail), int(dup.sum())
 
     def _contract_failures(self, table: pa.Table) -> Iterator[tuple[str, np.ndarray, str]]:
         try:
@@ -152,8 +207,7 @@ class ContractValidator:
         for code in REASON_ORDER:
             hits = by_check.pop(code, {})
             for row, cols in sorted(hits.items()):
-                text = "chosen == rejected" if code == "chosen_equals_rejected" else f"{code}: {', '.join(sorted(cols))}"
-                yield code, np.array([row], np.int64), text
+                yield code, np.array([row], np.int64), _detail(code, cols)
         for check, hits in by_check.items():  # any other check: name it
             yield "wrong_type", np.array(sorted(hits), np.int64), f"pandera check {check}"
 
@@ -185,8 +239,13 @@ class ContractStage:
                                 cfg.storage_options)
         self.quarantine = QuarantineSink(out_dir, cfg)
 
-    def feed(self, table: pa.Table, upstream: pa.Table | None = None) -> None:
-        """``upstream``: rows already quarantined before this stage (counted in rows_in)."""
+    def check(self, table: pa.Table) -> Checked:
+        """The order-independent part (thread-safe): run it in workers, then ``feed`` in input order."""
+        return self.validator.check(table.select(ARROW_SCHEMAS[self.kind].names))
+
+    def feed(self, table: pa.Table, upstream: pa.Table | None = None, checked: Checked | None = None) -> None:
+        """``upstream``: rows already quarantined before this stage (counted in rows_in); ``checked``:
+        ``check(table)`` when a worker already ran it."""
         report = self.report
         if upstream is not None and upstream.num_rows:
             report.rows_in += upstream.num_rows
@@ -197,7 +256,7 @@ class ContractStage:
         report.rows_in += table.num_rows
         if not table.num_rows:
             return
-        valid, rejected, dups = self.validator.process(table.select(ARROW_SCHEMAS[self.kind].names))
+        valid, rejected, dups = self.validator.dedupe(checked if checked is not None else self.check(table))
         self.sink.write(valid)
         self.quarantine.write(rejected)
         report.valid += valid.num_rows
@@ -225,11 +284,19 @@ class ContractStage:
 
 def run_contract(batches: Iterator, out_dir: str, cfg: IngestConfig, kind: str, out_name: str,
                  stage: str, report: StageReport | None = None) -> StageReport:
-    """Each item is a table, or (table, rows already quarantined upstream)."""
+    """Each item is a table, or (table, rows already quarantined upstream). Batches are checked in
+    ``cfg.threads`` workers and deduplicated + written in input order."""
+    from batchrl.ingest.clean import ordered_map
+
     contract = ContractStage(out_dir, cfg, kind, out_name, stage, report)
+
+    def check(item):
+        table, upstream = item if isinstance(item, tuple) else (item, None)
+        return table, upstream, (contract.check(table) if table.num_rows else None)
+
     try:
-        for item in batches:
-            contract.feed(*(item if isinstance(item, tuple) else (item,)))
+        for table, upstream, checked in ordered_map(check, batches, cfg.threads):
+            contract.feed(table, upstream, checked)
         return contract.close()
     except BaseException:
         contract.abort()
@@ -261,36 +328,33 @@ def validate_scored(cleaned_dir: str, out_dir: str, cfg: IngestConfig | None = N
     return _validate(cleaned_dir, out_dir, cfg, "scored", "scored.parquet", "validate_scored")
 
 
-def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None) -> tuple[StageReport, StageReport]:
-    """clean_logs + validate_* in one streaming pass (no re-read of cleaned.parquet).
+def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None,
+                keep_cleaned: bool = True) -> tuple[StageReport, StageReport]:
+    """clean_logs + validate_* in one streaming pass: each block is parsed, cleaned and checked against
+    the contract in a worker; dedupe and the writes follow in input order.
 
-    Writes ``out_dir/cleaned/{cleaned,quarantine}.parquet`` and ``out_dir/validated/{preferences|scored,
-    quarantine}.parquet``, byte-identical to running the two stages one after the other.
+    ``keep_cleaned``: writes ``out_dir/cleaned/{cleaned,quarantine}.parquet`` and ``out_dir/validated/
+    {preferences|scored,quarantine}.parquet``, byte-identical to running the two stages one after the
+    other. Otherwise only ``out_dir/{preferences|scored,quarantine}.parquet``: one quarantine holds the
+    rows of both stages and the second report accounts for every input row.
     """
     from batchrl.ingest.clean import clean_logs
 
     cfg = cfg or IngestConfig()
     name = "preferences.parquet" if cfg.kind == "preference" else "scored.parquet"
     stage = "validate_preferences" if cfg.kind == "preference" else "validate_scored"
-    contract = ContractStage(join(out_dir, "validated"), cfg, cfg.kind, name, stage)
-    pending: list[pa.Table] = []
-
-    def feed(table: pa.Table | None) -> None:  # validate in batch_rows batches: fewer, larger calls
-        if table is not None:
-            pending.append(table)
-        rows = sum(t.num_rows for t in pending)
-        if rows and (table is None or rows >= cfg.batch_rows):
-            merged = pa.concat_tables(pending)
-            pending.clear()
-            contract.feed(merged)
-
+    contract = ContractStage(join(out_dir, "validated") if keep_cleaned else out_dir, cfg, cfg.kind, name, stage)
     try:
-        cleaned = clean_logs(inputs, join(out_dir, "cleaned"), cfg, on_batch=feed)
-        feed(None)
+        cleaned = clean_logs(inputs, join(out_dir, "cleaned") if keep_cleaned else None, cfg,
+                             on_batch=contract.feed, then=contract.check)
         validated = contract.close()
     except BaseException:
         contract.abort()
         raise
-    validated.bytes_in = cleaned.bytes_out
-    validated.extra["inputs"] = [cleaned.outputs["cleaned"]]
+    if keep_cleaned:
+        validated.bytes_in = cleaned.bytes_out
+        validated.extra["inputs"] = [cleaned.outputs["cleaned"]]
+    else:
+        validated.bytes_in = cleaned.bytes_in
+        validated.extra["inputs"] = cleaned.extra["inputs"]
     return cleaned, validated

@@ -82,3 +82,35 @@ TEXT_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("promp
 def to_pandas(table: pyarrow.Table) -> pd.DataFrame:
     """Arrow -> pandas without copying strings (pyarrow-backed string columns)."""
     return table.to_pandas(types_mapper={pyarrow.string(): TEXT}.get)
+
+
+def contract_violations(table: pyarrow.Table, kind: str) -> list[tuple[str, np.ndarray, list[str]]]:
+    """The schema's row checks evaluated on Arrow columns (one vectorised pass, no pandas):
+    ``[(check name, failing row mask, per-row names of the failing columns)]`` in the order
+    missing_field, empty_field, non_finite_score, chosen_equals_rejected. Used to give each failing row
+    its reason code cheaply; pandera still validates every row that passes (``ContractValidator``), and
+    a test keeps the two in agreement."""
+    import pyarrow.compute as pc
+
+    def mask(values) -> np.ndarray:
+        return pc.fill_null(values, False).to_numpy(zero_copy_only=False)
+
+    text = TEXT_FIELDS[kind]
+    nulls = {c: table.column(c).is_null().to_numpy(zero_copy_only=False) for c in text if table.column(c).null_count}
+    empty = {c: mask(pc.equal(pc.binary_length(table.column(c)), 0)) for c in text}
+    out = []
+    for code, per_column in (("missing_field", nulls), ("empty_field", empty)):
+        hits = [(c, m) for c, m in per_column.items() if m.any()]
+        if hits:
+            any_hit = np.logical_or.reduce([m for _, m in hits])
+            rows = np.flatnonzero(any_hit)
+            out.append((code, any_hit, [[c for c, m in hits if m[i]] for i in rows]))
+    if kind == "scored":
+        bad = ~mask(pc.is_finite(table.column("score")))
+        if bad.any():
+            out.append(("non_finite_score", bad, [["score"]] * int(bad.sum())))
+    else:
+        same = mask(pc.equal(table.column("chosen"), table.column("rejected")))
+        if same.any():
+            out.append(("chosen_equals_rejected", same, [["chosen", "rejected"]] * int(same.sum())))
+    return out
