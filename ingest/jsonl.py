@@ -29,6 +29,21 @@ _ESCAPE_HIGH_NIBBLES = np.frombuffer(b"01789", np.uint8)
 _ROW_RE = re.compile(r"in row (\d+)")
 
 
+def _read_into(stream, view: memoryview) -> int:
+    """Fill ``view`` from ``stream`` (several reads if the stream returns short); bytes read."""
+    total = 0
+    while total < len(view):
+        n = stream.readinto(view[total:]) if hasattr(stream, "readinto") else None
+        if n is None:  # no readinto: read + copy
+            data = stream.read(len(view) - total)
+            n = len(data)
+            view[total:total + n] = data
+        if not n:
+            break
+        total += n
+    return total
+
+
 def split_lines(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(bytes as uint8, line starts, line ends without the newline, blank: empty or a lone ``\\r``)."""
     buf = np.frombuffer(block, dtype=np.uint8)
@@ -64,10 +79,11 @@ class JsonlReader:
         line_base, offset_base, carry = 0, 0, b""
         with open_binary(self.file, self.cfg.storage_options) as stream:
             while True:
-                chunk = stream.read(self.cfg.block_bytes)
-                block = bytearray(carry)  # one copy per block: the tail is cut off in place
-                block += chunk
-                carry = b""
+                block = bytearray(len(carry) + self.cfg.block_bytes)  # read straight into it (no GIL)
+                block[:len(carry)] = carry
+                got = _read_into(stream, memoryview(block)[len(carry):])
+                del block[len(carry) + got:]
+                chunk, carry = got, b""
                 if chunk:
                     cut = block.rfind(b"\n")
                     if cut < 0:
@@ -212,13 +228,12 @@ class JsonlReader:
             lengths = ctx.ends[slow_rows] - ctx.starts[slow_rows]
             if (lengths < 2).any():
                 return None
-            data = ctx.block
-            if len(slow_rows):
-                data = bytearray(ctx.block)
-                for start, n in zip(ctx.starts[slow_rows].tolist(), lengths.tolist()):
-                    data[start:start + n] = b"{}" + b" " * (n - 2)
+            for i, start, n in zip(slow_rows.tolist(), ctx.starts[slow_rows].tolist(), lengths.tolist()):
+                if i not in ctx.originals:  # masked in place; the reference path reads the original
+                    ctx.originals[i] = bytes(ctx.block[start:start + n])
+                    ctx.block[start:start + n] = b"{}" + b" " * (n - 2)
             try:
-                table = self._read(memoryview(data))
+                table = self._read(memoryview(ctx.block))
             except pa.ArrowInvalid as e:
                 m = _ROW_RE.search(str(e))
                 r = int(m.group(1)) if m else -1
@@ -339,11 +354,15 @@ def _utf8_valid(buffer: pa.Buffer, start: int, end: int) -> bool:
 
 
 class _Block:
-    __slots__ = ("block", "starts", "ends", "line_base", "offset_base")
+    __slots__ = ("block", "starts", "ends", "line_base", "offset_base", "originals")
 
     def __init__(self, block, starts, ends, line_base, offset_base):
         self.block, self.starts, self.ends = block, starts, ends
         self.line_base, self.offset_base = line_base, offset_base
+        self.originals: dict[int, bytes] = {}  # lines masked in place by the fast path
 
     def line(self, i) -> bytes:
-        return bytes(self.block[self.starts[i]:self.ends[i]]).rstrip(b"\r")
+        raw = self.originals.get(int(i))
+        if raw is None:
+            raw = bytes(self.block[self.starts[i]:self.ends[i]])
+        return raw.rstrip(b"\r")

@@ -3,13 +3,18 @@
 A string is already NFC when none of its characters has NFC_Quick_Check = No/Maybe and none has a
 non-zero canonical combining class (UAX #15 quick check). ``unstable_chars()`` derives that set from
 ``unicodedata`` (~1.5 s); the result is committed in ``nfc_table.py`` (a test keeps it equal) and
-``nfc_unstable_re()`` renders it as an RE2 character class for ``pyarrow.compute.match_substring_regex``.
+``nfc_unstable_re()`` renders it as an RE2 character class for ``pyarrow.compute.match_substring_regex``;
+``unstable_rows()`` finds the same rows with numpy straight from an Arrow string array's UTF-8 bytes
+(decode only the multi-byte sequences, look their code points up in the ranges): ~10x cheaper.
 """
 from __future__ import annotations
 
 import functools
 import sys
 import unicodedata
+
+import numpy as np
+import pyarrow as pa
 
 
 def unstable_chars() -> list[tuple[int, int]]:
@@ -42,6 +47,42 @@ def nfc_unstable_re() -> str:
 
     body = "".join(f"\\x{{{a:X}}}" if a == b else f"\\x{{{a:X}}}-\\x{{{b:X}}}" for a, b in UNSTABLE_RANGES)
     return f"[{body}]"
+
+
+@functools.lru_cache(maxsize=1)
+def _range_bounds() -> tuple[np.ndarray, np.ndarray]:
+    from batchrl.ingest.nfc_table import UNSTABLE_RANGES
+
+    return (np.array([a for a, _ in UNSTABLE_RANGES], np.int64), np.array([b for _, b in UNSTABLE_RANGES], np.int64))
+
+
+def string_bytes(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets relative to the returned bytes, the value bytes) of a string array, without copying."""
+    width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
+    _, offsets_buf, data_buf = arr.buffers()
+    offsets = np.frombuffer(offsets_buf, width)[arr.offset: arr.offset + len(arr) + 1].astype(np.int64)
+    if data_buf is None or offsets[-1] == offsets[0]:
+        return offsets - offsets[0], np.zeros(0, np.uint8)
+    data = np.frombuffer(data_buf, np.uint8)[offsets[0]: offsets[-1]]
+    return offsets - offsets[0], data
+
+
+def unstable_rows(arr: pa.Array) -> np.ndarray:
+    """Rows of a (valid UTF-8) string array holding a code point that NFC may change."""
+    offsets, data = string_bytes(arr)
+    lead = np.flatnonzero(data >= 0xC0)  # first bytes of multi-byte sequences (continuations are 80..BF)
+    if not len(lead):
+        return np.zeros(0, np.int64)
+    last = len(data) - 1
+    b0 = data[lead].astype(np.int64)
+    b1, b2, b3 = (data[np.minimum(lead + k, last)].astype(np.int64) & 0x3F for k in (1, 2, 3))
+    cp = np.where(b0 < 0xE0, ((b0 & 0x1F) << 6) | b1,
+                  np.where(b0 < 0xF0, ((b0 & 0x0F) << 12) | (b1 << 6) | b2,
+                           ((b0 & 0x07) << 18) | (b1 << 12) | (b2 << 6) | b3))
+    starts, ends = _range_bounds()
+    k = np.searchsorted(starts, cp, side="right") - 1
+    hit = (k >= 0) & (cp <= ends[np.maximum(k, 0)])
+    return np.unique(np.searchsorted(offsets, lead[hit], side="right") - 1)
 
 
 if __name__ == "__main__":  # regenerate nfc_table.py

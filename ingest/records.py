@@ -263,7 +263,7 @@ def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, sourc
             out[name] = pa.nulls(n, f.type)
         else:  # metadata: numbers, timestamps, booleans are kept as their string form
             out[name] = col.cast(pa.string())
-    out["source_file"] = pa.array([source_file] * n, pa.string())
+    out["source_file"] = pa.array([source_file], pa.string()).take(pa.array(np.zeros(n, np.int32)))
     out["source_line"] = pa.array(lines, pa.int64())
     result = pa.table(out, schema=ARROW_SCHEMAS[cfg.kind])
     bad = np.flatnonzero(reason != None)  # noqa: E711

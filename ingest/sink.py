@@ -19,6 +19,7 @@ from batchrl.fsutil import filesystem_for, is_local, join
 from batchrl.schemas import QUARANTINE_ARROW
 
 DICTIONARY_COLUMNS = {"category", "source", "source_file", "reason", "timestamp"}
+LONG_TEXT_COLUMNS = {"prompt", "chosen", "rejected", "response", "detail", "raw"}
 
 
 class ParquetSink:
@@ -36,7 +37,9 @@ class ParquetSink:
             fd, self.tmp = tempfile.mkstemp(suffix=".parquet")
             os.close(fd)
         low_cardinality = [n for n in schema.names if n in DICTIONARY_COLUMNS]
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression, write_statistics=True,
+        # min/max statistics only where they prune (ids, metadata, lineage): on long texts they cost time
+        with_stats = [n for n in schema.names if n not in LONG_TEXT_COLUMNS]
+        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression, write_statistics=with_stats,
                                        store_schema=True, use_dictionary=low_cardinality)
         self.pending: list[pa.Table] = []
         self.pending_rows = 0

@@ -6,8 +6,9 @@ by default: it changes code and poems). Byte-level steps (BOM, undecodable bytes
 
 Cost is paid only where it can matter: the control-character regex runs on rows a reader flags as
 candidates (JSONL: lines with ``\\u``/``\\b``/``\\f``/``\\r`` escapes or raw control bytes; other
-formats: every row), NFC only on rows holding a character that NFC can change (quick check, see
-``nfc.py``); the results are scattered back with ``replace_with_mask``.
+formats: every row), NFC only on rows holding a character that NFC can change (``nfc.unstable_rows``,
+numpy over the UTF-8 bytes), trimming only on rows whose first or last byte may be whitespace; the
+results are scattered back with ``replace_with_mask``.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchrl.ingest.nfc import nfc_unstable_re
+from batchrl.ingest.nfc import string_bytes, unstable_rows
 
 CONTROL_RE = r"[\x00-\x08\x0B-\x1F\x7F-\x{9F}]"
 CANDIDATE_COLUMN = "__control_candidates"
@@ -35,19 +36,36 @@ def _matching(arr: pa.Array, pattern: str, rows: np.ndarray | None) -> np.ndarra
     return hit if rows is None else rows[hit]
 
 
+_WHITESPACE = np.zeros(256, bool)
+_WHITESPACE[[9, 10, 11, 12, 13, 32]] = True
+_WHITESPACE[0x80:] = True  # a non-ASCII first/last byte may belong to Unicode whitespace: trim to know
+
+
+def _untrimmed_rows(arr: pa.Array) -> np.ndarray:
+    """Rows whose first or last byte may be whitespace (the others are already trimmed)."""
+    offsets, data = string_bytes(arr)
+    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
+    if not len(nonempty):
+        return nonempty
+    first, last = data[offsets[nonempty]], data[offsets[nonempty + 1] - 1]
+    return nonempty[_WHITESPACE[first] | _WHITESPACE[last]]
+
+
 def clean_text(arr: pa.Array | pa.ChunkedArray, collapse_whitespace: bool = False,
                control_rows: np.ndarray | None = None) -> pa.Array:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
-    if len(arr) == 0:
+    if len(arr) == 0 or arr.null_count == len(arr):
         return arr
     if control_rows is None or len(control_rows):
         arr = _fix_where(arr, _matching(arr, CONTROL_RE, control_rows),
                          lambda a: pc.replace_substring_regex(a, CONTROL_RE, ""))
-    non_ascii = np.flatnonzero(~pc.fill_null(pc.string_is_ascii(arr), True).to_numpy(zero_copy_only=False))
-    if len(non_ascii):
-        arr = _fix_where(arr, _matching(arr, nfc_unstable_re(), non_ascii), lambda a: pc.utf8_normalize(a, "NFC"))
-    arr = pc.utf8_trim_whitespace(arr)
+    arr = _fix_where(arr, unstable_rows(arr), lambda a: pc.utf8_normalize(a, "NFC"))
+    untrimmed = _untrimmed_rows(arr)
+    if len(untrimmed) * 8 > len(arr):  # many rows: one pass over the column beats take + scatter
+        arr = pc.utf8_trim_whitespace(arr)
+    else:
+        arr = _fix_where(arr, untrimmed, pc.utf8_trim_whitespace)
     if collapse_whitespace:
         arr = pc.replace_substring_regex(arr, r"\s+", " ")
     return arr
