@@ -8,6 +8,7 @@ data version.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import tempfile
 import uuid
@@ -20,6 +21,36 @@ from batchrl.schemas import QUARANTINE_ARROW
 
 DICTIONARY_COLUMNS = {"category", "source", "source_file", "reason", "timestamp"}
 LONG_TEXT_COLUMNS = {"prompt", "chosen", "rejected", "response", "detail", "raw"}
+
+
+class HashingFile(io.RawIOBase):
+    """A local file that hashes (sha256) what is written as it is written: no second read at the end."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.file = open(path, "wb")
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sha256.update(data)  # releases the GIL on large buffers
+        self.size += len(data)
+        return self.file.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        if not self.file.closed:
+            self.file.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()  # flushes
+            self.file.close()
 
 
 class ParquetSink:
@@ -39,7 +70,8 @@ class ParquetSink:
         low_cardinality = [n for n in schema.names if n in DICTIONARY_COLUMNS]
         # min/max statistics only where they prune (ids, metadata, lineage): on long texts they cost time
         with_stats = [n for n in schema.names if n not in LONG_TEXT_COLUMNS]
-        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression, write_statistics=with_stats,
+        self.out = HashingFile(self.tmp)
+        self.writer = pq.ParquetWriter(self.out, schema, compression=compression, write_statistics=with_stats,
                                        store_schema=True, use_dictionary=low_cardinality)
         self.pending: list[pa.Table] = []
         self.pending_rows = 0
@@ -68,11 +100,8 @@ class ParquetSink:
         if self.pending_rows:
             self._flush(self.pending_rows)
         self.writer.close()
-        h = hashlib.sha256()
-        with open(self.tmp, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        self.sha256, self.size = h.hexdigest(), os.path.getsize(self.tmp)
+        self.out.close()
+        self.sha256, self.size = self.out.sha256.hexdigest(), self.out.size
         if self.local:
             os.replace(self.tmp, self.path)
         else:
@@ -83,6 +112,7 @@ class ParquetSink:
     def abort(self) -> None:
         try:
             self.writer.close()
+            self.out.close()
         finally:
             if os.path.exists(self.tmp):
                 os.unlink(self.tmp)
