@@ -11,6 +11,7 @@ import hashlib
 import io
 import os
 import tempfile
+import threading
 import uuid
 
 import pyarrow as pa
@@ -144,10 +145,23 @@ def rejects_table(rejects, source_file: str | None = None) -> pa.Table:
     }, schema=QUARANTINE_ARROW)
 
 
-def read_parquet_batches(uri: str, batch_rows: int, storage_options: dict | None = None, columns=None):
-    """Stream record batches of one Parquet file (local or object store)."""
-    fs, path = filesystem_for(uri, storage_options)
-    with fs.open(path, "rb") as f:
-        pf = pq.ParquetFile(f, pre_buffer=False)  # pre_buffer would cache every row group read: RSS ~ file size
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
-            yield pa.Table.from_batches([batch])
+class RowGroupReader:
+    """Row groups of Parquet files read by index from any thread (one open handle per thread and file),
+    so workers can read in parallel while the caller keeps the output in input order."""
+
+    def __init__(self, uris: list[str], storage_options: dict | None = None):
+        self.uris, self.storage_options = uris, storage_options
+        self.local = threading.local()
+        self.items = []
+        for uri in uris:
+            fs, path = filesystem_for(uri, storage_options)
+            with fs.open(path, "rb") as f:
+                self.items += [(uri, i) for i in range(pq.ParquetFile(f).num_row_groups)]
+
+    def read(self, item: tuple[str, int]) -> pa.Table:
+        uri, index = item
+        files = self.local.__dict__.setdefault("files", {})
+        if uri not in files:
+            fs, path = filesystem_for(uri, self.storage_options)
+            files[uri] = pq.ParquetFile(fs.open(path, "rb"), pre_buffer=False)
+        return files[uri].read_row_group(index)

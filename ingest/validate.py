@@ -22,7 +22,7 @@ import pandera.pandas as pandera
 
 from batchrl.fsutil import filesystem_for, join
 from batchrl.ingest.config import IngestConfig, StageReport
-from batchrl.ingest.sink import ParquetSink, QuarantineSink, read_parquet_batches
+from batchrl.ingest.sink import ParquetSink, QuarantineSink, RowGroupReader
 from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, contract_violations, to_pandas
 
 #: contract fields hashed for the content key, per kind
@@ -284,14 +284,16 @@ class ContractStage:
 
 
 def run_contract(batches: Iterator, out_dir: str, cfg: IngestConfig, kind: str, out_name: str,
-                 stage: str, report: StageReport | None = None) -> StageReport:
-    """Each item is a table, or (table, rows already quarantined upstream). Batches are checked in
-    ``cfg.threads`` workers and deduplicated + written in input order."""
+                 stage: str, report: StageReport | None = None, read=None) -> StageReport:
+    """Each item is a table, or (table, rows already quarantined upstream), or what ``read`` turns into
+    a table. Items are read and checked in ``cfg.threads`` workers, deduplicated + written in input order."""
     from batchrl.ingest.clean import ordered_map
 
     contract = ContractStage(out_dir, cfg, kind, out_name, stage, report)
 
     def check(item):
+        if read is not None:
+            item = read(item)
         table, upstream = item if isinstance(item, tuple) else (item, None)
         return table, upstream, (contract.check(table) if table.num_rows else None)
 
@@ -307,12 +309,8 @@ def run_contract(batches: Iterator, out_dir: str, cfg: IngestConfig, kind: str, 
 def _validate(cleaned_dir: str, out_dir: str, cfg: IngestConfig, kind: str, out_name: str, stage: str):
     cfg = (cfg or IngestConfig()).model_copy(update={"kind": kind})
     files = cleaned_files(cleaned_dir, cfg.storage_options)
-
-    def batches():
-        for uri in files:
-            yield from read_parquet_batches(uri, cfg.batch_rows, cfg.storage_options)
-
-    report = run_contract(batches(), out_dir, cfg, kind, out_name, stage)
+    row_groups = RowGroupReader(files, cfg.storage_options)  # row groups are read by the workers
+    report = run_contract(row_groups.items, out_dir, cfg, kind, out_name, stage, read=row_groups.read)
     report.bytes_in = sum(filesystem_for(f, cfg.storage_options)[0].size(filesystem_for(f, cfg.storage_options)[1])
                           for f in files)
     report.extra["inputs"] = files
