@@ -59,3 +59,15 @@ def sha256_tree(fs: fsspec.AbstractFileSystem, root: str) -> str:
         rel = p[len(root.rstrip("/")) + 1:]
         h.update(rel.encode() + b"\0" + sha256_file(fs, p).encode() + b"\n")
     return h.hexdigest()
+
+
+def duckdb_for(uris: list[str], storage_options: dict[str, Any] | None = None, threads: int = 2):
+    """A DuckDB connection that reads ``uris`` where they are: for an object store the fsspec
+    filesystem (s3fs with the given options) is registered in DuckDB (httpfs is not needed)."""
+    import duckdb
+
+    con = duckdb.connect(config={"threads": threads})
+    for protocol in sorted({u.split("://", 1)[0] for u in uris if "://" in u} - {"file"}):
+        fs, _ = filesystem_for(f"{protocol}://", storage_options)
+        con.register_filesystem(fs)
+    return con

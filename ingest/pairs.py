@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 
-import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
 
-from batchrl.fsutil import filesystem_for
+from batchrl.fsutil import duckdb_for
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.validate import cleaned_files, run_contract
 from batchrl.schemas import PREFERENCE_ARROW, QUARANTINE_ARROW
@@ -68,11 +66,9 @@ def scored_to_pairs(scored_parquet: str, out_dir: str, cfg: IngestConfig | None 
     """scored.parquet (file or folder) -> pairs.parquet + quarantine.parquet (see module doc)."""
     cfg = (cfg or IngestConfig()).model_copy(update={"kind": "preference"})
     files = cleaned_files(scored_parquet, cfg.storage_options, stem="scored")
-    fs, _ = filesystem_for(files[0], cfg.storage_options)
-    dataset = pads.dataset([filesystem_for(f, cfg.storage_options)[1] for f in files], format="parquet",
-                           filesystem=fs)
-    con = duckdb.connect(config={"threads": 2})
-    con.register("scored", dataset)
+    con = duckdb_for(files, cfg.storage_options)
+    sources = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
+    con.execute(f"CREATE VIEW scored AS SELECT * FROM read_parquet([{sources}])")
     reader = con.sql(PAIRS_SQL).to_arrow_reader(cfg.batch_rows)
 
     def batches():

@@ -74,3 +74,19 @@ def test_scored_pipeline_on_s3(s3_options, tmp_path):
     _, local = scored_pipeline(os.path.join(REPO, "sample_data", "scored"), tmp_path / "local")
     assert pairs.outputs["pairs"] == "s3://scored-bucket/p/pairs.parquet"
     assert (pairs.valid, pairs.quarantined) == (local.valid, local.quarantined)
+
+
+def test_duckdb_reads_object_store_through_registered_s3fs(s3_options):
+    """DuckDB reaches S3 through ``register_filesystem(s3fs)`` (no httpfs download)."""
+    import pyarrow as pa
+    import s3fs
+
+    from batchrl.fsutil import duckdb_for
+
+    fs = s3fs.S3FileSystem(**s3_options)
+    fs.mkdir("duck-bucket")
+    with fs.open("duck-bucket/t.parquet", "wb") as f:
+        pq.write_table(pa.table({"x": [1, 2, 3]}), f)
+    con = duckdb_for(["s3://duck-bucket/t.parquet"], s3_options)
+    assert any("s3" in name.lower() for name in con.list_filesystems())
+    assert con.sql("SELECT sum(x) FROM read_parquet('s3://duck-bucket/t.parquet')").fetchall() == [(6,)]
