@@ -54,7 +54,8 @@ PreferenceSchema = pa.DataFrameSchema(
         "rejected": _text(checks=[_non_empty()]),
         **_META_COLUMNS,
     },
-    checks=[pa.Check(lambda df: df["chosen"] != df["rejected"], name="chosen_equals_rejected")],
+    # a null side is judged by its nullability check; fillna keeps NAs from hiding the other rows
+    checks=[pa.Check(lambda df: (df["chosen"] != df["rejected"]).fillna(True), name="chosen_equals_rejected")],
     strict=True,
     ordered=True,
     name="preference",
