@@ -76,7 +76,7 @@ class IngestConfig(BaseModel):
     drop_fields: list[str] = Field(default_factory=list)
     reader: str | None = None  # "module:Class" for formats the built-in readers do not know
     batch_rows: int = 65536
-    block_bytes: int = 8 << 20  # JSONL read block; memory is bounded by this and batch_rows
+    block_bytes: int = 16 << 20  # JSONL read block: the unit of work of a worker; memory ~ threads x this
     row_group_rows: int = 65536  # output row groups, fixed so output bytes do not depend on batching
     collapse_whitespace: bool = False
     max_prompt_tokens: int | None = None
