@@ -8,7 +8,6 @@ data version.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import tempfile
 import threading
@@ -24,33 +23,23 @@ DICTIONARY_COLUMNS = {"category", "source", "source_file", "reason", "timestamp"
 LONG_TEXT_COLUMNS = {"prompt", "chosen", "rejected", "response", "detail", "raw"}
 
 
-class HashingFile(io.RawIOBase):
-    """A local file that hashes (sha256) what is written as it is written: no second read at the end."""
+class FileHasher:
+    """sha256 of a file that is being appended to, fed from the bytes already on disk after each row
+    group (page cache, no GIL for large reads and updates): the writer keeps a native, GIL-free file,
+    and no second pass over the whole output is needed at the end."""
 
     def __init__(self, path: str):
-        super().__init__()
-        self.file = open(path, "wb")
-        self.sha256 = hashlib.sha256()
-        self.size = 0
+        self.path, self.sha256, self.size, self.file = path, hashlib.sha256(), 0, None
 
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self.sha256.update(data)  # releases the GIL on large buffers
-        self.size += len(data)
-        return self.file.write(data)
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        if not self.file.closed:
-            self.file.flush()
+    def update(self) -> None:
+        if self.file is None:
+            self.file = open(self.path, "rb")
+        while chunk := self.file.read(8 << 20):
+            self.sha256.update(chunk)
+            self.size += len(chunk)
 
     def close(self) -> None:
-        if not self.closed:
-            super().close()  # flushes
+        if self.file is not None:
             self.file.close()
 
 
@@ -71,9 +60,9 @@ class ParquetSink:
         low_cardinality = [n for n in schema.names if n in DICTIONARY_COLUMNS]
         # min/max statistics only where they prune (ids, metadata, lineage): on long texts they cost time
         with_stats = [n for n in schema.names if n not in LONG_TEXT_COLUMNS]
-        self.out = HashingFile(self.tmp)
-        self.writer = pq.ParquetWriter(self.out, schema, compression=compression, write_statistics=with_stats,
+        self.writer = pq.ParquetWriter(self.tmp, schema, compression=compression, write_statistics=with_stats,
                                        store_schema=True, use_dictionary=low_cardinality)
+        self.hasher = FileHasher(self.tmp)
         self.pending: list[pa.Table] = []
         self.pending_rows = 0
         self.rows = 0
@@ -93,6 +82,7 @@ class ParquetSink:
         merged = pa.concat_tables(self.pending)
         # one contiguous chunk per column: page boundaries must not depend on input batching
         self.writer.write_table(merged.slice(0, n).combine_chunks(), row_group_size=n)
+        self.hasher.update()
         rest = merged.slice(n)
         self.pending = [rest] if rest.num_rows else []
         self.pending_rows = rest.num_rows
@@ -101,8 +91,9 @@ class ParquetSink:
         if self.pending_rows:
             self._flush(self.pending_rows)
         self.writer.close()
-        self.out.close()
-        self.sha256, self.size = self.out.sha256.hexdigest(), self.out.size
+        self.hasher.update()
+        self.hasher.close()
+        self.sha256, self.size = self.hasher.sha256.hexdigest(), self.hasher.size
         if self.local:
             os.replace(self.tmp, self.path)
         else:
@@ -113,7 +104,7 @@ class ParquetSink:
     def abort(self) -> None:
         try:
             self.writer.close()
-            self.out.close()
+            self.hasher.close()
         finally:
             if os.path.exists(self.tmp):
                 os.unlink(self.tmp)
