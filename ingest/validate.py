@@ -98,10 +98,9 @@ def cleaned_files(cleaned_dir: str, storage_options: dict | None = None, stem: s
 class Checked:
     """One batch after the order-independent part of the contract (``ContractValidator.check``)."""
 
-    table: pa.Table     # the batch, ``id`` filled with the content id where it was null
-    key: np.ndarray     # uint64 content key per row
-    reason: np.ndarray  # reason code per row, None where the row passes the contract and filters
-    detail: np.ndarray
+    table: pa.Table       # rows that pass the contract and filters (``id`` filled where it was null)
+    key: np.ndarray       # their uint64 content keys
+    quarantine: pa.Table  # the batch's other rows, with reason codes
 
 
 class ContractValidator:
@@ -137,10 +136,9 @@ class ContractValidator:
         return self.dedupe(self.check(table))
 
     def check(self, table: pa.Table) -> Checked:
-        """Content key, id, contract reason codes (Arrow checks, then pandera on the rows that pass),
-        long-prompt filter. Needs no earlier batch."""
+        """Contract reason codes (Arrow checks, then pandera on the rows that pass), long-prompt filter,
+        id and content key of the passing rows, quarantine rows of the others. Needs no earlier batch."""
         n = table.num_rows
-        key = self._sql(self.key_sql, table).column("k").to_numpy()
         ids = table.column("id")
         if ids.null_count:  # content id only where the source gave none
             missing = ids.is_null().combine_chunks()
@@ -153,43 +151,48 @@ class ContractValidator:
             free = reason[rows] == None  # noqa: E711
             reason[rows[free]] = code
             detail[rows[free]] = [_detail(code, c) for c, f in zip(columns, free) if f]
-        passing = np.flatnonzero(reason == None)  # noqa: E711
+        ok = np.flatnonzero(reason == None)  # noqa: E711
+        passing = table if len(ok) == n else table.take(pa.array(ok))
         # pandera is the contract: every row that reaches the output has passed it
-        for code, rows, text in self._contract_failures(table.take(pa.array(passing)) if len(passing) < n else table):
-            rows = passing[rows]
+        for code, rows, text in self._contract_failures(passing):
+            rows = ok[rows]
             free = rows[reason[rows] == None]  # noqa: E711
             reason[free], detail[free] = code, text
-        if self.length is not None:
-            ok = np.flatnonzero(reason == None)  # noqa: E711
-            if len(ok):
-                lengths = self.length(table.column("prompt").take(pa.array(ok)).combine_chunks())
-                long_rows = ok[lengths > self.cfg.max_prompt_tokens]
-                reason[long_rows] = "prompt_too_long"
-                detail[long_rows] = [f"prompt has {t} tokens > {self.cfg.max_prompt_tokens}"
-                                     for t in lengths[lengths > self.cfg.max_prompt_tokens]]
+        if self.length is not None and len(ok):
+            lengths = self.length(passing.column("prompt").combine_chunks())
+            too_long = (lengths > self.cfg.max_prompt_tokens) & (reason[ok] == None)  # noqa: E711
+            reason[ok[too_long]] = "prompt_too_long"
+            detail[ok[too_long]] = [f"prompt has {t} tokens > {self.cfg.max_prompt_tokens}"
+                                    for t in lengths[too_long]]
+        still_ok = reason[ok] == None  # noqa: E711
+        if not still_ok.all():
+            passing = passing.filter(pa.array(still_ok))
+        key = self._sql(self.key_sql, passing).column("k").to_numpy() if passing.num_rows else np.zeros(0, np.uint64)
         # pandera leaves reference cycles that hold this batch's DataFrame; collect the young
         # generations now so memory stays bounded by the batch size, not by the input size
         gc.collect(1)
-        return Checked(table, key, reason, detail)
+        bad = np.flatnonzero(reason != None)  # noqa: E711
+        return Checked(passing, key, self._quarantine_rows(table, bad, reason, detail))
 
     def dedupe(self, checked: Checked) -> tuple[pa.Table, pa.Table, int]:
         """Exact dedupe against every earlier row -> (valid rows, quarantine rows, number of duplicates)."""
-        table, key, reason, detail = checked.table, checked.key, checked.reason, checked.detail
-        ok = np.flatnonzero(reason == None)  # noqa: E711
-        dup = np.zeros(len(ok), bool)
-        if len(ok):
-            ok_keys = key[ok]
-            unique, first = np.unique(ok_keys, return_index=True)  # sorted: fast lookups below
-            seen = self.seen.contains(unique)
-            dup = np.ones(len(ok), bool)  # later copies within the batch are duplicates
-            dup[first] = seen
-            self.seen.add(unique[~seen])
-            reason[ok[dup]] = "duplicate"
-            detail[ok[dup]] = [f"content key {k:016x}" for k in ok_keys[dup]]
-        keep = reason == None  # noqa: E711
-        bad = np.flatnonzero(~keep)
-        valid = table if not len(bad) else table.filter(pa.array(keep))
-        return valid, self._quarantine_rows(table, bad, reason, detail), int(dup.sum())
+        table, key = checked.table, checked.key
+        if not len(key):
+            return table, checked.quarantine, 0
+        unique, first = np.unique(key, return_index=True)  # sorted: fast lookups below
+        seen = self.seen.contains(unique)
+        dup = np.ones(len(key), bool)  # later copies within the batch are duplicates
+        dup[first] = seen
+        self.seen.add(unique[~seen])
+        if not dup.any():
+            return table, checked.quarantine, 0
+        rows = np.flatnonzero(dup)
+        reason = np.full(len(key), "duplicate", dtype=object)
+        detail = np.full(len(key), None, dtype=object)
+        detail[rows] = [f"content key {k:016x}" for k in key[rows]]
+        duplicates = self._quarantine_rows(table, rows, reason, detail)
+        quarantine = pa.concat_tables([checked.quarantine, duplicates]) if checked.quarantine.num_rows else duplicates
+        return table.filter(pa.array(~dup)), quarantine, len(rows)
 
     def _contract_failures(self, table: pa.Table) -> Iterator[tuple[str, np.ndarray, str]]:
         try:
