@@ -36,10 +36,17 @@ def _detail(code: str, columns) -> str:
 
 
 class SeenKeys:
-    """Set of 64-bit keys as sorted numpy runs merged like an LSM tree: 8 bytes per unique row."""
+    """Set of 64-bit keys as sorted numpy runs merged like an LSM tree: 8 bytes per unique row.
 
-    def __init__(self) -> None:
+    Runs stop merging at ``max_run`` keys (32 MB), so a merge never holds more than that twice: memory
+    grows by the keys themselves and not by a copy of the whole set; lookups probe a few more runs."""
+
+    def __init__(self, max_run: int = 1 << 22) -> None:
         self.runs: list[np.ndarray] = []
+        self.max_run = max_run
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.runs)
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         hit = np.zeros(len(keys), bool)
@@ -53,7 +60,8 @@ class SeenKeys:
         of the one before; a stable sort of two sorted runs is a linear merge (timsort)."""
         if len(keys):
             self.runs.append(keys if np.all(keys[1:] > keys[:-1]) else np.sort(keys))
-        while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+        while (len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1])
+               and len(self.runs[-2]) + len(self.runs[-1]) <= self.max_run):
             last = self.runs.pop()
             merged = np.concatenate((self.runs[-1], last))
             merged.sort(kind="stable")

@@ -98,3 +98,20 @@ def test_one_pass_without_cleaned_file(tmp_path):
     for report in (validated, alone):  # the sink hashes while writing: the data version is the file's sha256
         with open(report.outputs["preferences"], "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == report.content_hash
+
+
+def test_seen_keys_is_an_exact_set_with_bounded_runs():
+    from batchrl.ingest.validate import SeenKeys
+
+    rng = np.random.default_rng(0)
+    seen, reference = SeenKeys(max_run=1000), set()
+    for _ in range(60):
+        batch = rng.integers(0, 5000, size=rng.integers(1, 200), dtype=np.uint64)
+        hit = seen.contains(batch)
+        assert hit.tolist() == [int(k) in reference for k in batch]
+        fresh = np.unique(batch[~hit])
+        seen.add(fresh)
+        reference.update(int(k) for k in fresh)
+    assert len(seen) == len(reference)
+    assert all(len(r) <= 1000 or len(seen.runs) == 1 for r in seen.runs[:-1])
+    assert all(np.all(r[1:] > r[:-1]) for r in seen.runs)
