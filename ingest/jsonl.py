@@ -1,11 +1,13 @@
-"""Streaming JSONL reader: large byte blocks, vectorised parse, per-line fallback only where needed.
+"""Streaming JSONL reader: large byte blocks, one vectorised parse each, per-line fallback only where needed.
 
-A block (``block_bytes``, cut at a newline) is UTF-8-validated and parsed by ``pyarrow.json`` with
-the contract's explicit schema. When the parser stops at a row (invalid JSON, a type change, a nested
-value), the rows before it are kept from the fast parse, that one line goes through the per-line
-reference path (``json.loads`` + ``RecordStructurer``), and parsing resumes after it. Rows the fast
-path cannot judge exactly (nulls, extra fields) are also handed to the reference path, so reason codes
-come from one place. Blank lines are skipped and not counted as rows.
+A block (``block_bytes``, cut at a newline) is checked by Arrow's UTF-8 validator and screened with
+numpy (lines that are not ``{...}``, nested values, raw control bytes, bad UTF-8). Those lines are
+overwritten in place by ``{}`` + spaces (their original bytes are kept) and the whole block is parsed
+by ``pyarrow.json`` with the contract's explicit schema, once. The masked lines, and rows the fast
+path cannot judge exactly (nulls, extra fields), go through the per-line reference path (``json.loads``
++ ``RecordStructurer``), so reason codes come from one place. A parse error the screen missed marks
+that line and the block is parsed again (a few times; then contiguous runs are parsed one by one with
+the error isolated). Blank lines are skipped and not counted as rows.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""validate_preferences / validate_scored: the pandera contract, long-prompt filter and exact dedupe.
+"""validate_preferences / validate_scored / ingest_logs: the pandera contract, long-prompt filter, dedupe.
 
-Per batch (vectorised): content key -> pandera contract (check names are reason codes) -> prompt
-token filter -> dedupe against every earlier row (first occurrence in input order wins). Content key:
-DuckDB ``hash()`` over the contract fields (64 bits, pinned DuckDB => stable); ``id`` when absent is
-the 128-bit hex of two such hashes. Quarantined and duplicate rows go to quarantine.parquet with
-``raw`` = the cleaned record as JSON (its origin is ``source_file``/``source_line``).
+Per batch, in worker threads (``ContractValidator.check``, order-independent): reason codes from the
+Arrow twin of the schema's checks (``schemas.contract_violations``), pandera on every row that passes
+(check names are reason codes), prompt token filter, content key = DuckDB ``hash()`` over the contract
+fields (64 bits, pinned DuckDB => stable; ``id`` when absent is the 128-bit hex of two such hashes).
+Then, in input order (``dedupe``): exact dedupe against every earlier row (first occurrence wins) and
+the writes. Quarantined and duplicate rows go to quarantine.parquet with ``raw`` = the cleaned record
+as JSON (its origin is ``source_file``/``source_line``).
 """
 from __future__ import annotations
 
