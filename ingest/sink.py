@@ -143,6 +143,7 @@ class RowGroupReader:
     def __init__(self, uris: list[str], storage_options: dict | None = None):
         self.uris, self.storage_options = uris, storage_options
         self.local = threading.local()
+        self.handles: list = []  # every thread's open files, closed by close()
         self.items = []
         for uri in uris:
             fs, path = filesystem_for(uri, storage_options)
@@ -154,5 +155,12 @@ class RowGroupReader:
         files = self.local.__dict__.setdefault("files", {})
         if uri not in files:
             fs, path = filesystem_for(uri, self.storage_options)
-            files[uri] = pq.ParquetFile(fs.open(path, "rb"), pre_buffer=False)
+            handle = fs.open(path, "rb")
+            self.handles.append(handle)
+            files[uri] = pq.ParquetFile(handle, pre_buffer=False)
         return files[uri].read_row_group(index)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+        self.handles.clear()

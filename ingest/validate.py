@@ -323,7 +323,10 @@ def _validate(cleaned_dir: str, out_dir: str, cfg: IngestConfig, kind: str, out_
     cfg = (cfg or IngestConfig()).model_copy(update={"kind": kind})
     files = cleaned_files(cleaned_dir, cfg.storage_options)
     row_groups = RowGroupReader(files, cfg.storage_options)  # row groups are read by the workers
-    report = run_contract(row_groups.items, out_dir, cfg, kind, out_name, stage, read=row_groups.read)
+    try:
+        report = run_contract(row_groups.items, out_dir, cfg, kind, out_name, stage, read=row_groups.read)
+    finally:
+        row_groups.close()
     report.bytes_in = sum(filesystem_for(f, cfg.storage_options)[0].size(filesystem_for(f, cfg.storage_options)[1])
                           for f in files)
     report.extra["inputs"] = files
