@@ -40,14 +40,18 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Itera
             yield pending.popleft().result()
 
 
-def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table], object] | None = None):
+def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table], object] | None = None,
+                    keep_rows: bool = True):
     """(cleaned table, rejects, then(table)) in input order. Reading is sequential; structuring,
-    cleaning and ``then`` (e.g. the contract check) run per JSONL block / columnar batch in workers."""
+    cleaning and ``then`` (e.g. the contract check) run per JSONL block / columnar batch in workers.
+    ``keep_rows=False``: the table comes back without columns (its row count only), so results waiting
+    in the queue hold only what ``then`` kept."""
     columns = cleaned_text_columns(cfg)
 
     def finish(table: pa.Table, rejects: list):
         table = clean_table(table, columns, cfg.collapse_whitespace)
-        return table, rejects, (then(table) if then is not None and table.num_rows else None)
+        checked = then(table) if then is not None and table.num_rows else None
+        return (table if keep_rows else table.select([])), rejects, checked
 
     if file.format == "jsonl":
         reader = jsonl_reader(file, cfg)
@@ -79,7 +83,7 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
     try:
         for file in inputs:
             report.bytes_in += file.size
-            for table, rejects, checked in cleaned_batches(file, cfg, then):
+            for table, rejects, checked in cleaned_batches(file, cfg, then, keep_rows=sink is not None or then is None):
                 report.rows_in += table.num_rows + len(rejects)
                 report.valid += table.num_rows
                 if sink is not None:

@@ -85,6 +85,10 @@ class IngestConfig(BaseModel):
     pair_min_margin: float = 0.0
     compression: str = "snappy"  # parquet codec; snappy writes ~2x faster than zstd, zstd is ~30% smaller
     threads: int = 2  # JSONL blocks parsed/cleaned in parallel
+    # exact dedupe: keys past this many go to sorted run files on disk (Bloom-screened lookups), so memory
+    # does not grow with the input; dedupe_spill_dir=None uses the system temp folder
+    dedupe_memory_keys: int = 1 << 19
+    dedupe_spill_dir: str | None = None
     fast_json: bool = True  # False forces the per-line reference JSONL path (debugging, equivalence tests)
     # JSONL block engine: "arrow" (pyarrow.json) or "duckdb" (SQL per block, duckjsonl.py; exact only without
     # field_mapping / chat_mapping, else arrow). Same outputs; "auto" = arrow, measured faster on 2 cores

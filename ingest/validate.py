@@ -24,6 +24,7 @@ import pandera.pandas as pandera
 
 from batchrl.fsutil import filesystem_for, join
 from batchrl.ingest.config import IngestConfig, StageReport
+from batchrl.ingest.dedupe import SeenKeys
 from batchrl.ingest.sink import ParquetSink, QuarantineSink, RowGroupReader
 from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, contract_violations, to_pandas
 
@@ -35,39 +36,6 @@ REASON_ORDER = ("missing_field", "empty_field", "non_finite_score", "chosen_equa
 
 def _detail(code: str, columns) -> str:
     return "chosen == rejected" if code == "chosen_equals_rejected" else f"{code}: {', '.join(sorted(columns))}"
-
-
-class SeenKeys:
-    """Set of 64-bit keys as sorted numpy runs merged like an LSM tree: 8 bytes per unique row.
-
-    Runs stop merging at ``max_run`` keys (32 MB), so a merge never holds more than that twice: memory
-    grows by the keys themselves and not by a copy of the whole set; lookups probe a few more runs."""
-
-    def __init__(self, max_run: int = 1 << 22) -> None:
-        self.runs: list[np.ndarray] = []
-        self.max_run = max_run
-
-    def __len__(self) -> int:
-        return sum(len(r) for r in self.runs)
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        hit = np.zeros(len(keys), bool)
-        for run in self.runs:
-            idx = np.minimum(np.searchsorted(run, keys), len(run) - 1)
-            hit |= run[idx] == keys
-        return hit
-
-    def add(self, keys: np.ndarray) -> None:
-        """``keys``: unique and not in the set yet. Runs merge when the newer one is at least half the size
-        of the one before; a stable sort of two sorted runs is a linear merge (timsort)."""
-        if len(keys):
-            self.runs.append(keys if np.all(keys[1:] > keys[:-1]) else np.sort(keys))
-        while (len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1])
-               and len(self.runs[-2]) + len(self.runs[-1]) <= self.max_run):
-            last = self.runs.pop()
-            merged = np.concatenate((self.runs[-1], last))
-            merged.sort(kind="stable")
-            self.runs[-1] = merged
 
 
 class PromptLength:
@@ -122,7 +90,7 @@ class ContractValidator:
     def __init__(self, kind: str, cfg: IngestConfig):
         self.kind, self.cfg = kind, cfg
         self.schema = PANDERA_SCHEMAS[kind]
-        self.seen = SeenKeys()
+        self.seen = SeenKeys(memory_keys=cfg.dedupe_memory_keys, spill_dir=cfg.dedupe_spill_dir)
         self.length = PromptLength(cfg.tokenizer_path) if cfg.max_prompt_tokens else None
         self.con = duckdb.connect(config={"threads": 1})
         self.local = threading.local()
@@ -282,6 +250,7 @@ class ContractStage:
                 report.count(str(code), int(count))
 
     def close(self) -> StageReport:
+        self.validator.seen.close()
         report = self.report
         report.outputs.update({self.out_name.removesuffix(".parquet"): self.sink.close(),
                                "quarantine": self.quarantine.close()})
@@ -292,6 +261,7 @@ class ContractStage:
         return report
 
     def abort(self) -> None:
+        self.validator.seen.close()
         self.sink.abort()
         self.quarantine.abort()
 

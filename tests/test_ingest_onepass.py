@@ -100,18 +100,41 @@ def test_one_pass_without_cleaned_file(tmp_path):
             assert hashlib.sha256(f.read()).hexdigest() == report.content_hash
 
 
-def test_seen_keys_is_an_exact_set_with_bounded_runs():
-    from batchrl.ingest.validate import SeenKeys
+@pytest.mark.parametrize("spill", [False, True])
+def test_seen_keys_is_an_exact_set(tmp_path, spill):
+    """Against a Python set; with spilling: tiny memory budget, tiny Bloom filter (many false positives),
+    disk runs merged twice over, pages partly filled."""
+    from batchrl.ingest.dedupe import PAGE_KEYS, SeenKeys
 
     rng = np.random.default_rng(0)
-    seen, reference = SeenKeys(max_run=1000), set()
-    for _ in range(60):
-        batch = rng.integers(0, 5000, size=rng.integers(1, 200), dtype=np.uint64)
-        hit = seen.contains(batch)
-        assert hit.tolist() == [int(k) in reference for k in batch]
-        fresh = np.unique(batch[~hit])
-        seen.add(fresh)
-        reference.update(int(k) for k in fresh)
+    options = dict(memory_keys=700, bloom_bits=1 << 12, max_run=300, max_disk_runs=2, spill_dir=str(tmp_path))
+    seen, reference = (SeenKeys(**options) if spill else SeenKeys(max_run=1000)), set()
+    for _ in range(80):
+        batch = rng.integers(0, 20000, size=rng.integers(1, 300), dtype=np.uint64)
+        unique = np.unique(batch)
+        hit = seen.contains(unique)
+        assert hit.tolist() == [int(k) in reference for k in unique]
+        seen.add(unique[~hit])
+        reference.update(int(k) for k in unique[~hit])
     assert len(seen) == len(reference)
-    assert all(len(r) <= 1000 or len(seen.runs) == 1 for r in seen.runs[:-1])
     assert all(np.all(r[1:] > r[:-1]) for r in seen.runs)
+    if spill:
+        assert 1 <= len(seen.disk) <= 2 and sum(r.n for r in seen.disk) > 3 * PAGE_KEYS
+        for run in seen.disk:  # every run file is sorted and its fences are every PAGE_KEYS-th key
+            keys = run.read(0, run.n)
+            assert np.all(keys[1:] > keys[:-1]) and np.array_equal(run.fences, keys[::PAGE_KEYS])
+        seen.close()
+        assert not list(tmp_path.iterdir())  # spill files removed
+
+
+def test_spilled_dedupe_gives_the_same_output(tmp_path):
+    """A dedupe budget of 64 keys (everything else on disk) writes the same bytes as the default."""
+    src = tmp_path / "tricky.jsonl"
+    src.write_bytes(tricky_lines() + tricky_lines())  # the second half repeats the first
+    files = discover_inputs(str(src))
+    _, default = ingest_logs(files, str(tmp_path / "a"), IngestConfig(block_bytes=1 << 15), keep_cleaned=False)
+    _, spilled = ingest_logs(files, str(tmp_path / "b"), IngestConfig(
+        block_bytes=1 << 15, dedupe_memory_keys=64, dedupe_spill_dir=str(tmp_path)), keep_cleaned=False)
+    assert default.duplicates > 100 and spilled.to_metadata() | {"outputs": None, "seconds": None} == \
+        default.to_metadata() | {"outputs": None, "seconds": None}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("batchrl-dedupe-")]
