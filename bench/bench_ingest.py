@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -223,6 +224,13 @@ PRELOAD = {"batchrl": "batchrl.ingest", "batchrl_stages": "batchrl.ingest", "bat
            "duckdb": "duckdb", "duckdb_sql": "duckdb", "python": "unicodedata"}
 
 
+def _sample_rss(trace: list) -> None:
+    while True:
+        with open("/proc/self/status") as f:
+            trace.append(round(int(next(l for l in f if l.startswith("VmRSS")).split()[1]) / 1024, 1))
+        time.sleep(0.5)
+
+
 def measure(name: str, src: str) -> dict:
     out = os.path.join(OUT, f"run_{name}")
     shutil.rmtree(out, ignore_errors=True)
@@ -235,8 +243,11 @@ def measure(name: str, src: str) -> dict:
     size = os.path.getsize(src) / 1e6
     shutil.rmtree(out, ignore_errors=True)
     work = result.pop("work_seconds")
+    trace = result.pop("rss_trace_mb")
+    tenth = trace[: max(1, len(trace) // 10)]
     return {"name": name, "seconds": round(seconds, 2), "mb_s": round(size / seconds, 1),
             "work_seconds": work, "work_mb_s": round(size / work, 1), "peak_rss_mb": result.pop("vm_hwm_mb"),
+            "rss_first_tenth_max_mb": max(tenth), "rss_last_tenth_max_mb": max(trace[-len(tenth):]),
             "exit": status, "result": result}
 
 
@@ -265,9 +276,12 @@ def main() -> None:
         return
     if args.child:
         importlib.import_module(PRELOAD[args.child])  # so work_seconds is the work, not the imports
+        trace: list[float] = []
+        threading.Thread(target=_sample_rss, args=(trace,), daemon=True).start()
         start = time.perf_counter()
         result = CONTENDERS[args.child](args.src, args.out)
         result["work_seconds"] = round(time.perf_counter() - start, 3)
+        result["rss_trace_mb"] = trace  # VmRSS every 0.5 s of the work: flat or growing?
         with open("/proc/self/status") as f:  # VmHWM: this process image's peak RSS (reset at exec)
             result["vm_hwm_mb"] = round(int(next(l for l in f if l.startswith("VmHWM")).split()[1]) / 1024, 1)
         print(json.dumps(result))
@@ -288,7 +302,9 @@ def main() -> None:
             r = measure(name, src)
             runs[name].append(r)
             print(f"{name:15s} process {r['seconds']:7.2f}s {r['mb_s']:6.1f} MB/s | work {r['work_seconds']:7.2f}s "
-                  f"{r['work_mb_s']:6.1f} MB/s | peak RSS {r['peak_rss_mb']:7.1f} MB", flush=True)
+                  f"{r['work_mb_s']:6.1f} MB/s | peak RSS {r['peak_rss_mb']:7.1f} MB (VmRSS max in the first / "
+                  f"last tenth of the work: {r['rss_first_tenth_max_mb']} / {r['rss_last_tenth_max_mb']} MB)",
+                  flush=True)
     results = {name: median_run(rs) for name, rs in runs.items()}
     print("medians:")
     for name, r in results.items():
