@@ -80,17 +80,19 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
         sink = ParquetSink(out_dir, "cleaned.parquet", ARROW_SCHEMAS[cfg.kind], cfg.row_group_rows,
                            cfg.compression, cfg.storage_options)
         quarantine = QuarantineSink(out_dir, cfg)
+    keep_rows = sink is not None or then is None  # else only then(table) travels back from the workers
     try:
         for file in inputs:
             report.bytes_in += file.size
-            for table, rejects, checked in cleaned_batches(file, cfg, then, keep_rows=sink is not None or then is None):
+            for table, rejects, checked in cleaned_batches(file, cfg, then, keep_rows):
                 report.rows_in += table.num_rows + len(rejects)
                 report.valid += table.num_rows
+                upstream = rejects_table(rejects, file.uri) if rejects and sink is None else None
                 if sink is not None:
                     sink.write(table)
                     quarantine.add(rejects, file.uri)
-                if on_batch is not None and (table.num_rows or (rejects and sink is None)):
-                    on_batch(table, rejects_table(rejects, file.uri) if rejects and sink is None else None, checked)
+                if on_batch is not None and (table.num_rows or upstream is not None):
+                    on_batch(table, upstream, checked)
                 if rejects:
                     report.quarantined += len(rejects)
                     for r in rejects:

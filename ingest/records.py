@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.schemas import ARROW_SCHEMAS

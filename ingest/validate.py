@@ -112,10 +112,6 @@ class ContractValidator:
         finally:
             cursor.unregister("contract_batch")
 
-    def process(self, table: pa.Table) -> tuple[pa.Table, pa.Table, int]:
-        """-> (valid rows, quarantine rows incl. duplicates, number of duplicates)."""
-        return self.dedupe(self.check(table))
-
     def check(self, table: pa.Table) -> Checked:
         """Contract reason codes (Arrow checks, then pandera on the rows that pass), long-prompt filter,
         id and content key of the passing rows, quarantine rows of the others. Needs no earlier batch."""
