@@ -67,7 +67,6 @@ def _merge_runs(a: _DiskRun, b: _DiskRun, directory: str, chunk: int = 1 << 18) 
     """Streaming merge of two disjoint sorted runs into a new run file; memory ~ 4 chunks."""
     fd, path = tempfile.mkstemp(dir=directory, suffix=".keys")
     fences, written, last = [], 0, 0
-    pos_a = pos_b = 0
     buf_a, buf_b = a.read(0, chunk), b.read(0, chunk)
     pos_a, pos_b = len(buf_a), len(buf_b)
     with os.fdopen(fd, "wb") as out:

@@ -86,8 +86,8 @@ class JsonlReader:
                 block[:len(carry)] = carry
                 got = _read_into(stream, memoryview(block)[len(carry):])
                 del block[len(carry) + got:]
-                chunk, carry = got, b""
-                if chunk:
+                carry = b""
+                if got:  # keep the unfinished last line for the next block
                     cut = block.rfind(b"\n")
                     if cut < 0:
                         carry = bytes(block)
@@ -97,11 +97,12 @@ class JsonlReader:
                 if block:
                     if not self.first_checked:
                         self._check_first_in(block, line_base)
-                    yield block, line_base, offset_base
+                    # counted before a worker gets the block (it masks lines in place; newlines stay)
                     newlines = np.count_nonzero(np.frombuffer(block, np.uint8) == 10)  # numpy: no GIL
+                    yield block, line_base, offset_base
                     line_base += newlines + (0 if block.endswith(b"\n") else 1)
                     offset_base += len(block)
-                if not chunk:
+                if not got:
                     break
 
     def _check_first_in(self, block: bytes, line_base: int) -> None:

@@ -144,7 +144,9 @@ class ContractValidator:
         still_ok = reason[ok] == None  # noqa: E711
         if not still_ok.all():
             passing = passing.filter(pa.array(still_ok))
-        key = self._sql(self.key_sql, passing).column("k").to_numpy() if passing.num_rows else np.zeros(0, np.uint64)
+        key = np.zeros(0, np.uint64)
+        if passing.num_rows:
+            key = self._sql(self.key_sql, passing).column("k").to_numpy()
         # pandera leaves reference cycles that hold this batch's DataFrame (and so its Arrow buffers):
         # collect the young generations every batch, and every FULL_GC_EVERY batches the old one too,
         # where the cycles that were still alive at a young collection end up (~30 ms)
@@ -169,7 +171,7 @@ class ContractValidator:
         detail = np.full(len(key), None, dtype=object)
         detail[rows] = [f"content key {k:016x}" for k in key[rows]]
         duplicates = self._quarantine_rows(table, rows, reason, detail)
-        quarantine = pa.concat_tables([checked.quarantine, duplicates]) if checked.quarantine.num_rows else duplicates
+        quarantine = pa.concat_tables([checked.quarantine, duplicates])
         return table.filter(pa.array(~dup)), quarantine, len(rows)
 
     def _contract_failures(self, table: pa.Table) -> Iterator[tuple[str, np.ndarray, str]]:
