@@ -1,10 +1,11 @@
-"""`batchrl run` (materialise everything), `batchrl audit` (lineage of a checkpoint), `batchrl home`."""
+"""`batchrl run` (materialise everything, optionally with a profile), `batchrl audit` (lineage of a checkpoint)."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+import time
 
 DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
 
@@ -33,36 +34,83 @@ def _latest_uri(instance, asset: str) -> str | None:
 RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
 
 
+def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
+    """Run config and default RL iterations: the profile's, then ``-c`` files merged over it."""
+    from batchrl.profiles import deep_merge, load_profile
+
+    ops, iterations = {}, 1
+    if args.profile:
+        os.environ["BATCHRL_PROFILE"] = args.profile  # read when the definitions build their resources
+        profile = load_profile(args.profile)
+        ops, iterations = profile["ops"], profile["rl_iterations"]
+        print(f"=== profile {args.profile} ({os.environ.get('BATCHRL_ENV', 'local')}): {profile['description']}")
+    for path in args.config or []:
+        import yaml
+
+        with open(path) as f:
+            extra = yaml.safe_load(f) or {}
+        ops = deep_merge(ops, extra.get("ops", extra))
+    return ({"ops": ops} if ops else {}), (args.rl_iterations or iterations)
+
+
+def _with_seed(run_config: dict, seed: int) -> dict:
+    from batchrl.profiles import deep_merge
+
+    return deep_merge(run_config, {"ops": {"rollouts": {"config": {"seed": seed}}}})
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     ensure_dagster_home()
+    run_config, iterations = _run_config(args)
     import dagster as dg
 
-    from batchrl.definitions import defs, execute_assets
+    from batchrl.definitions import build_definitions, execute_assets
 
+    defs = build_definitions()
+    started = time.monotonic()
     with dg.DagsterInstance.get() as instance:
-        result = execute_assets(defs, instance, None if args.select == "*" else args.select.split(","))
-        # Further on-policy iterations: each samples from the latest policy_checkpoint, with a new seed.
-        for iteration in range(1, args.rl_iterations):
+        selection = None if args.select == "*" else args.select.split(",")
+        result = execute_assets(defs, instance, selection, _config_for(defs, run_config, selection))
+        # Further on-policy iterations: each samples from the latest policy of this base model's chain.
+        for iteration in range(1, iterations):
             if not result.success:
                 break
-            print(f"\n=== RL iteration {iteration + 1} of {args.rl_iterations}")
+            if args.max_minutes and time.monotonic() - started > 60 * args.max_minutes:
+                print(f"\n=== time budget of {args.max_minutes} min reached after {iteration} RL iteration(s)")
+                break
+            print(f"\n=== RL iteration {iteration + 1} of {iterations}")
             result = execute_assets(defs, instance, list(RL_LOOP),
-                                    {"ops": {"rollouts": {"config": {"seed": iteration}}}})
-        if result.success and args.rl_iterations > 1:
-            result = execute_assets(defs, instance, ["evaluation"])
-        print("\n=== batchrl run:", "SUCCESS" if result.success else "FAILED", "run_id", result.run_id)
-        for asset in ("validated_preferences", "policy_checkpoint", "dpo_checkpoint", "evaluation"):
-            print(f"{asset:>22}: {_latest_uri(instance, asset)}")
-        evaluation = _latest_uri(instance, "evaluation")
-        if evaluation:
-            print("\nevaluation:", os.path.join(evaluation, "evaluation.json"))
-            with open(os.path.join(evaluation, "evaluation.json")) as f:
-                for model, metrics in json.load(f).items():
-                    shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, (int, float))}
-                    print(f"  {model}: {shown}")
-        print("\naudit:  .venv/bin/batchrl audit policy_checkpoint")
-        print("UI:     DAGSTER_HOME=$PWD/.dagster_home .venv/bin/dagster dev   (then open http://127.0.0.1:3000)")
+                                    _config_for(defs, _with_seed(run_config, iteration), list(RL_LOOP)))
+        if result.success and iterations > 1:
+            result = execute_assets(defs, instance, ["evaluation"], _config_for(defs, run_config, ["evaluation"]))
+        print("\n=== batchrl run:", "SUCCESS" if result.success else "FAILED", "run_id", result.run_id,
+              f"({time.monotonic() - started:.0f} s)")
+        _print_summary(instance)
     return 0 if result.success else 1
+
+
+def _config_for(defs, run_config: dict, selection: list[str] | None) -> dict:
+    """Only the ops of the selected assets: Dagster refuses config for ops outside the run."""
+    if not selection or "ops" not in run_config:
+        return run_config
+    return {**run_config, "ops": {k: v for k, v in run_config["ops"].items() if k in selection}}
+
+
+def _print_summary(instance) -> None:
+    for asset in ("validated_preferences", "policy_checkpoint", "dpo_checkpoint", "evaluation"):
+        print(f"{asset:>22}: {_latest_uri(instance, asset)}")
+    evaluation = _latest_uri(instance, "evaluation")
+    if evaluation:
+        print("\nevaluation:", os.path.join(evaluation, "evaluation.json"))
+        with open(os.path.join(evaluation, "evaluation.json")) as f:
+            for model, metrics in json.load(f).items():
+                shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, (int, float))}
+                print(f"  {model}: {shown}")
+                for example in metrics.get("examples", [])[:3]:
+                    print(f"    [{example.get('category', '')}] {example['prompt'][:60]!r} -> "
+                          f"{example['response'][:80]!r} (gold {example['answer']})")
+    print("\naudit:  .venv/bin/batchrl audit policy_checkpoint")
+    print("UI:     DAGSTER_HOME=$PWD/.dagster_home .venv/bin/dagster dev   (then open http://127.0.0.1:3000)")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -92,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialise assets (default: all) into the persistent Dagster instance")
     run.add_argument("--select", default="*", help="comma-separated asset names, or * for all")
-    run.add_argument("--rl-iterations", type=int, default=1,
-                     help="rollout→policy_checkpoint iterations (each from the latest checkpoint), then evaluation")
+    run.add_argument("--rl-iterations", type=int, default=None,
+                     help="rollout→policy_checkpoint iterations (each from the latest checkpoint), then evaluation "
+                          "(default: the profile's, else 1)")
+    run.add_argument("--profile", help="a run profile from profiles/ (e.g. 'real') or a profile .yaml path")
+    run.add_argument("-c", "--config", action="append",
+                     help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
+    run.add_argument("--max-minutes", type=float, default=None,
+                     help="start no further RL iteration after this many minutes (then evaluate)")
     run.set_defaults(func=cmd_run)
     audit = sub.add_parser("audit", help="print the lineage of the latest materialisation of an asset")
     audit.add_argument("asset", nargs="?", default="policy_checkpoint")

@@ -1,16 +1,19 @@
 """The Dagster code location: `dagster dev` (workspace.yaml) and `dagster asset materialize -m batchrl.definitions`.
 
-Resources are chosen per environment by ``BATCHRL_ENV`` (local | s3 | gpu), one mapping each.
+Resources are chosen per environment by ``BATCHRL_ENV`` (local | s3 | gpu), one mapping each; a
+profile (``BATCHRL_PROFILE``, see ``batchrl.profiles``) overrides fields of them.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import dagster as dg
 
 from batchrl.assets import automation, data, dpo, evaluation, models, rl
 from batchrl.resources import (
-    CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
+    TrainerLauncherResource,
 )
 
 
@@ -27,6 +30,7 @@ def _local() -> dict:
         "landing": LandingResource(),
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
+        "compute": ComputeResource(),
     }
 
 
@@ -45,9 +49,12 @@ def _s3() -> dict:
 
 
 def _gpu() -> dict:
+    """vLLM rollouts where vLLM is installed, else transformers on CUDA (``BATCHRL_ROLLOUT_ENGINE`` forces one)."""
+    engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "transformers")
     return {**_local(),
-            "rollout_engine": RolloutEngineResource(kind="vllm", device="cuda", dtype="bfloat16"),
-            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")))}
+            "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16"),
+            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1"))),
+            "compute": ComputeResource(device="cuda", dtype="bfloat16")}
 
 
 RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
@@ -61,8 +68,18 @@ def build_definitions(resources: dict | None = None) -> dg.Definitions:
         jobs=[automation.retrain_job, automation.ingest_job],
         sensors=[automation.new_logs_sensor],
         schedules=[automation.nightly_retrain],
-        resources=resources or RESOURCES_BY_ENV[os.environ.get("BATCHRL_ENV", "local")](),
+        resources=resources or environment_resources(),
     )
+
+
+def environment_resources(env: str | None = None, profile: str | None = None) -> dict:
+    """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides."""
+    from batchrl.profiles import apply_resource_overrides, load_profile
+
+    env = env or os.environ.get("BATCHRL_ENV", "local")
+    resources = RESOURCES_BY_ENV[env]()
+    profile = profile or os.environ.get("BATCHRL_PROFILE")
+    return apply_resource_overrides(resources, load_profile(profile, env)["resources"]) if profile else resources
 
 
 def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,

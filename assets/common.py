@@ -63,8 +63,9 @@ def publish(
     }
     ref = storage.publish(staging, asset, lineage, sidecars)
     metadata = dict(metadata or {})
+    plain = {k: v for k, v in metadata.items() if not isinstance(v, dg.MetadataValue)}  # tables/markdown: UI only
     catalog.record(asset=asset, data_version=ref.data_version, uri=ref.uri, run_id=context.run.run_id,
-                   code_version=code, metadata=metadata)
+                   code_version=code, metadata=plain)
     metadata.update(uri=dg.MetadataValue.path(ref.uri), data_version=ref.data_version)
     if seed is not None:
         metadata["seed"] = seed

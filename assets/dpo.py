@@ -1,10 +1,16 @@
-"""DPO path: validated pairs → reference log-probs (frozen base) → dpo_checkpoint."""
+"""DPO path: pairs (logged and/or self-generated) → reference log-probs (frozen base) → dpo_checkpoint."""
 
+import hashlib
 import os
+from typing import Literal
 
 import dagster as dg
+import pandas as pd
 
-from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish
+from batchrl.assets.common import as_ref, code_version, publish, run_config_for, train_and_publish
+from batchrl.assets.models import read_parquet_in
+from batchrl.ingest import IngestConfig
+from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
 from batchrl.resources import CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import DPOConfig
 
@@ -17,39 +23,91 @@ class ReferenceConfig(dg.Config):
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
 
 
-def _pairs_path(storage: StorageResource, validated_preferences: dict) -> str:
-    return os.path.join(storage.localize(validated_preferences), "preferences.parquet")
+class DPOPairsConfig(dg.Config):
+    """Which pairs the DPO path trains on: ``logged`` (validated_preferences), ``self`` (best vs worst
+    of the policy's own scored samples, e.g. correct vs incorrect answers, through the scored-logs →
+    pairs path and its contract) or ``both``. ``min_margin``: best − worst reward needed for a pair;
+    ``max_logged_pairs``: cap on the logged pairs taken (a seeded sample; all when unset)."""
+
+    source: Literal["logged", "self", "both"] = "logged"
+    min_margin: float = 0.5
+    max_logged_pairs: int | None = None
+    seed: int = 0
+
+
+def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
+    content = pairs["prompt"] + "\0" + pairs["chosen"] + "\0" + pairs["rejected"]
+    hashed = content.map(lambda text: hashlib.sha256(text.encode()).hexdigest()[:16])
+    return pairs["id"].where(pairs["id"].notna(), hashed) if "id" in pairs else hashed
+
+
+@dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs"), kinds={"parquet", "pandera"})
+def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, validated_preferences: dict,
+              rewards: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """The preference pairs of the DPO path (one id per pair), from the configured source."""
+    parts, metadata = [], {"source": config.source}
+    if config.source in ("logged", "both"):
+        logged = read_parquet_in(storage, validated_preferences, "preferences.parquet")
+        if config.max_logged_pairs and len(logged) > config.max_logged_pairs:
+            logged = logged.sample(config.max_logged_pairs, random_state=config.seed).sort_index()
+        parts.append(logged)
+        metadata["logged_pairs"] = len(logged)
+    with storage.staging_dir("dpo_pairs") as staging:
+        if config.source in ("self", "both"):
+            scored_dir = os.path.join(staging, "self")
+            os.makedirs(scored_dir)
+            samples = read_parquet_in(storage, rewards, "rewards.parquet")
+            rewards_to_scored(samples, os.path.join(scored_dir, "scored.parquet"), f"rewards/{as_ref(rewards).data_version}")
+            report = scored_to_pairs(os.path.join(scored_dir, "scored.parquet"), scored_dir,
+                                     IngestConfig(pair_min_margin=config.min_margin))
+            parts.append(pd.read_parquet(os.path.join(scored_dir, "pairs.parquet")))
+            metadata.update(self_pairs=len(parts[-1]), self_prompt_groups=report.rows_in,
+                            self_groups_without_pair=report.quarantined, self_samples=len(samples))
+        pairs = pd.concat(parts, ignore_index=True)
+        if pairs.empty:
+            raise dg.Failure(f"dpo_pairs: source {config.source!r} gave no preference pairs "
+                             "(self: no prompt had samples whose rewards differ by min_margin)")
+        pairs["id"] = _pair_ids(pairs)
+        pairs = pairs.drop_duplicates("id", ignore_index=True)
+        pairs.to_parquet(os.path.join(staging, "preferences.parquet"), index=False)
+        return publish(context, storage, catalog, staging, config=config.model_dump(),
+                       inputs={"validated_preferences": validated_preferences, "rewards": rewards},
+                       metadata={**metadata, "pairs": len(pairs)})
+
+
+def _pairs_path(storage: StorageResource, pairs: dict) -> str:
+    return os.path.join(storage.localize(pairs), "preferences.parquet")
 
 
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference"), kinds={"pytorch"})
-def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, validated_preferences: dict,
+def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, dpo_pairs: dict,
                        base_model: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Summed completion log-probs of chosen and rejected under the frozen reference (base) model."""
     from batchrl.training.trainer.reference import compute_reference_logprobs
 
     with storage.staging_dir("reference_logprobs") as staging:
-        stats = compute_reference_logprobs(storage.localize(base_model), _pairs_path(storage, validated_preferences),
+        stats = compute_reference_logprobs(storage.localize(base_model), _pairs_path(storage, dpo_pairs),
                                            os.path.join(staging, "reference_logprobs.parquet"),
                                            max_length=config.max_length, batch_size=config.batch_size,
                                            dtype=config.dtype)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
-                       inputs={"validated_preferences": validated_preferences, "reference": base_model},
+                       inputs={"dpo_pairs": dpo_pairs, "reference": base_model},
                        metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
 
 
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer", "batchrl.training.algos"),
           kinds={"deepspeed"})
-def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, validated_preferences: dict,
+def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_pairs: dict,
                    reference_logprobs: dict, base_model: dict, storage: StorageResource,
                    catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
     """DPO-family preference optimisation of the base model, on DeepSpeed via Pipes."""
     job_config = {
         "trainer": config.model_dump(),
-        "pairs_parquet": _pairs_path(storage, validated_preferences),
+        "pairs_parquet": _pairs_path(storage, dpo_pairs),
         "reference_parquet": os.path.join(storage.localize(reference_logprobs), "reference_logprobs.parquet"),
         "model_path": storage.localize(base_model),
     }
     return train_and_publish(context, "train_dpo", job_config,
-                             {"validated_preferences": validated_preferences,
+                             {"dpo_pairs": dpo_pairs,
                               "reference_logprobs": reference_logprobs, "base_model": base_model},
                              config.seed, storage, catalog, trainer)

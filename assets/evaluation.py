@@ -8,42 +8,76 @@ import dagster as dg
 from batchrl import fsutil
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.models import read_parquet_in
-from batchrl.resources import CatalogResource, LandingResource, StorageResource
+from batchrl.resources import CatalogResource, ComputeResource, LandingResource, StorageResource
 from batchrl.training.prompts import load_prompts
 
 
 class EvaluationConfig(dg.Config):
+    """Greedy evaluation on the held-out prompts. ``reward``: what counts as correct (a registered
+    reward: ``arith_exact`` = first integer, ``final_answer`` = the final number / after ``####``)."""
+
     max_new_tokens: int = 12
+    reward: str = "arith_exact"
+    max_eval_prompts: int | None = None
+    num_examples: int = 3
     seed: int = 0
 
 
 @dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate"), kinds={"pytorch"})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: dict,
-               dpo_checkpoint: dict, base_model: dict, reward_model: dict, validated_preferences: dict,
-               reference_logprobs: dict,
-               landing: LandingResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """Greedy rule-reward accuracy, preference accuracy/margin and RM score for each model."""
+               dpo_checkpoint: dict, base_model: dict, reward_model: dict, dpo_pairs: dict,
+               reference_logprobs: dict, landing: LandingResource, storage: StorageResource,
+               catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
+    """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
+    for the base, policy and DPO checkpoints, side by side."""
     from batchrl.training.evaluate import evaluate_policy
 
     eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options)
+    if config.max_eval_prompts:
+        eval_prompts = eval_prompts.head(config.max_eval_prompts)
     fs, path = fsutil.filesystem_for(landing.eval_prompts, landing.storage_options)
-    pairs = read_parquet_in(storage, validated_preferences, "preferences.parquet")
+    pairs = read_parquet_in(storage, dpo_pairs, "preferences.parquet")
     reference = pairs[["id"]].merge(read_parquet_in(storage, reference_logprobs, "reference_logprobs.parquet"),
                                     on="id", how="left", validate="one_to_one")
     models = {"base_model": base_model, "policy_checkpoint": policy_checkpoint, "dpo_checkpoint": dpo_checkpoint}
     results = {
         name: evaluate_policy(storage.localize(ref), arith_eval=eval_prompts.to_dict("records"), pairs=pairs,
                               reward_model_path=storage.localize(reward_model),
-                              max_new_tokens=config.max_new_tokens, seed=config.seed, reference=reference)
+                              max_new_tokens=config.max_new_tokens, seed=config.seed, reference=reference,
+                              reward=config.reward, num_examples=config.num_examples, device=compute.device,
+                              dtype=compute.dtype, batch_size=compute.batch_size)
         for name, ref in models.items()
     }
+    compute.release()
     with storage.staging_dir("evaluation") as staging:
         with open(os.path.join(staging, "evaluation.json"), "w") as f:
             json.dump(results, f, indent=2, sort_keys=True)
         flat = {f"{model}/{metric}": value for model, metrics in results.items()
                 for metric, value in metrics.items() if isinstance(value, (int, float))}
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
-                       inputs={**models, "reward_model": reward_model, "validated_preferences": validated_preferences,
+                       inputs={**models, "reward_model": reward_model, "dpo_pairs": dpo_pairs,
                                "reference_logprobs": reference_logprobs},
                        input_files=[{"uri": landing.eval_prompts, "sha256": fsutil.sha256_file(fs, path)}],
-                       metadata=flat)
+                       metadata={**flat, "comparison": _comparison_table(results),
+                                 "examples": dg.MetadataValue.md(_examples_markdown(results))})
+
+
+def _comparison_table(results: dict) -> dg.MetadataValue:
+    """One row per metric, one column per model: what the UI shows first."""
+    metrics = sorted({m for r in results.values() for m, v in r.items() if isinstance(v, (int, float))})
+    header = "| metric | " + " | ".join(results) + " |\n|---|" + "---|" * len(results) + "\n"
+    rows = [f"| {m} | " + " | ".join(_fmt(r.get(m)) for r in results.values()) + " |" for m in metrics]
+    return dg.MetadataValue.md(header + "\n".join(rows))
+
+
+def _fmt(value) -> str:
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _examples_markdown(results: dict) -> str:
+    lines = []
+    for model, r in results.items():
+        for ex in r.get("examples", []):
+            answer = ex["response"].replace("\n", " ").replace("|", "/")[:160]
+            lines.append(f"| {model} | {ex.get('category', '')} | {ex['prompt'][:80]} | {answer} | {ex['answer']} |")
+    return "| model | category | prompt | response | gold |\n|---|---|---|---|---|\n" + "\n".join(lines)

@@ -7,13 +7,16 @@ import dagster as dg
 import pandas as pd
 
 from batchrl.assets.common import code_version, publish
-from batchrl.resources import CatalogResource, StorageResource
+from batchrl.resources import CatalogResource, ComputeResource, StorageResource
 
 
 class BaseModelConfig(dg.Config):
-    """``model_path`` set: that HF model folder is the base model. Unset: build the tiny default."""
+    """The base model, from one source: ``model_path`` (an HF model folder), ``gguf_file`` (a GGUF
+    file path, or ``distribution:relative/path`` inside an installed package, converted once into a
+    cached HF folder), or neither: the tiny default built offline from the data (dims below)."""
 
     model_path: str | None = None
+    gguf_file: str | None = None
     vocab_size: int = 1024
     hidden_size: int = 256
     intermediate_size: int = 512
@@ -22,6 +25,9 @@ class BaseModelConfig(dg.Config):
 
 
 class RewardModelConfig(dg.Config):
+    """Bradley-Terry RM training; ``max_pairs`` caps the pairs (a seeded sample) for smoke-size runs."""
+
+    max_pairs: int | None = None
     epochs: int = 3
     lr: float = 1e-3
     batch_size: int = 16
@@ -33,38 +39,53 @@ def read_parquet_in(storage: StorageResource, ref: dict, name: str) -> pd.DataFr
     return pd.read_parquet(os.path.join(storage.localize(ref), name))
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model"), kinds={"pytorch"})
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source"),
+          kinds={"pytorch"})
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, validated_preferences: dict,
                prompts: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder)."""
     from batchrl.training.tiny_model import build_tiny_model
 
+    if config.model_path and config.gguf_file:
+        raise dg.Failure("base_model: set model_path or gguf_file, not both")
+    input_files = []
     with storage.staging_dir("base_model") as staging:
-        if config.model_path:
+        if config.gguf_file:
+            from batchrl.training.gguf_source import cached_hf_from_gguf
+
+            folder, info = cached_hf_from_gguf(config.gguf_file, storage.cache_dir)
+            shutil.copytree(folder, staging, dirs_exist_ok=True)
+            input_files = [{"uri": config.gguf_file, "sha256": info["gguf_sha256"], "bytes": info["gguf_bytes"],
+                            "package": info.get("package"), "package_version": info.get("package_version")}]
+        elif config.model_path:
             shutil.copytree(config.model_path, staging, dirs_exist_ok=True)
             info = {"source": config.model_path}
         else:
             prefs = read_parquet_in(storage, validated_preferences, "preferences.parquet")
             texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"],
                      *read_parquet_in(storage, prompts, "prompts.parquet")["prompt"]]
-            dims = config.model_dump(exclude={"model_path"})
+            dims = config.model_dump(exclude={"model_path", "gguf_file"})
             info = build_tiny_model(texts, staging, **dims)
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
                        inputs={"validated_preferences": validated_preferences, "prompts": prompts},
-                       metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+                       input_files=input_files, metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
 
 
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.reward_model"), kinds={"pytorch"})
 def reward_model(context: dg.AssetExecutionContext, config: RewardModelConfig, validated_preferences: dict,
                  scored_pairs: dict, base_model: dict, storage: StorageResource,
-                 catalog: CatalogResource) -> dg.Output:
+                 catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
     """Bradley-Terry reward model on the validated pairs plus pairs mined from scored logs."""
     from batchrl.training.reward_model import train_reward_model
 
     pairs = pd.concat([read_parquet_in(storage, validated_preferences, "preferences.parquet"),
                        read_parquet_in(storage, scored_pairs, "pairs.parquet")], ignore_index=True)
+    if config.max_pairs and len(pairs) > config.max_pairs:
+        pairs = pairs.sample(config.max_pairs, random_state=config.seed).reset_index(drop=True)
     with storage.staging_dir("reward_model") as staging:
-        metrics = train_reward_model(pairs, storage.localize(base_model), staging, **config.model_dump())
+        metrics = train_reward_model(pairs, storage.localize(base_model), staging, device=compute.device,
+                                     **config.model_dump(exclude={"max_pairs"}))
+        compute.release()
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
                        inputs={"validated_preferences": validated_preferences, "scored_pairs": scored_pairs,
                                "base_model": base_model},

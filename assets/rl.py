@@ -11,7 +11,8 @@ from batchrl.assets.common import (
 )
 from batchrl.assets.models import read_parquet_in
 from batchrl.resources import (
-    ArtifactRef, CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+    ArtifactRef, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
+    TrainerLauncherResource,
 )
 from batchrl.training.prompts import load_prompts
 from batchrl.training.rewards import RewardConfig
@@ -22,7 +23,9 @@ PolicyRunConfig = run_config_for(PolicyConfig, "PolicyRunConfig")
 
 
 class RolloutConfig(dg.Config):
-    """``policy``: "latest" samples from the last policy_checkpoint (the base model on the first run)."""
+    """``policy``: "latest" samples from the last policy_checkpoint of this base model's chain (the
+    base model itself when the chain is new); "base" always samples from the base model.
+    ``max_prompts``: a sample of that many prompts drawn with ``seed`` (all prompts when unset)."""
 
     policy: str = "latest"
     samples_per_prompt: int = 8
@@ -53,25 +56,40 @@ def prompts(context: dg.AssetExecutionContext, landing: LandingResource, storage
                        metadata={"rows": len(table), "categories": table["category"].value_counts().to_dict()})
 
 
-def _current_policy(context: dg.AssetExecutionContext, base_model: dict, choice: str) -> ArtifactRef:
+def chain_base(storage: StorageResource, policy: ArtifactRef) -> str:
+    """Data version of the base model a policy descends from (a base model is its own chain base)."""
+    if policy.asset == "base_model":
+        return policy.data_version
+    return storage.read_lineage(policy)["inputs"]["reference"]["data_version"]
+
+
+def _current_policy(context: dg.AssetExecutionContext, storage: StorageResource, base_model: dict,
+                    choice: str) -> ArtifactRef:
+    """A policy chain belongs to one base model: the latest policy_checkpoint is used only when it was
+    trained from this base model; a new base model starts a new chain from itself."""
+    base = as_ref(base_model)
     if choice == "latest":
         event = context.instance.get_latest_materialization_event(dg.AssetKey("policy_checkpoint"))
         if event is not None and event.asset_materialization is not None:
             meta = event.asset_materialization.metadata
-            return ArtifactRef("policy_checkpoint", meta["uri"].value, meta["data_version"].value)
+            latest = ArtifactRef("policy_checkpoint", meta["uri"].value, meta["data_version"].value)
+            if chain_base(storage, latest) == base.data_version:
+                return latest
+            context.log.info(f"rollouts: latest policy_checkpoint {latest.data_version} belongs to another "
+                             f"base model; starting a new chain from base_model {base.data_version}")
     elif choice != "base":
         raise dg.Failure(f"rollouts: policy must be 'latest' or 'base', got {choice!r}")
-    return as_ref(base_model)
+    return base
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout"), kinds={"pytorch"})
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: dict, base_model: dict,
              rollout_engine: RolloutEngineResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """n sampled responses per prompt from the current policy, with token log-probs."""
-    policy = _current_policy(context, base_model, config.policy)
+    policy = _current_policy(context, storage, base_model, config.policy)
     table = read_parquet_in(storage, prompts, "prompts.parquet")
-    if config.max_prompts:
-        table = table.head(config.max_prompts)
+    if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
+        table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
     engine = rollout_engine.engine(storage.localize(policy))
     samples = pd.DataFrame(engine.generate(list(table["prompt"]), n=config.samples_per_prompt, seed=config.seed))
     meta = table.reset_index(drop=True)[["prompt_id", "answer", "category"]]
@@ -87,13 +105,14 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"})
 def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: dict, reward_model: dict,
-            storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+            storage: StorageResource, catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
     """Rule reward + reward-model score per sample, mixed by weights (optionally routed by category)."""
     from batchrl.training.rewards import compute_rewards
 
     table = read_parquet_in(storage, rollouts, "rollouts.parquet")
     cfg = to_library_config(config, RewardConfig)
-    scored = compute_rewards(table, cfg, reward_model_path=storage.localize(reward_model))
+    scored = compute_rewards(table, cfg, reward_model_path=storage.localize(reward_model), device=compute.device)
+    compute.release()
     with storage.staging_dir("rewards") as staging:
         scored.to_parquet(os.path.join(staging, "rewards.parquet"), index=False)
         by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()
@@ -127,7 +146,12 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
                       rollouts: dict, base_model: dict, storage: StorageResource, catalog: CatalogResource,
                       trainer: TrainerLauncherResource) -> dg.Output:
     """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes."""
-    policy = storage.read_lineage(rollouts)["inputs"]["policy"]
+    policy = as_ref(storage.read_lineage(rollouts)["inputs"]["policy"])
+    if chain_base(storage, policy) != as_ref(base_model).data_version:
+        raise dg.Failure(f"policy_checkpoint: the rollouts were sampled from {policy.asset} {policy.data_version} "
+                         f"({policy.uri}), which descends from another base model than the KL reference "
+                         f"base_model {as_ref(base_model).data_version} ({as_ref(base_model).uri}): re-materialise "
+                         "rollouts so the policy chain and its reference share one base model")
     job_config = {
         "trainer": config.model_dump(),
         "batch_parquet": os.path.join(storage.localize(advantages), "advantages.parquet"),

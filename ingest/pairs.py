@@ -13,11 +13,12 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from batchrl.fsutil import duckdb_for
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.validate import cleaned_files, run_contract
-from batchrl.schemas import PREFERENCE_ARROW, QUARANTINE_ARROW
+from batchrl.schemas import PREFERENCE_ARROW, QUARANTINE_ARROW, SCORED_ARROW
 
 PAIRS_SQL = """
 WITH s AS (
@@ -80,3 +81,19 @@ def scored_to_pairs(scored_parquet: str, out_dir: str, cfg: IngestConfig | None 
     report.extra["inputs"] = files
     report.extra["unit"] = "prompt group"
     return report
+
+
+def rewards_to_scored(rewards, scored_parquet: str, source: str) -> int:
+    """Scored rollouts (the ``rewards`` stage's table) -> a scored log in the scored contract's schema,
+    so self-generated samples reach preference pairs through the same path as landed scored logs.
+    ``score`` is the mixed ``reward``; ``source_file`` / ``source_line`` point at the rewards artifact."""
+    n = len(rewards)
+    ids = [f"{p}/{s}" for p, s in zip(rewards["prompt_id"], rewards["sample_index"])]
+    categories = [c if isinstance(c, str) else None for c in rewards.get("category", [None] * n)]
+    table = pa.table({
+        "id": ids, "prompt": rewards["prompt"].astype(str).tolist(), "response": rewards["response"].astype(str).tolist(),
+        "score": rewards["reward"].astype(float).tolist(), "category": categories, "source": [source] * n,
+        "timestamp": pa.nulls(n, pa.string()), "source_file": [source] * n, "source_line": list(range(1, n + 1)),
+    }, schema=SCORED_ARROW)
+    pq.write_table(table, scored_parquet)
+    return n

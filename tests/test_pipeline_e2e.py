@@ -14,7 +14,7 @@ from batchrl.resources import LandingResource
 
 ALL_ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
               "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
-              "reference_logprobs", "dpo_checkpoint", "evaluation"]
+              "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation"]
 
 # Small enough for a 2-core CI box, large enough that every stage does real work.
 FAST_RUN_CONFIG = {"ops": {

@@ -18,7 +18,7 @@ from batchrl.cli import DAGSTER_YAML
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
             "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
-            "reference_logprobs", "dpo_checkpoint", "evaluation"}
+            "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation"}
 
 
 def _free_port() -> int:

@@ -2,8 +2,10 @@
 
 Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 
-- ``arith_accuracy`` = mean ``arith_exact`` of greedy responses; ``arith_mean_reward`` = mean
-  ``arith_partial``; ``arith_format_rate`` = fraction of responses containing an integer;
+- ``arith_accuracy`` = mean of the ``reward`` function (default ``arith_exact``; ``final_answer``
+  for the real task) over greedy responses, ``accuracy/<category>`` the same per prompt category;
+  ``arith_mean_reward`` = mean ``arith_partial``; ``arith_format_rate`` = fraction of responses
+  containing an integer;
 - ``preference_accuracy`` = mean 1[log pi(chosen|x) > log pi(rejected|x)] and
   ``preference_margin`` = mean (log pi(chosen|x) - log pi(rejected|x)), log-probs summed over the
   completion tokens (eos included), the DPO convention;
@@ -22,7 +24,7 @@ import torch
 
 from batchrl.training.algos import token_logprobs_from_logits
 from batchrl.training.reward_model import right_padded_batch
-from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, score_with_reward_model
+from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import TransformersRolloutEngine
 from batchrl.training.text import encode_prompt_completion
 
@@ -58,12 +60,18 @@ def sequence_logprobs(
     return torch.cat(sums), torch.cat(lengths)
 
 
-def _arith_metrics(samples: list[dict], arith_eval: list[dict]) -> dict[str, Any]:
-    exact, partial = REWARD_FUNCTIONS["arith_exact"], REWARD_FUNCTIONS["arith_partial"]
+def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> dict[str, Any]:
+    exact, partial = get_reward_function(reward), REWARD_FUNCTIONS["arith_partial"]
     rows = [(s, arith_eval[s["prompt_index"]]) for s in samples]
+    correct = [exact(s["prompt"], s["response"], row) for s, row in rows]
+    by_category: dict[str, list[float]] = {}
+    for (_, row), score in zip(rows, correct):
+        by_category.setdefault(str(row.get("category") or "none"), []).append(score)
     return {
         "arith_n": len(rows),
-        "arith_accuracy": float(np.mean([exact(s["prompt"], s["response"], row) for s, row in rows])),
+        "arith_accuracy": float(np.mean(correct)),
+        **{f"accuracy/{cat}": float(np.mean(scores)) for cat, scores in sorted(by_category.items())},
+        **{f"n/{cat}": len(scores) for cat, scores in sorted(by_category.items())},
         "arith_mean_reward": float(np.mean([partial(s["prompt"], s["response"], row) for s, row in rows])),
         "arith_format_rate": float(np.mean([first_integer(s["response"]) is not None for s, _ in rows])),
         "arith_stop_rate": float(np.mean([s["finish_reason"] == "stop" for s in samples])),
@@ -83,19 +91,29 @@ def evaluate_policy(
     max_length: int = 256,
     num_examples: int = 5,
     reference: pd.DataFrame | None = None,
+    reward: str = "arith_exact",
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Evaluate the causal LM in ``model_path`` (CPU, float32, greedy decoding); see the module doc.
-    ``reference`` (rows aligned with ``pairs``) holds ``ref_chosen_logp`` and ``ref_rejected_logp``."""
-    engine = TransformersRolloutEngine(model_path, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=batch_size)
+    """Evaluate the causal LM in ``model_path`` (greedy decoding on ``device``); see the module doc.
+    ``reference`` (rows aligned with ``pairs``) holds ``ref_chosen_logp`` and ``ref_rejected_logp``.
+    ``examples`` holds up to ``num_examples`` answers per category."""
+    engine = TransformersRolloutEngine(model_path, max_new_tokens=max_new_tokens, temperature=0.0,
+                                       batch_size=batch_size, device=device, dtype=dtype)
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
         samples = engine.generate([row["prompt"] for row in arith_eval], n=1, seed=seed)
-        results.update(_arith_metrics(samples, arith_eval))
-        results["examples"] = [
-            {"prompt": s["prompt"], "response": s["response"], "answer": str(arith_eval[s["prompt_index"]].get("answer"))}
-            for s in samples[:num_examples]
-        ]
+        results.update(_arith_metrics(samples, arith_eval, reward))
+        shown: dict[str, int] = {}
+        results["examples"] = []
+        for s in samples:
+            row = arith_eval[s["prompt_index"]]
+            category = str(row.get("category") or "none")
+            if shown.get(category, 0) < num_examples:
+                shown[category] = shown.get(category, 0) + 1
+                results["examples"].append({"category": category, "prompt": s["prompt"], "response": s["response"],
+                                            "answer": str(row.get("answer"))})
     if pairs is not None and len(pairs):
         prompts = pairs["prompt"].tolist()
         with torch.no_grad():
@@ -117,6 +135,7 @@ def evaluate_policy(
                            logratio_accuracy=float((logratio > 0).double().mean()))
     if reward_model_path and samples:
         scores = score_with_reward_model(reward_model_path, [s["prompt"] for s in samples],
-                                         [s["response"] for s in samples], batch_size=batch_size, max_length=max_length)
+                                         [s["response"] for s in samples], batch_size=batch_size,
+                                         max_length=max_length, device=device)
         results["rm_mean_score"] = float(scores.mean())
     return results

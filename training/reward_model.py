@@ -49,6 +49,7 @@ def reward_scores(model: Any, tokenizer: Any, prompts: list[str], responses: lis
 
 
 @torch.no_grad()
+@torch.no_grad()
 def score_texts(
     model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256
 ) -> np.ndarray:
@@ -82,6 +83,7 @@ def train_reward_model(
     batch_size: int = 16,
     max_length: int = 256,
     seed: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Train a Bradley-Terry RM on ``pairs`` (columns prompt/chosen/rejected), save it to ``out_dir``.
 
@@ -93,7 +95,7 @@ def train_reward_model(
     if len(pairs) == 0:
         raise ValueError("no preference pairs to train the reward model on")
     torch.manual_seed(seed)  # the new scalar head is initialised from torch's RNG
-    model, tokenizer = load_reward_model(base_model_path)
+    model, tokenizer = load_reward_model(base_model_path, device=device)
     accuracy_before, loss_before = _pair_accuracy(model, tokenizer, pairs, batch_size, max_length)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -22,6 +22,9 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 RULE, REWARD_MODEL = "rule", "reward_model"
 
 _INTEGER = re.compile(r"[-+]?\d+")
+# A number as people write it: sign, thousands separators, decimals ("-1,234.50").
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_FINAL_MARK = "####"
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -36,6 +39,17 @@ def first_integer(text: str) -> int | None:
     """The first (optionally signed) integer written in ``text``, or None."""
     match = _INTEGER.search(text)
     return int(match.group()) if match else None
+
+
+def final_number(text: str) -> float | None:
+    """The final answer written in ``text``: the first number after the last ``####`` if there is
+    one (GSM8K's convention), else the last number in the text; thousands separators dropped."""
+    head, mark, tail = text.rpartition(_FINAL_MARK)
+    if mark:
+        match = _NUMBER.search(tail)
+        return float(match.group().replace(",", "")) if match else None
+    numbers = _NUMBER.findall(head or tail)
+    return float(numbers[-1].replace(",", "")) if numbers else None
 
 
 def _gold(meta: Mapping[str, Any]) -> int | None:
@@ -63,6 +77,23 @@ def arith_partial(prompt: str, response: str, meta: dict) -> float:
     return (0.2 if first_integer(response) is not None else 0.0) + 0.8 * arith_exact(prompt, response, meta)
 
 
+@register_reward("final_answer")
+def final_answer(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response's final number (``final_number``: after the last ``####``, else the last
+    number) equals ``meta["answer"]`` (|Δ| < 1e-6); 0.0 otherwise. Credits worked solutions:
+    "17 + 25 = 42" and "... so 16 - 7 = 9. #### 9" score 1 for answers 42 and 9."""
+    gold = _gold_number(meta)
+    got = final_number(response)
+    return float(gold is not None and got is not None and abs(got - gold) < 1e-6)
+
+
+def _gold_number(meta: Mapping[str, Any]) -> float | None:
+    answer = meta.get("answer")
+    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
+        return None
+    return final_number(str(answer))
+
+
 @register_reward("length_penalty")
 def length_penalty(prompt: str, response: str, meta: dict) -> float:
     """``-min(1, max(0, len(response) - budget) / budget)`` characters, ``budget = meta.get("length_budget", 32)``:
@@ -85,12 +116,13 @@ def get_reward_function(spec: str) -> RewardFn:
 
 
 def score_with_reward_model(
-    rm_path: str, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256
+    rm_path: str, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256,
+    device: str = "cpu",
 ) -> np.ndarray:
     """Scalar RM scores (float32) of each (prompt, response), from an RM folder (``train_reward_model``)."""
     from batchrl.training.reward_model import load_reward_model, score_texts
 
-    model, tokenizer = load_reward_model(rm_path)
+    model, tokenizer = load_reward_model(rm_path, device=device)
     return score_texts(model, tokenizer, list(prompts), list(responses), batch_size=batch_size, max_length=max_length)
 
 
@@ -153,7 +185,8 @@ def _uses(cfg: RewardConfig, component: str) -> bool:
 
 
 def compute_rewards(
-    rows: list[dict] | pd.DataFrame, cfg: RewardConfig | None = None, *, reward_model_path: str | None = None
+    rows: list[dict] | pd.DataFrame, cfg: RewardConfig | None = None, *, reward_model_path: str | None = None,
+    device: str = "cpu",
 ) -> pd.DataFrame:
     """The input rows (needs ``prompt``, ``response``; ``category``/``answer`` etc. go to ``meta``) plus
     one float column per component (``rule``, each ``custom`` name, ``reward_model`` if an RM path is
@@ -171,7 +204,7 @@ def compute_rewards(
     if cfg.reward_model_path:
         components[REWARD_MODEL] = score_with_reward_model(
             cfg.reward_model_path, frame["prompt"].tolist(), frame["response"].tolist(),
-            batch_size=cfg.rm_batch_size, max_length=cfg.rm_max_length,
+            batch_size=cfg.rm_batch_size, max_length=cfg.rm_max_length, device=device,
         ).astype(np.float64)
     elif _uses(cfg, REWARD_MODEL):
         raise ValueError("the reward mix weights the reward model but no reward_model_path is set")
