@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 import types
 import typing
 from typing import Any
@@ -116,8 +117,10 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     workdir = work_dir(storage, context.asset_key.to_user_string(),
                        {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
     job_config = {**job_config, "out_dir": workdir}
+    started = time.perf_counter()
     result = launcher.run_job(context, job, job_config, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
+    metrics["job_wall_s"] = time.perf_counter() - started  # subprocess start, model loads and training
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
         shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
         sidecars = {"train_metrics.json": metrics}

@@ -1,6 +1,7 @@
 """RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint."""
 
 import os
+import time
 
 import dagster as dg
 import pandas as pd
@@ -91,7 +92,11 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
     if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
         table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
     engine = rollout_engine.engine(storage.localize(policy))
+    started = time.perf_counter()
     samples = pd.DataFrame(engine.generate(list(table["prompt"]), n=config.samples_per_prompt, seed=config.seed))
+    generate_s = time.perf_counter() - started
+    del engine
+    rollout_engine.release()
     meta = table.reset_index(drop=True)[["prompt_id", "answer", "category"]]
     samples = samples.join(meta, on="prompt_index")
     with storage.staging_dir("rollouts") as staging:
@@ -99,8 +104,10 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         return publish(context, storage, catalog, staging, seed=config.seed,
                        config={**config.model_dump(), "engine": rollout_engine.model_dump()},
                        inputs={"prompts": prompts, "policy": policy},
-                       metadata={"samples": len(samples), "policy": policy.uri,
-                                 "mean_response_tokens": float(samples["response_ids"].map(len).mean())})
+                       metadata={"samples": len(samples), "policy": policy.uri, "generate_s": generate_s,
+                                 "generated_tokens_per_s": float(samples["response_ids"].map(len).sum() / generate_s),
+                                 "mean_response_tokens": float(samples["response_ids"].map(len).mean()),
+                                 "stop_rate": float((samples["finish_reason"] == "stop").mean())})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"})

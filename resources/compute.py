@@ -14,11 +14,15 @@ class ComputeResource(dg.ConfigurableResource):
     batch_size: int = 32  # sequences per forward pass (evaluation, reward-model scoring)
 
     def release(self) -> None:
-        """Give cached accelerator memory back after a stage, so the next subprocess can use it."""
-        import gc
+        release_accelerator_memory(self.device)
 
-        gc.collect()
-        if self.device.startswith("cuda"):
-            import torch
 
-            torch.cuda.empty_cache()
+def release_accelerator_memory(device: str) -> None:
+    """Give cached accelerator memory back after a stage, so the next stage's subprocess can use it."""
+    import gc
+
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()

@@ -21,3 +21,9 @@ class RolloutEngineResource(dg.ConfigurableResource):
         if self.kind == "transformers":
             kwargs.update(batch_size=self.batch_size, device=self.device, dtype=self.dtype)
         return make_rollout_engine(self.kind, **kwargs)
+
+    def release(self) -> None:
+        """Give the accelerator memory of a dropped engine back before the next stage's subprocess."""
+        from batchrl.resources.compute import release_accelerator_memory
+
+        release_accelerator_memory(self.device)
