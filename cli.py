@@ -70,6 +70,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with dg.DagsterInstance.get() as instance:
         selection = None if args.select == "*" else args.select.split(",")
+        if iterations > 1:  # evaluate once, after the last iteration
+            every = selection or [key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()]
+            selection = [name for name in every if name != "evaluation"]
         result = execute_assets(defs, instance, selection, _config_for(defs, run_config, selection))
         # Further on-policy iterations: each samples from the latest policy of this base model's chain.
         for iteration in range(1, iterations):

@@ -121,7 +121,7 @@ def evaluate_policy(
                                           batch_size=batch_size, max_length=max_length)
             rejected, _ = sequence_logprobs(engine.model, engine.tokenizer, prompts, pairs["rejected"].tolist(),
                                             batch_size=batch_size, max_length=max_length)
-        margin = (chosen - rejected).double()
+        margin = (chosen - rejected).double().cpu()
         results.update(
             preference_n=len(pairs),
             preference_accuracy=float((margin > 0).double().mean()),
