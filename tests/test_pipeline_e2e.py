@@ -135,3 +135,38 @@ def test_next_rollouts_sample_from_the_latest_policy_checkpoint(pipeline):
     lineage = StorageResource(root=root).read_lineage({"asset": "rollouts", "uri": meta["uri"],
                                                        "data_version": meta["data_version"]})
     assert lineage["inputs"]["policy"]["uri"] == latest_metadata(instance, "policy_checkpoint")["uri"]
+
+
+def test_a_new_base_model_starts_a_new_policy_chain(pipeline):
+    """Switching base_model must not keep sampling from (and training) the old model's policy."""
+    from batchrl.resources import StorageResource
+
+    _, instance, root = pipeline
+    old_base = latest_metadata(instance, "base_model")["data_version"]
+    new_base_config = {"base_model": {"config": {**FAST_RUN_CONFIG["ops"]["base_model"]["config"], "seed": 7}}}
+    result = run_assets(local_resources(root), instance, selection=["base_model", "rollouts"], run_config={"ops": {
+        **new_base_config, "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}})
+    assert result.success
+    new_base = latest_metadata(instance, "base_model")["data_version"]
+    assert new_base != old_base
+    meta = latest_metadata(instance, "rollouts")
+    storage = StorageResource(root=root)
+    policy = storage.read_lineage({"asset": "rollouts", "uri": meta["uri"], "data_version": meta["data_version"]})[
+        "inputs"]["policy"]
+    assert (policy["asset"], policy["data_version"]) == ("base_model", new_base)
+
+
+def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
+    """Rollouts sampled from a policy of base model A cannot be trained against base model B."""
+    _, instance, root = pipeline
+    resources = local_resources(root)
+    ok = run_assets(resources, instance, selection=["base_model", "rollouts", "rewards", "advantages"], run_config={
+        "ops": {"base_model": {"config": FAST_RUN_CONFIG["ops"]["base_model"]["config"]},
+                "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4, "policy": "base"}}}})
+    assert ok.success
+    switched = run_assets(resources, instance, selection=["base_model", "policy_checkpoint"], run_config={
+        "ops": {"base_model": {"config": {**FAST_RUN_CONFIG["ops"]["base_model"]["config"], "seed": 11}}}})
+    assert not switched.success
+    message = " ".join(str(e.event_specific_data.error) for e in switched.all_events
+                       if e.event_type_value == "STEP_FAILURE")
+    assert "descends from another base model" in message and "base_model" in message
