@@ -65,11 +65,26 @@ def build_definitions(resources: dict | None = None) -> dg.Definitions:
     return dg.Definitions(
         assets=dg.load_assets_from_modules([data, models, rl, dpo, evaluation]),
         asset_checks=dg.load_asset_checks_from_modules([data]),
-        jobs=[automation.retrain_job, automation.ingest_job],
+        jobs=[automation.retrain_job, automation.ingest_job, *_profile_jobs()],
         sensors=[automation.new_logs_sensor],
         schedules=[automation.nightly_retrain],
         resources=resources or environment_resources(),
     )
+
+
+def _profile_jobs() -> list:
+    """With ``BATCHRL_PROFILE`` set, a job ``<profile>_profile`` runs every asset with the profile's run
+    config, so the UI launches it in one click (the launchpad shows the config, editable)."""
+    from batchrl.profiles import load_profile
+
+    name = os.environ.get("BATCHRL_PROFILE")
+    if not name:
+        return []
+    profile = load_profile(name)
+    job_name = "".join(c if c.isalnum() else "_" for c in os.path.basename(name).removesuffix(".yaml"))
+    return [dg.define_asset_job(f"{job_name}_profile", selection=dg.AssetSelection.all(),
+                                config={"ops": profile["ops"]} if profile["ops"] else None,
+                                description=profile["description"])]
 
 
 def environment_resources(env: str | None = None, profile: str | None = None) -> dict:

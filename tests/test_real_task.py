@@ -133,3 +133,16 @@ def test_self_generated_pairs_go_through_the_scored_pairs_path(tmp_path):
     quarantine = pd.read_parquet(tmp_path / "quarantine.parquet")
     assert sorted(quarantine["reason"]) == ["below_margin", "single_response"]
     assert report.rows_in == report.valid + report.quarantined + report.duplicates == 3
+
+
+def test_profile_job_for_the_ui(monkeypatch):
+    import dagster as dg
+
+    from batchrl.definitions import build_definitions
+
+    monkeypatch.setenv("BATCHRL_PROFILE", "real")
+    job = build_definitions().get_job_def("real_profile")
+    assert "SmolLM2" in job.description
+    # the profile's run config validates against every asset's config schema (raises if not)
+    for env in ("local", "gpu"):
+        assert dg.validate_run_config(job, {"ops": load_profile("real", env)["ops"]})
