@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if iterations > 1:  # evaluate once, after the last iteration
             every = selection or [key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()]
             selection = [name for name in every if name != "evaluation"]
-        result = execute_assets(defs, instance, selection, _config_for(defs, run_config, selection))
+        result = execute_assets(defs, instance, selection, _config_for(run_config, selection))
         # Further on-policy iterations: each samples from the latest policy of this base model's chain.
         for iteration in range(1, iterations):
             if not result.success:
@@ -83,16 +83,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                 break
             print(f"\n=== RL iteration {iteration + 1} of {iterations}")
             result = execute_assets(defs, instance, list(RL_LOOP),
-                                    _config_for(defs, _with_seed(run_config, iteration), list(RL_LOOP)))
+                                    _config_for(_with_seed(run_config, iteration), list(RL_LOOP)))
         if result.success and iterations > 1:
-            result = execute_assets(defs, instance, ["evaluation"], _config_for(defs, run_config, ["evaluation"]))
+            result = execute_assets(defs, instance, ["evaluation"], _config_for(run_config, ["evaluation"]))
         print("\n=== batchrl run:", "SUCCESS" if result.success else "FAILED", "run_id", result.run_id,
               f"({time.monotonic() - started:.0f} s)")
         _print_summary(instance)
     return 0 if result.success else 1
 
 
-def _config_for(defs, run_config: dict, selection: list[str] | None) -> dict:
+def _config_for(run_config: dict, selection: list[str] | None) -> dict:
     """Only the ops of the selected assets: Dagster refuses config for ops outside the run."""
     if not selection or "ops" not in run_config:
         return run_config

@@ -52,11 +52,14 @@ def final_number(text: str) -> float | None:
     return float(numbers[-1].replace(",", "")) if numbers else None
 
 
-def _gold(meta: Mapping[str, Any]) -> int | None:
+def _answer_text(meta: Mapping[str, Any]) -> str | None:
     answer = meta.get("answer")
-    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
-        return None
-    return first_integer(str(answer))
+    return None if answer is None or (isinstance(answer, float) and math.isnan(answer)) else str(answer)
+
+
+def _gold(meta: Mapping[str, Any]) -> int | None:
+    text = _answer_text(meta)
+    return None if text is None else first_integer(text)
 
 
 @register_reward("arith_exact")
@@ -88,10 +91,8 @@ def final_answer(prompt: str, response: str, meta: dict) -> float:
 
 
 def _gold_number(meta: Mapping[str, Any]) -> float | None:
-    answer = meta.get("answer")
-    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
-        return None
-    return final_number(str(answer))
+    text = _answer_text(meta)
+    return None if text is None else final_number(text)
 
 
 @register_reward("length_penalty")
