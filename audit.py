@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from batchrl import fsutil
+from batchrl.lineage import resolve, root_of
 
 
 def _read_lineage(uri: str, storage_options: dict | None) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def lineage_tree(uri: str, storage_options: dict | None = None, _seen: dict | No
         "input_files": [{**f, "status": _file_status(f, storage_options)} for f in lineage.get("input_files", [])],
     }
     seen[uri] = f"{node['asset']}@{node['data_version']}"
-    node["inputs"] = {name: lineage_tree(ref["uri"], storage_options, seen)
+    node["inputs"] = {name: lineage_tree(resolve(ref["uri"], root_of(uri)), storage_options, seen)
                       for name, ref in sorted(lineage.get("inputs", {}).items())}
     return node
 

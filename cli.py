@@ -59,36 +59,66 @@ def _with_seed(run_config: dict, seed: int) -> dict:
     return deep_merge(run_config, {"ops": {"rollouts": {"config": {"seed": seed}}}})
 
 
+def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list[str] | None, dict]]:
+    """The executions of one `batchrl run`: (title, selection, run config) each, validated up front."""
+    selection = None if args.select == "*" else args.select.split(",")
+    if iterations <= 1:
+        return [("", selection, _config_for(run_config, selection))]
+    every = selection or [key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()]
+    plan = [("", [name for name in every if name != "evaluation"], None)]  # evaluate once, after the last
+    plan += [(f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, i))
+             for i in range(1, iterations)]
+    plan += [("evaluation", ["evaluation"], run_config)] if "evaluation" in every else []
+    return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    ensure_dagster_home()
+    home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
+    import contextlib
+    import uuid
+
     import dagster as dg
 
-    from batchrl.definitions import build_definitions, execute_assets
+    from batchrl.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
+    from batchrl.definitions import build_definitions, execute_assets, selected_job
+    from batchrl.runconfig import RunConfigError, check_op_names, config_file_tags, validate_run_config
 
     defs = build_definitions()
+    plan = _plan(defs, args, run_config, iterations)
+    try:  # every execution's config, before the first asset runs
+        check_op_names(defs, run_config, ", ".join(args.config or []))
+        for _, selection, config in plan:
+            validate_run_config(defs, selected_job(defs, selection), config, ", ".join(args.config or []))
+    except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
+        print(f"batchrl run: {error}", file=sys.stderr)
+        return 2
+    quiet_libraries()
+    tags = config_file_tags(args.config or [])
+    log_path = run_log_path(home)
     started = time.monotonic()
+    done: list[dict] = []
     with dg.DagsterInstance.get() as instance:
-        selection = None if args.select == "*" else args.select.split(",")
-        if iterations > 1:  # evaluate once, after the last iteration
-            every = selection or [key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()]
-            selection = [name for name in every if name != "evaluation"]
-        result = execute_assets(defs, instance, selection, _config_for(run_config, selection))
-        # Further on-policy iterations: each samples from the latest policy of this base model's chain.
-        for iteration in range(1, iterations):
-            if not result.success:
-                break
-            if args.max_minutes and time.monotonic() - started > 60 * args.max_minutes:
-                print(f"\n=== time budget of {args.max_minutes} min reached after {iteration} RL iteration(s)")
-                break
-            print(f"\n=== RL iteration {iteration + 1} of {iterations}")
-            result = execute_assets(defs, instance, list(RL_LOOP),
-                                    _config_for(_with_seed(run_config, iteration), list(RL_LOOP)))
-        if result.success and iterations > 1:
-            result = execute_assets(defs, instance, ["evaluation"], _config_for(run_config, ["evaluation"]))
-        print("\n=== batchrl run:", "SUCCESS" if result.success else "FAILED", "run_id", result.run_id,
-              f"({time.monotonic() - started:.0f} s)")
-        _print_summary(instance)
+        with contextlib.ExitStack() as stack:
+            out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
+            steps = sum(len(selected_job(defs, sel).asset_layer.executable_asset_keys) for _, sel, _ in plan)
+            out.write(f"batchrl run: {steps} asset steps; details in {'this console' if args.verbose else log_path}\n")
+            for title, selection, config in plan:
+                if title.startswith("RL iteration") and args.max_minutes and \
+                        time.monotonic() - started > 60 * args.max_minutes:
+                    out.write(f"=== time budget of {args.max_minutes} min reached: no further RL iteration\n")
+                    continue
+                if title:
+                    out.write(f"=== {title}\n")
+                run_id = str(uuid.uuid4())
+                assets = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
+                with RunProgress(instance, run_id, assets, out) as progress:
+                    result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags)
+                done += progress.done
+                if not result.success:
+                    break
+        print_run_summary(done, result.success, time.monotonic() - started,
+                          None if args.verbose else log_path, lambda asset: _latest_uri(instance, asset))
     return 0 if result.success else 1
 
 
@@ -97,23 +127,6 @@ def _config_for(run_config: dict, selection: list[str] | None) -> dict:
     if not selection or "ops" not in run_config:
         return run_config
     return {**run_config, "ops": {k: v for k, v in run_config["ops"].items() if k in selection}}
-
-
-def _print_summary(instance) -> None:
-    for asset in ("validated_preferences", "policy_checkpoint", "dpo_checkpoint", "evaluation"):
-        print(f"{asset:>22}: {_latest_uri(instance, asset)}")
-    evaluation = _latest_uri(instance, "evaluation")
-    if evaluation:
-        print("\nevaluation:", os.path.join(evaluation, "evaluation.json"))
-        with open(os.path.join(evaluation, "evaluation.json")) as f:
-            for model, metrics in json.load(f).items():
-                shown = {k: round(v, 4) for k, v in metrics.items() if isinstance(v, (int, float))}
-                print(f"  {model}: {shown}")
-                for example in metrics.get("examples", [])[:3]:
-                    print(f"    [{example.get('category', '')}] {example['prompt'][:60]!r} -> "
-                          f"{example['response'][:80]!r} (gold {example['answer']})")
-    print("\naudit:  .venv/bin/batchrl audit policy_checkpoint")
-    print("UI:     DAGSTER_HOME=$PWD/.dagster_home .venv/bin/dagster dev   (then open http://127.0.0.1:3000)")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -151,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
     run.add_argument("--max-minutes", type=float, default=None,
                      help="start no further RL iteration after this many minutes (then evaluate)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="stream Dagster's events and the libraries' output here (default: a log file under "
+                          "DAGSTER_HOME/logs; one line per asset here)")
     run.set_defaults(func=cmd_run)
     audit = sub.add_parser("audit", help="print the lineage of the latest materialisation of an asset")
     audit.add_argument("asset", nargs="?", default="policy_checkpoint")

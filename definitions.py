@@ -97,14 +97,21 @@ def environment_resources(env: str | None = None, profile: str | None = None) ->
     return apply_resource_overrides(resources, load_profile(profile, env)["resources"]) if profile else resources
 
 
-def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,
-                   run_config: dict | None = None) -> dg.ExecuteInProcessResult:
-    """Materialise ``selection`` (default: every asset, with its checks) in this process."""
+def selected_job(defs: dg.Definitions, selection: list[str] | None = None) -> dg.JobDefinition:
+    """The implicit asset job, cut to ``selection`` (default: every asset, with its checks)."""
     job = defs.resolve_implicit_global_asset_job_def()
     if selection:
         keys = dg.AssetSelection.assets(*selection).resolve(defs.resolve_asset_graph())
         job = job.get_subset(asset_selection=set(keys))
-    return job.execute_in_process(instance=instance, run_config=run_config or {}, raise_on_error=False)
+    return job
+
+
+def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,
+                   run_config: dict | None = None, **execute_kwargs) -> dg.ExecuteInProcessResult:
+    """Materialise ``selection`` (default: every asset, with its checks) in this process
+    (``execute_kwargs``: ``run_id``, ``tags`` of ``execute_in_process``)."""
+    return selected_job(defs, selection).execute_in_process(instance=instance, run_config=run_config or {},
+                                                            raise_on_error=False, **execute_kwargs)
 
 
 defs = build_definitions()

@@ -3,35 +3,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import time
 import types
+import warnings
 import typing
 from typing import Any
 
 import dagster as dg
 import pydantic
 
+from batchrl.lineage import code_version  # noqa: F401  (the assets import it from here)
+from batchrl.lineage_record import lineage_record
 from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
-
-
-def code_version(*modules: str) -> str:
-    """Hash of the source of the library modules an asset runs: edit the code, the asset goes stale."""
-    digest = hashlib.sha256()
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise ImportError(f"code_version: module {name} not found")
-        root = os.path.dirname(spec.origin) if spec.submodule_search_locations else None
-        files = (sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py"))
-                 if root else [spec.origin])
-        for path in files:
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()[:12]
 
 
 def as_ref(value: ArtifactRef | dict) -> ArtifactRef:
@@ -54,23 +40,20 @@ def publish(
     """Publish ``staging`` as this asset's new immutable version and return the Dagster output."""
     asset = context.asset_key.to_user_string()
     code = context.assets_def.code_versions_by_key.get(context.asset_key) or ""
-    lineage = {
-        "code_version": code,
-        "config": config or {},
-        "seed": seed,
-        "inputs": {name: as_ref(ref).to_dict() for name, ref in (inputs or {}).items()},
-        "input_files": input_files or [],
-        "dagster_run_id": context.run.run_id,
-    }
+    lineage = lineage_record(context, storage, code_version=code, config=config or {}, seed=seed,
+                             inputs={name: as_ref(ref) for name, ref in (inputs or {}).items()},
+                             input_files=input_files or [])
     ref = storage.publish(staging, asset, lineage, sidecars)
     metadata = dict(metadata or {})
     plain = {k: v for k, v in metadata.items() if not isinstance(v, dg.MetadataValue)}  # tables/markdown: UI only
     catalog.record(asset=asset, data_version=ref.data_version, uri=ref.uri, run_id=context.run.run_id,
-                   code_version=code, metadata=plain)
+                   code_version=code, metadata=plain, lineage=lineage, root=storage.root_uri())
     metadata.update(uri=dg.MetadataValue.path(ref.uri), data_version=ref.data_version)
     if seed is not None:
         metadata["seed"] = seed
-    return dg.Output(ref.to_dict(), data_version=dg.DataVersion(ref.data_version), metadata=metadata)
+    with warnings.catch_warnings():  # Output(data_version=...) is flagged beta; it is the documented way
+        warnings.simplefilter("ignore", dg.BetaWarning)
+        return dg.Output(ref.to_dict(), data_version=dg.DataVersion(ref.data_version), metadata=metadata)
 
 
 def _dagster_type(annotation: Any) -> Any:
@@ -96,7 +79,9 @@ def run_config_for(model_cls: type[pydantic.BaseModel], name: str) -> type[dg.Co
         fields = {key: (field.annotation, field.get_default(call_default_factory=True))
                   for key, field in model_cls.model_fields.items()}
     fields = {key: (_dagster_type(annotation), default) for key, (annotation, default) in fields.items()}
-    return pydantic.create_model(name, __base__=dg.Config, **fields)
+    run_config = pydantic.create_model(name, __base__=dg.Config, **fields)
+    run_config.library_model = model_cls  # `batchrl run` validates -c files with it before anything runs
+    return run_config
 
 
 def to_library_config(config: dg.Config, model_cls: type):

@@ -41,7 +41,7 @@ def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
     return pairs["id"].where(pairs["id"].notna(), hashed) if "id" in pairs else hashed
 
 
-@dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs"), kinds={"parquet", "pandera"})
+@dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig), kinds={"parquet", "pandera"})
 def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, validated_preferences: dict,
               rewards: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """The preference pairs of the DPO path (one id per pair), from the configured source."""
@@ -79,7 +79,7 @@ def _pairs_path(storage: StorageResource, pairs: dict) -> str:
     return os.path.join(storage.localize(pairs), "preferences.parquet")
 
 
-@dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference"), kinds={"pytorch"})
+@dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference", config=ReferenceConfig), kinds={"pytorch"})
 def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, dpo_pairs: dict,
                        base_model: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Summed completion log-probs of chosen and rejected under the frozen reference (base) model."""
@@ -95,7 +95,7 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
                        metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
 
 
-@dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer", "batchrl.training.algos"),
+@dg.asset(group_name="dpo", code_version=code_version("batchrl.training.jobs.train_dpo", "batchrl.training.algos"),
           kinds={"deepspeed"})
 def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_pairs: dict,
                    reference_logprobs: dict, base_model: dict, storage: StorageResource,

@@ -23,7 +23,7 @@ class EvaluationConfig(dg.Config):
     seed: int = 0
 
 
-@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate"), kinds={"pytorch"})
+@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig), kinds={"pytorch"})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: dict,
                dpo_checkpoint: dict, base_model: dict, reward_model: dict, dpo_pairs: dict,
                reference_logprobs: dict, landing: LandingResource, storage: StorageResource,

@@ -39,7 +39,7 @@ def read_parquet_in(storage: StorageResource, ref: dict, name: str) -> pd.DataFr
     return pd.read_parquet(os.path.join(storage.localize(ref), name))
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source"),
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source", config=BaseModelConfig),
           kinds={"pytorch"})
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, validated_preferences: dict,
                prompts: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
@@ -71,7 +71,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, valid
                        input_files=input_files, metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.reward_model"), kinds={"pytorch"})
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.reward_model", config=RewardModelConfig), kinds={"pytorch"})
 def reward_model(context: dg.AssetExecutionContext, config: RewardModelConfig, validated_preferences: dict,
                  scored_pairs: dict, base_model: dict, storage: StorageResource,
                  catalog: CatalogResource, compute: ComputeResource) -> dg.Output:

@@ -83,7 +83,7 @@ def _current_policy(context: dg.AssetExecutionContext, storage: StorageResource,
     return base
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout"), kinds={"pytorch"})
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", config=RolloutConfig), kinds={"pytorch"})
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: dict, base_model: dict,
              rollout_engine: RolloutEngineResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """n sampled responses per prompt from the current policy, with token log-probs."""
@@ -129,7 +129,7 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
                                  "mean_reward_by_category": by_category})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos"),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos", config=AdvantageConfig),
           kinds={"pytorch"})
 def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: dict,
                storage: StorageResource, catalog: CatalogResource) -> dg.Output:
@@ -147,7 +147,7 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
                                  "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.trainer", "batchrl.training.algos"),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos"),
           kinds={"deepspeed"})
 def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: dict,
                       rollouts: dict, base_model: dict, storage: StorageResource, catalog: CatalogResource,

@@ -14,6 +14,15 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
     asset VARCHAR, data_version VARCHAR, uri VARCHAR, run_id VARCHAR,
     code_version VARCHAR, created_at TIMESTAMP, metadata JSON
+);
+ALTER TABLE artifacts ADD COLUMN IF NOT EXISTS path VARCHAR;     -- relative to the storage root
+ALTER TABLE artifacts ADD COLUMN IF NOT EXISTS lineage JSON;     -- the artifact's lineage.json
+-- the lineage graph, for queries across artifacts (audit.py): one row per input edge / source file
+CREATE TABLE IF NOT EXISTS artifact_inputs (
+    asset VARCHAR, data_version VARCHAR, input_name VARCHAR, input_asset VARCHAR, input_data_version VARCHAR
+);
+CREATE TABLE IF NOT EXISTS artifact_files (
+    asset VARCHAR, data_version VARCHAR, uri VARCHAR, sha256 VARCHAR
 )"""
 
 
@@ -37,13 +46,31 @@ class CatalogResource(dg.ConfigurableResource):
         return con
 
     def record(self, *, asset: str, data_version: str, uri: str, run_id: str, code_version: str,
-               metadata: dict[str, Any]) -> None:
+               metadata: dict[str, Any], lineage: dict[str, Any] | None = None, root: str | None = None) -> None:
+        """One row per materialisation; with ``lineage``, its input edges and source files too (once per
+        artifact: the same content published again adds a materialisation row, not a second edge)."""
+        path = uri[len(root.rstrip("/")) + 1:] if root and uri.startswith(root.rstrip("/") + "/") else None
         with self._connect() as con:
             con.execute(
-                "INSERT INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO artifacts (asset, data_version, uri, run_id, code_version, created_at, metadata, path,"
+                " lineage) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [asset, data_version, uri, run_id, code_version,
-                 datetime.now(timezone.utc).replace(tzinfo=None), json.dumps(metadata, default=str)],
+                 datetime.now(timezone.utc).replace(tzinfo=None), json.dumps(metadata, default=str), path,
+                 json.dumps(lineage, default=str, sort_keys=True) if lineage is not None else None],
             )
+            if lineage is None or con.execute("SELECT count(*) FROM artifacts WHERE asset = ? AND data_version = ?",
+                                              [asset, data_version]).fetchone()[0] > 1:
+                return  # edges and files of this artifact are in already
+            edges = [[asset, data_version, name, ref["asset"], ref["data_version"]]
+                     for name, ref in sorted(lineage.get("inputs", {}).items())]
+            if edges:
+                con.executemany("INSERT INTO artifact_inputs VALUES (?, ?, ?, ?, ?)", edges)
+            known = {row[0] for row in con.execute("SELECT uri FROM artifact_files WHERE asset = ? AND "
+                                                   "data_version = ?", [asset, data_version]).fetchall()}
+            files = [[asset, data_version, f["uri"], f.get("sha256")]
+                     for f in lineage.get("input_files", []) if f["uri"] not in known]
+            if files:
+                con.executemany("INSERT INTO artifact_files VALUES (?, ?, ?, ?)", files)
 
     def query(self, sql: str, params: list | None = None) -> list[tuple]:
         with self._connect() as con:

@@ -102,6 +102,17 @@ class StorageResource(dg.ConfigurableResource):
             os.replace(tmp, local)
         return local
 
+    def root_uri(self) -> str:
+        """The root as artifact uris start: an absolute folder, or ``s3://bucket/prefix``."""
+        return os.path.abspath(self.root) if self.is_local() else self.root.rstrip("/")
+
     def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
+        """``lineage.json`` of ``ref`` with its input uris made absolute (they are stored relative to the root)."""
+        from batchrl.lineage import resolve, root_of
+
+        ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
         with open(os.path.join(self.localize(ref), LINEAGE_FILE)) as f:
-            return json.load(f)
+            lineage = json.load(f)
+        for entry in lineage.get("inputs", {}).values():
+            entry["uri"] = resolve(entry["uri"], root_of(ref.uri))
+        return lineage

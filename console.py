@@ -1,0 +1,199 @@
+"""What `batchrl run` shows a user: one line per asset as it finishes, then a summary.
+
+Everything else a run prints (Dagster's DEBUG events, library warnings, progress bars, the trainer
+subprocesses' DeepSpeed output) goes to a log file: the process's stdout/stderr file descriptors are
+pointed at it for the run, so child processes follow too. Dagster's event log stays in the instance
+(and the UI); the progress lines are read from it, not from the console.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from typing import IO, Iterator
+
+# a few numbers worth a glance per asset (the rest is in the UI and the audit)
+HEADLINE = {
+    "raw_logs": ("files", "bytes_in"), "cleaned_logs": ("rows_in", "quarantined"),
+    "validated_preferences": ("valid", "quarantined", "duplicates"), "scored_logs": ("valid",),
+    "scored_pairs": ("valid",), "prompts": ("rows",), "base_model": ("parameters", "num_parameters"),
+    "reward_model": ("pairs", "accuracy", "final_loss"), "rollouts": ("samples", "mean_response_tokens"),
+    "rewards": ("mean_reward",), "advantages": ("estimator",), "policy_checkpoint": ("loss", "job_wall_s"),
+    "dpo_pairs": ("pairs",), "reference_logprobs": ("pairs", "rows"), "dpo_checkpoint": ("loss", "job_wall_s"),
+    "evaluation": ("policy_checkpoint/accuracy", "base_model/accuracy"),
+}
+
+
+@contextlib.contextmanager
+def output_to_log(log_path: str) -> Iterator[IO[str]]:
+    """Send fd 1 and 2 (this process and its children) to ``log_path``; yield a stream to the terminal."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    terminal = os.fdopen(os.dup(saved_out), "w", buffering=1)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    try:
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        for fd in (saved_out, saved_err, log_fd):
+            os.close(fd)
+        terminal.close()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int) and value >= 10_000:
+        return f"{value:,}"
+    return str(value)
+
+
+def asset_line(index: int, total: int, asset: str, seconds: float, ok: bool, metadata: dict,
+               error: str = "") -> str:
+    mark = "ok  " if ok else "FAIL"
+    head = f"[{index:>2}/{total}] {mark} {asset:<22} {seconds:6.1f} s"
+    if not ok:
+        return f"{head}  {error.strip().splitlines()[-1][:160] if error.strip() else ''}"
+    version = metadata.get("data_version", "")
+    shown = [f"{k.split('/')[0] if '/' in k else k}={_fmt(metadata[k])}" for k in HEADLINE.get(asset, ())
+             if k in metadata][:3]
+    return f"{head}  {version:<16}  " + " ".join(shown)
+
+
+class RunProgress:
+    """Follows one run's event log and writes a line per finished asset step (and per check)."""
+
+    def __init__(self, instance, run_id: str, assets: set[str], out: IO[str], poll_s: float = 0.5):
+        self.instance, self.run_id, self.out, self.poll_s = instance, run_id, out, poll_s
+        self.assets, self.total = assets, len(assets)
+        self.done: list[dict] = []  # {asset, ok, seconds, metadata, error}
+        self._started: dict[str, float] = {}
+        self._metadata: dict[str, dict] = {}
+        self._cursor = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self) -> "RunProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()  # whatever arrived after the last poll
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with contextlib.suppress(Exception):  # the run may not have written its first event yet
+                self.poll()
+
+    def poll(self) -> None:
+        while True:
+            conn = self.instance.get_records_for_run(self.run_id, cursor=self._cursor, limit=200)
+            for record in conn.records:
+                self._handle(record.event_log_entry)
+            self._cursor = conn.cursor
+            if not conn.has_more:
+                return
+
+    def _handle(self, entry) -> None:
+        event = entry.dagster_event
+        if event is None or not event.step_key:
+            return
+        step, kind = event.step_key, event.event_type_value
+        if kind == "STEP_START":
+            self._started[step] = entry.timestamp
+        elif kind == "ASSET_MATERIALIZATION":
+            mat = event.event_specific_data.materialization
+            self._metadata[step] = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+        elif kind == "STEP_FAILURE" or (kind == "STEP_SUCCESS" and step in self.assets):
+            ok = kind == "STEP_SUCCESS"
+            error = "" if ok else _root_cause(event.event_specific_data.error)
+            item = {"asset": step, "ok": ok, "seconds": entry.timestamp - self._started.get(step, entry.timestamp),
+                    "metadata": self._metadata.get(step, {}), "error": error}
+            self.done.append(item)
+            self.out.write(asset_line(len(self.done), self.total, step, item["seconds"], ok, item["metadata"],
+                                      error) + "\n")
+        elif kind == "ASSET_CHECK_EVALUATION":
+            check = event.event_specific_data
+            self.out.write(f"        check {check.check_name}: {'passed' if check.passed else 'FAILED'}\n")
+
+
+def _root_cause(error) -> str:
+    """The innermost error's message (Dagster wraps the asset's exception in a step error)."""
+    while error is not None and error.cause is not None:
+        error = error.cause
+    return "" if error is None else f"{error.cls_name}: {error.message.strip()}" if error.cls_name else error.message
+
+
+def summary_table(rows: list[dict]) -> str:
+    """Markdown-ish table of every asset step of the run(s): status, seconds, data version."""
+    lines = [f"{'asset':<22} {'status':<6} {'seconds':>8}  data version",
+             f"{'-' * 22} {'-' * 6} {'-' * 8}  {'-' * 16}"]
+    for row in rows:
+        lines.append(f"{row['asset']:<22} {'ok' if row['ok'] else 'FAIL':<6} {row['seconds']:8.1f}  "
+                     f"{row['metadata'].get('data_version', '')}")
+    return "\n".join(lines)
+
+
+def run_log_path(home: str) -> str:
+    return os.path.join(home, "logs", time.strftime("run-%Y%m%d-%H%M%S.log"))
+
+
+def quiet_libraries() -> None:
+    """Environment for quiet child processes (tokenizers/transformers/DeepSpeed read these)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def evaluation_table(report: dict) -> list[str]:
+    """One row per numeric metric, one column per model (the comparison the UI shows)."""
+    models = list(report)
+    metrics = sorted({m for r in report.values() for m, v in r.items() if isinstance(v, (int, float))})
+    width = max([len(m) for m in metrics] + [6])
+    lines = [f"{'metric':<{width}}  " + "  ".join(f"{m:>17}" for m in models)]
+    for metric in metrics:
+        cells = [report[m].get(metric) for m in models]
+        lines.append(f"{metric:<{width}}  " + "  ".join(f"{'' if v is None else _fmt(round(v, 4)):>17}" for v in cells))
+    return lines
+
+
+def print_run_summary(done: list[dict], success: bool, seconds: float, log_path: str | None, latest_uri,
+                      out: IO[str] | None = None) -> None:
+    """After the run: the outcome, the evaluation table with one sample answer per model, where things are."""
+    import json
+
+    out = out or sys.stdout
+    failed = [d for d in done if not d["ok"]]
+    out.write(f"\n{'SUCCESS' if success else 'FAILED'}: {sum(d['ok'] for d in done)} assets materialised"
+              f"{f', {len(failed)} failed' if failed else ''} in {seconds:.0f} s\n")
+    if not success and log_path and os.path.exists(log_path):
+        with open(log_path, errors="replace") as f:
+            tail = f.readlines()[-15:]
+        out.write(f"last lines of {log_path}:\n" + "".join("  " + line for line in tail))
+    evaluation = latest_uri("evaluation")
+    if evaluation and success:
+        with open(os.path.join(evaluation, "evaluation.json")) as f:
+            report = json.load(f)
+        out.write("\n" + "\n".join(evaluation_table(report)) + "\n")
+        for model, metrics in report.items():
+            for ex in metrics.get("examples", [])[:1]:
+                out.write(f"  {model}: {ex['prompt'][:40]!r} -> {ex['response'][:40]!r} (gold {ex['answer']})\n")
+    out.write("\n")
+    for asset in ("validated_preferences", "policy_checkpoint", "dpo_checkpoint", "evaluation"):
+        if latest_uri(asset):
+            out.write(f"{asset:>22}: {latest_uri(asset)}\n")
+    if log_path:
+        out.write(f"{'log':>22}: {log_path}\n")
+    out.write("audit:  .venv/bin/batchrl audit policy_checkpoint    reproduce:  .venv/bin/batchrl reproduce "
+              "policy_checkpoint\nUI:     DAGSTER_HOME=$PWD/.dagster_home .venv/bin/dagster dev   "
+              "(then open http://127.0.0.1:3000)\n")

@@ -1,0 +1,192 @@
+"""What a lineage record needs beyond inputs and config: code versions that follow imports, the
+environment a stage ran in, and paths that stay valid when a storage root moves.
+
+``code_version(*modules)`` hashes the source of the named ``batchrl`` modules *and every batchrl module
+they import* (statically, imports inside functions included), so editing a helper such as
+``training/trainer/batching.py`` changes the version of every stage that runs it, and of no other.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+PACKAGE = "batchrl"
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Packages whose versions decide what a stage computes (recorded when installed).
+RECORDED_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate", "deepspeed", "vllm",
+                     "dagster", "pandera", "pandas", "pyarrow", "numpy", "duckdb", "s3fs", "pydantic", "gguf")
+
+
+def module_file(name: str) -> str | None:
+    """The source file of a batchrl module (``pkg/__init__.py`` for a package), or None if there is none."""
+    parts = name.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    base = os.path.join(PACKAGE_DIR, *parts[1:])
+    for candidate in (os.path.join(base, "__init__.py"), base + ".py"):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _package_modules(name: str) -> list[str]:
+    """A package and every module below it (what naming a package in ``code_version`` means)."""
+    root = os.path.join(PACKAGE_DIR, *name.split(".")[1:])
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+        rel = os.path.relpath(folder, PACKAGE_DIR)
+        prefix = PACKAGE if rel == "." else f"{PACKAGE}.{rel.replace(os.sep, '.')}"
+        out += [prefix if f == "__init__.py" else f"{prefix}.{f[:-3]}" for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def _imported_names(path: str, module: str) -> set[str]:
+    """batchrl modules ``path`` imports, anywhere in the file (relative imports resolved)."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    is_package = path.endswith("__init__.py")
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return {n for n in names if n == PACKAGE or n.startswith(PACKAGE + ".")}
+
+
+def module_closure(*modules: str) -> list[str]:
+    """The named modules (a package stands for all its modules), every batchrl module they import,
+    transitively, and the parent packages each import executes."""
+    pending = [m for name in modules for m in (_package_modules(name) if module_file(name) and
+                                                module_file(name).endswith("__init__.py") else [name])]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        path = module_file(name)
+        if path is None:
+            continue  # an attribute (`from batchrl.x import some_function`), not a module
+        seen.add(name)
+        parts = name.split(".")
+        pending += [".".join(parts[:i]) for i in range(1, len(parts))]
+        pending += sorted(_imported_names(path, name))
+    return sorted(seen)
+
+
+def code_version(*modules: str, config: Any = None) -> str:
+    """Hash of the source of the modules a stage runs (import closure) plus its config schema."""
+    for name in modules:
+        if module_file(name) is None:
+            raise ImportError(f"code_version: module {name} not found under {PACKAGE_DIR}")
+    digest = hashlib.sha256()
+    for name in module_closure(*modules):
+        with open(module_file(name), "rb") as f:
+            digest.update(f"{name}\0".encode() + f.read() + b"\0")
+    if config is not None:
+        schema = config.model_json_schema() if hasattr(config, "model_json_schema") else repr(config)
+        digest.update(json.dumps(schema, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:12]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", PACKAGE_DIR, *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def environment_record() -> dict[str, Any]:
+    """Packages, code checkout, Python/torch/CUDA build and devices of this process (cached)."""
+    packages = {}
+    for name in RECORDED_PACKAGES:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    record: dict[str, Any] = {
+        "batchrl": importlib.metadata.version("batchrl") if _installed("batchrl") else None,
+        "packages": packages,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+    }
+    commit = _git("rev-parse", "HEAD")
+    if commit:
+        status = _git("status", "--porcelain", "--untracked-files=no") or ""
+        record["git"] = {"commit": commit, "dirty": bool(status.strip())}
+    try:
+        import torch
+
+        record["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                           "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+                           "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                           if torch.cuda.is_available() else ["cpu"]}
+    except ImportError:
+        pass
+    return record
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def relative_to_root(value: Any, root: str) -> Any:
+    """``value`` with every string under ``root`` written relative to it (dicts and lists walked)."""
+    prefix = root.rstrip("/") + "/"
+    if isinstance(value, str):
+        return value[len(prefix):] if value.startswith(prefix) else value
+    if isinstance(value, dict):
+        return {k: relative_to_root(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_to_root(v, root) for v in value]
+    return value
+
+
+def is_relative(uri: str) -> bool:
+    return "://" not in uri and not os.path.isabs(uri)
+
+
+def resolve(uri: str, root: str) -> str:
+    """A lineage uri made absolute against the storage root it was read from."""
+    if not is_relative(uri):
+        return uri
+    return f"{root.rstrip('/')}/{uri}" if "://" in root else os.path.join(root, uri)
+
+
+def root_of(artifact_uri: str) -> str:
+    """The storage root of a published artifact (``<root>/<asset>/<data version>``)."""
+    return artifact_uri.rstrip("/").rsplit("/", 2)[0]
