@@ -1,4 +1,6 @@
-"""`batchrl run` (materialise everything, optionally with a profile), `batchrl audit` (lineage of a checkpoint)."""
+"""batchrl's command line: `run` materialises the asset graph (one line per asset; Dagster's events in the
+instance and a log file), `audit` shows an artifact's lineage or queries the catalog (which checkpoints used a
+file, what changed between two), `reproduce` re-materialises an artifact's lineage and compares data versions."""
 from __future__ import annotations
 
 import argparse
@@ -129,7 +131,14 @@ def _config_for(run_config: dict, selection: list[str] | None) -> dict:
     return {**run_config, "ops": {k: v for k, v in run_config["ops"].items() if k in selection}}
 
 
+def _catalog_path(args: argparse.Namespace) -> str:
+    return args.catalog or os.path.join(os.path.abspath(os.environ.get("BATCHRL_STORAGE", ".storage")),
+                                        "catalog.duckdb")
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.used_file or args.diff:
+        return _audit_catalog(args)
     from batchrl.audit import artifact_files, format_tree, lineage_tree
 
     uri = args.uri
@@ -151,6 +160,74 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit_catalog(args: argparse.Namespace) -> int:
+    """The catalog queries: checkpoints that used a file; what changed between two artifacts."""
+    from batchrl.catalog_queries import CHECKPOINT_ASSETS, artifacts_using_file, diff_artifacts, format_diff
+
+    catalog = _catalog_path(args)
+    try:
+        if args.used_file:
+            rows = artifacts_using_file(catalog, args.used_file, None if args.all else CHECKPOINT_ASSETS)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                print(f"{len(rows)} {'artifacts' if args.all else 'checkpoints'} used {args.used_file}:")
+                for row in rows:
+                    print(f"  {row['asset']:<22} {row['data_version']}  {row['created_at'][:19]}  {row['uri']}")
+            return 0
+        report = diff_artifacts(catalog, *args.diff)
+        print(json.dumps(report, indent=2, default=str) if args.json else format_diff(report))
+        return 0
+    except (LookupError, FileNotFoundError) as error:
+        print(f"batchrl audit: {error}", file=sys.stderr)
+        return 2
+
+
+def _target_uri(target: str) -> str | None:
+    """An artifact folder, or the latest materialisation of an asset named ``target``."""
+    if "/" in target or os.path.isdir(target):
+        return os.path.abspath(target) if "://" not in target else target
+    ensure_dagster_home()
+    import dagster as dg
+
+    with dg.DagsterInstance.get() as instance:
+        return _latest_uri(instance, target)
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from batchrl.console import quiet_libraries
+    from batchrl.reproduce import ReproduceError, reproduce
+
+    uri = _target_uri(args.target)
+    if uri is None:
+        print(f"no materialisation of {args.target} in {os.environ['DAGSTER_HOME']}", file=sys.stderr)
+        return 2
+    new_root = os.path.abspath(args.to or os.path.join(".reproduce", time.strftime("%Y%m%d-%H%M%S")))
+    print(f"reproducing {uri}\n  into {new_root}")
+    quiet_libraries()
+    import contextlib
+
+    from batchrl.console import output_to_log
+
+    log_path = os.path.join(new_root, "reproduce.log")
+    try:
+        with contextlib.ExitStack() as stack:
+            out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
+            report = reproduce(uri, new_root, log=lambda line: out.write(line + "\n"))
+    except ReproduceError as error:
+        print(f"batchrl reproduce: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    equal = sum(row["equal"] for row in report["assets"])
+    print(f"\n{equal} of {len(report['assets'])} data versions equal" + ("" if args.verbose else f" (log: {log_path})"))
+    first = report["first_difference"]
+    if first:
+        print(f"first difference: {first['asset']} recorded {first['recorded']}, reproduced {first['reproduced']}")
+        print(*(f"  {line}" for line in first["lineage_differences"]), sep="\n")
+    return 0 if report["equal"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,11 +245,27 @@ def main(argv: list[str] | None = None) -> int:
                      help="stream Dagster's events and the libraries' output here (default: a log file under "
                           "DAGSTER_HOME/logs; one line per asset here)")
     run.set_defaults(func=cmd_run)
-    audit = sub.add_parser("audit", help="print the lineage of the latest materialisation of an asset")
+    audit = sub.add_parser("audit", help="print the lineage of the latest materialisation of an asset; "
+                                         "--used-file / --diff query the catalog")
     audit.add_argument("asset", nargs="?", default="policy_checkpoint")
     audit.add_argument("--uri", help="audit this artifact folder instead of the latest materialisation")
     audit.add_argument("--json", action="store_true")
+    audit.add_argument("--used-file", metavar="FILE",
+                       help="list the checkpoints whose lineage includes FILE (a path, file name or sha256 prefix)")
+    audit.add_argument("--all", action="store_true", help="with --used-file: every artifact, not only checkpoints")
+    audit.add_argument("--diff", nargs=2, metavar=("A", "B"),
+                       help="what changed from artifact A to B (data version, asset/version or folder): files, "
+                            "code versions, configs, packages")
+    audit.add_argument("--catalog", help="the DuckDB catalog (default: <storage root>/catalog.duckdb)")
     audit.set_defaults(func=cmd_audit)
+    repro = sub.add_parser("reproduce", help="re-materialise an artifact and its whole lineage into a fresh storage "
+                                            "root and compare every data version with the recorded one")
+    repro.add_argument("target", nargs="?", default="policy_checkpoint",
+                       help="an asset name (its latest materialisation) or an artifact folder")
+    repro.add_argument("--to", help="the fresh storage root (default ./.reproduce/<time>)")
+    repro.add_argument("--json", action="store_true", help="print the per-asset report as JSON")
+    repro.add_argument("-v", "--verbose", action="store_true", help="stream Dagster's and the libraries' output")
+    repro.set_defaults(func=cmd_reproduce)
     args = parser.parse_args(argv)
     return args.func(args)
 

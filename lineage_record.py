@@ -47,7 +47,7 @@ def lineage_record(context: dg.AssetExecutionContext, storage: StorageResource, 
     return {
         "code_version": code_version,
         "config": rel(config),
-        "run_config": rel(context.op_config or {}),
+        "run_config": rel(context.op_execution_context.op_config or {}),
         "resources": rel(_resource_configs(context)),
         "seed": seed,
         "inputs": {name: {**ref.to_dict(), "uri": rel(ref.uri)} for name, ref in inputs.items()},

@@ -170,3 +170,49 @@ def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
     message = " ".join(str(e.event_specific_data.error) for e in switched.all_events
                        if e.event_type_value == "STEP_FAILURE")
     assert "descends from another base model" in message and "base_model" in message
+
+
+def _copy_package(dest) -> str:
+    import shutil
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(repo, dest / "batchrl", ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".storage", ".dagster_home", ".reproduce", "tests", "bench", "__pycache__", "*.egg-info"))
+    return str(dest)
+
+
+_STALE_SCRIPT = """
+import json, sys
+import dagster as dg
+from dagster._core.instance.ref import InstanceRef
+import batchrl
+from batchrl.definitions import build_definitions
+from batchrl.staleness import code_stale, stale_causes
+assert batchrl.__file__.startswith(sys.argv[2]), batchrl.__file__  # the copy, not the checkout
+defs = build_definitions()
+with dg.DagsterInstance.from_ref(InstanceRef.from_dir(sys.argv[1])) as instance:
+    print(json.dumps(sorted(code_stale(stale_causes(defs, instance)))))
+"""
+
+
+def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_stale(pipeline, tmp_path):
+    """code_version follows imports: batching.py is imported by the trainer stages only (not named by them)."""
+    import subprocess
+    import sys
+
+    _, instance, _ = pipeline
+    home = instance.root_directory
+    copy = _copy_package(tmp_path)
+
+    def code_stale_in_copy() -> set[str]:
+        env = {**os.environ, "PYTHONPATH": copy}
+        out = subprocess.run([sys.executable, "-c", _STALE_SCRIPT, home, copy], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    assert code_stale_in_copy() == set()  # same source, other folder: same code versions
+    batching = tmp_path / "batchrl" / "training" / "trainer" / "batching.py"
+    batching.write_text(batching.read_text() + "\n\ndef padded_length(n: int, multiple: int = 8) -> int:\n"
+                        "    return -(-n // multiple) * multiple\n")
+    assert code_stale_in_copy() == {"reference_logprobs", "dpo_checkpoint", "policy_checkpoint"}

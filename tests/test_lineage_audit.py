@@ -1,0 +1,163 @@
+"""Lineage that means something: code versions over imports, environment and relative paths in lineage,
+catalog audit queries (which checkpoints used a file, what changed between two artifacts), run config
+checked before anything runs, and the console of `batchrl run`."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import dagster as dg
+import pytest
+from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+from batchrl.audit import lineage_tree
+from batchrl.catalog_queries import artifacts_using_file, diff_artifacts, format_diff
+from batchrl.lineage import code_version, module_closure
+from batchrl.resources import LandingResource
+
+DATA = ["raw_logs", "cleaned_logs", "validated_preferences"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_code_version_follows_imports_not_just_named_modules():
+    trainer = module_closure("batchrl.training.jobs.train_policy")
+    assert {"batchrl.training.trainer.batching", "batchrl.training.text", "batchrl.training.algos.policy_loss"} <= set(trainer)
+    assert "batchrl.training.trainer.dpo" not in trainer  # the policy job does not run the DPO trainer
+    rollout = module_closure("batchrl.training.rollout")
+    assert "batchrl.training.text" in rollout and "batchrl.training.trainer.batching" not in rollout
+    assert "batchrl.ingest.nfc_table" in module_closure("batchrl.ingest.textclean")  # imported inside a function
+
+
+def test_code_version_includes_the_config_schema():
+    class Small(dg.Config):
+        n: int = 1
+
+    class Wider(dg.Config):
+        n: int = 1
+        m: int = 2
+
+    base = code_version("batchrl.training.prompts")
+    assert code_version("batchrl.training.prompts", config=Small) != base
+    assert code_version("batchrl.training.prompts", config=Small) != code_version("batchrl.training.prompts", config=Wider)
+
+
+@pytest.fixture(scope="module")
+def two_drops(tmp_path_factory):
+    """Data assets twice: the shipped landing, then the same plus a new file and another reject threshold."""
+    tmp = tmp_path_factory.mktemp("drops")
+    prefs = tmp / "landing" / "preferences"
+    shutil.copytree(LandingResource().preferences, prefs)
+    root = str(tmp / "storage")
+    landing = LandingResource(preferences=str(prefs))
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run_assets(local_resources(root, landing), instance, selection=DATA).success
+        first = latest_metadata(instance, "validated_preferences")
+        new_file = prefs / "drop_002.jsonl"
+        new_file.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
+                                                "rejected": str(i + 2)}) + "\n" for i in range(20)))
+        config = {"ops": {name: {"config": {"reject_threshold": 0.2}} for name in ("cleaned_logs", "validated_preferences")}}
+        assert run_assets(local_resources(root, landing), instance, selection=DATA, run_config=config).success
+        second = latest_metadata(instance, "validated_preferences")
+    return root, first, second, str(new_file)
+
+
+def test_lineage_records_environment_run_config_and_relative_inputs(two_drops):
+    root, _, second, _ = two_drops
+    with open(os.path.join(second["uri"], "lineage.json")) as f:
+        lineage = json.load(f)
+    env = lineage["environment"]
+    assert {"dagster", "pandera", "torch", "transformers", "pyarrow"} <= set(env["packages"])
+    assert env["python"] == sys.version.split()[0] and env["torch"]["devices"]
+    if os.path.isdir(os.path.join(REPO, ".git")) or os.path.isfile(os.path.join(REPO, ".git")):
+        assert re.fullmatch(r"[0-9a-f]{40}", env["git"]["commit"]) and isinstance(env["git"]["dirty"], bool)
+    assert lineage["run_config"]["reject_threshold"] == 0.2
+    assert lineage["inputs"]["cleaned_logs"]["uri"] == f"cleaned_logs/{lineage['inputs']['cleaned_logs']['data_version']}"
+    assert root not in json.dumps(lineage)  # nothing points into the machine's storage root
+
+
+def test_a_copied_storage_root_still_audits(two_drops, tmp_path):
+    root, _, second, _ = two_drops
+    moved = tmp_path / "moved"
+    shutil.copytree(root, moved)
+    shutil.rmtree(root + "_gone", ignore_errors=True)
+    tree = lineage_tree(str(moved / "validated_preferences" / second["data_version"]))
+    assert tree["inputs"]["cleaned_logs"]["inputs"]["raw_logs"]["uri"].startswith(str(moved))
+
+
+def test_which_artifacts_used_a_file(two_drops):
+    root, first, second, new_file = two_drops
+    catalog = os.path.join(root, "catalog.duckdb")
+    by_name = artifacts_using_file(catalog, os.path.basename(new_file), assets=None)
+    assert {(r["asset"], r["data_version"]) for r in by_name if r["asset"] == "validated_preferences"} == {
+        ("validated_preferences", second["data_version"])}  # the first drop's pairs did not use it
+    with open(new_file, "rb") as f:
+        import hashlib
+
+        digest = hashlib.sha256(f.read()).hexdigest()
+    assert artifacts_using_file(catalog, digest[:12], assets=None) == by_name
+    assert artifacts_using_file(catalog, new_file, assets=None) == by_name
+    old = artifacts_using_file(catalog, "prefs_000.jsonl", assets=None)
+    assert {first["data_version"], second["data_version"]} <= {r["data_version"] for r in old}
+    assert artifacts_using_file(catalog, "prefs_000.jsonl") == []  # no checkpoint trained in this test
+
+
+def test_what_changed_between_two_artifacts(two_drops):
+    root, first, second, new_file = two_drops
+    catalog = os.path.join(root, "catalog.duckdb")
+    report = diff_artifacts(catalog, first["data_version"], f"validated_preferences/{second['data_version']}")
+    assert [uri for uri, _ in report["files_only_in_b"]] == [new_file] and report["files_only_in_a"] == []
+    assert report["assets"]["validated_preferences"]["config"] == {"reject_threshold": [0.05, 0.2]}
+    assert "code_versions" not in report["assets"]["validated_preferences"]
+    assert set(report["assets"]) == {"raw_logs", "cleaned_logs", "validated_preferences"}
+    text = format_diff(report)
+    assert f"+ file {new_file}" in text and "config reject_threshold: 0.05 -> 0.2" in text
+
+
+def _cli(*args: str, cwd, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DAGSTER_HOME": str(cwd / "home"), "BATCHRL_STORAGE": str(cwd / "storage"),
+           **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "batchrl.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_run_config_is_checked_before_anything_runs(tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("ops:\n  rolouts:\n    config: {}\n")
+    out = _cli("run", "-c", str(bad), cwd=tmp_path)
+    assert out.returncode == 2 and "rolouts" in out.stderr and str(bad) in out.stderr
+    bad.write_text("ops:\n  advantages:\n    config:\n      gama: 0.9\n")
+    out = _cli("run", "-c", str(bad), cwd=tmp_path)
+    assert out.returncode == 2 and "gama" in out.stderr
+    assert not os.path.exists(tmp_path / "storage")  # nothing ran
+
+
+def test_run_prints_one_line_per_asset_and_echoes_config_files(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("ops:\n  validated_preferences:\n    config:\n      reject_threshold: 0.1\n")
+    out = _cli("run", "--select", ",".join(DATA), "-c", str(config), cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    progress = [line for line in lines if re.match(r"\[ ?\d+/3\] ok ", line)]
+    assert [line.split()[3] for line in progress] == DATA
+    assert "SUCCESS" in out.stdout and len(lines) < 20
+    assert "DEBUG" not in out.stdout + out.stderr and "Warning" not in out.stdout + out.stderr
+    log = re.search(r"details in (\S+)", out.stdout).group(1)
+    assert "STEP_SUCCESS" in open(log).read()  # Dagster's events went to the log file (and the instance)
+    uri = next(line.split(": ", 1)[1] for line in lines if line.strip().startswith("validated_preferences:"))
+    with open(os.path.join(uri, "lineage.json")) as f:
+        lineage = json.load(f)
+    assert lineage["run_config"]["reject_threshold"] == 0.1
+    assert lineage["run_tags"]["batchrl/config_files"].startswith(f"{config}@sha256:")
+
+
+def test_help_names_only_commands_that_exist():
+    out = subprocess.run([sys.executable, "-m", "batchrl.cli", "--help"], capture_output=True, text=True, timeout=60)
+    commands = set(re.search(r"\{([a-z,]+)\}", out.stdout).group(1).split(","))
+    assert commands == {"run", "audit", "reproduce"}
+    with open(os.path.join(REPO, "README.md")) as f:
+        mentioned = set(re.findall(r"(?:bin/|`)batchrl (\w+)", f.read())) | set(re.findall(r"`(\w+)`", out.stdout))
+    assert mentioned - {"run", "audit", "reproduce"} == set(), mentioned
