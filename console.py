@@ -18,11 +18,13 @@ from typing import IO, Iterator
 HEADLINE = {
     "raw_logs": ("files", "bytes_in"), "cleaned_logs": ("rows_in", "quarantined"),
     "validated_preferences": ("valid", "quarantined", "duplicates"), "scored_logs": ("valid",),
-    "scored_pairs": ("valid",), "prompts": ("rows",), "base_model": ("parameters", "num_parameters"),
-    "reward_model": ("pairs", "accuracy", "final_loss"), "rollouts": ("samples", "mean_response_tokens"),
-    "rewards": ("mean_reward",), "advantages": ("estimator",), "policy_checkpoint": ("loss", "job_wall_s"),
-    "dpo_pairs": ("pairs",), "reference_logprobs": ("pairs", "rows"), "dpo_checkpoint": ("loss", "job_wall_s"),
-    "evaluation": ("policy_checkpoint/accuracy", "base_model/accuracy"),
+    "scored_pairs": ("valid",), "prompts": ("rows",), "base_model": ("num_parameters",),
+    "reward_model": ("pairs", "train_accuracy_after"), "rollouts": ("samples", "mean_response_tokens"),
+    "rewards": ("mean_reward",), "advantages": ("estimator", "adv_abs_mean"),
+    "policy_checkpoint": ("global_step", "final/pg_loss", "final/ppo_kl"), "dpo_pairs": ("pairs",),
+    "reference_logprobs": ("num_pairs", "mean_ref_chosen_logp"),
+    "dpo_checkpoint": ("global_step", "final/loss", "final/rewards/accuracies"),
+    "evaluation": ("policy_checkpoint/arith_accuracy", "dpo_checkpoint/logratio_accuracy"),
 }
 
 
@@ -64,8 +66,7 @@ def asset_line(index: int, total: int, asset: str, seconds: float, ok: bool, met
     if not ok:
         return f"{head}  {error.strip().splitlines()[-1][:160] if error.strip() else ''}"
     version = metadata.get("data_version", "")
-    shown = [f"{k.split('/')[0] if '/' in k else k}={_fmt(metadata[k])}" for k in HEADLINE.get(asset, ())
-             if k in metadata][:3]
+    shown = [f"{k.removeprefix('final/')}={_fmt(metadata[k])}" for k in HEADLINE.get(asset, ()) if k in metadata]
     return f"{head}  {version:<16}  " + " ".join(shown)
 
 
