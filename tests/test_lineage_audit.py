@@ -161,3 +161,19 @@ def test_help_names_only_commands_that_exist():
     with open(os.path.join(REPO, "README.md")) as f:
         mentioned = set(re.findall(r"(?:bin/|`)batchrl (\w+)", f.read())) | set(re.findall(r"`(\w+)`", out.stdout))
     assert mentioned - {"run", "audit", "reproduce"} == set(), mentioned
+
+
+def test_reproduce_names_the_first_asset_that_differs_and_why(two_drops, tmp_path):
+    """The landing gained a file since the first drop's pairs were made: raw_logs differs first, by that file."""
+    from batchrl.reproduce import reproduce
+
+    root, first, second, new_file = two_drops
+    lines = []
+    report = reproduce(first["uri"], str(tmp_path / "fresh"), log=lines.append)
+    assert not report["equal"] and len(lines) == 3
+    difference = report["first_difference"]
+    assert difference["asset"] == "raw_logs"
+    assert any(line.startswith(f"file {new_file}: sha256 None -> ") for line in difference["lineage_differences"])
+    # the second drop's pairs are reproduced exactly (same landing, config and code)
+    again = reproduce(second["uri"], str(tmp_path / "fresh2"), log=lambda line: None)
+    assert again["equal"] and [row["asset"] for row in again["assets"]] == DATA

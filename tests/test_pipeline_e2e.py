@@ -44,6 +44,27 @@ def test_every_asset_materialises_and_checks_pass(pipeline):
     assert all(c.event_specific_data.passed for c in checks)
 
 
+def test_reproduce_the_checkpoint_from_a_copied_storage_root(pipeline, tmp_path):
+    """~1.5 min on 2 cores (it trains the reward model and the policy again): the issue's acceptance test.
+    The storage root is copied elsewhere (lineage paths are relative to it) and every artifact in the
+    checkpoint's lineage is re-materialised into a fresh root: all data versions equal, weights included."""
+    import shutil
+
+    from batchrl.reproduce import reproduce
+
+    _, instance, root = pipeline
+    checkpoint = latest_metadata(instance, "policy_checkpoint")
+    copied = tmp_path / "copied"
+    shutil.copytree(root, copied, ignore=shutil.ignore_patterns("_cache"))
+    report = reproduce(str(copied / "policy_checkpoint" / checkpoint["data_version"]), str(tmp_path / "fresh"),
+                       log=lambda line: None)
+    assert report["equal"], report["first_difference"]
+    assets = [row["asset"] for row in report["assets"]]
+    assert assets[-1] == "policy_checkpoint" and {"raw_logs", "base_model", "reward_model", "rollouts"} <= set(assets)
+    assert all(row["recorded"] == row["reproduced"] for row in report["assets"])
+    assert os.path.isdir(tmp_path / "fresh" / "policy_checkpoint" / checkpoint["data_version"])
+
+
 @pytest.mark.parametrize("asset", ["policy_checkpoint", "dpo_checkpoint"])
 def test_checkpoints_load_and_generate(pipeline, asset):
     from transformers import AutoModelForCausalLM, AutoTokenizer
