@@ -92,6 +92,20 @@ class RunProgress:
         self._thread.join()
         self.poll()  # whatever arrived after the last poll
 
+    def _step_progress(self, entry) -> None:
+        """On a terminal, a live ``step N loss x`` line for a training stage, replaced by its result line."""
+        if not getattr(self.out, "isatty", lambda: False)() or not entry.step_key:
+            return
+        text = _progress_text(entry)
+        if text:
+            self.out.write(f"\r        {entry.step_key}: {text}   ")
+            self._live = True
+
+    def _clear_progress(self) -> None:
+        if getattr(self, "_live", False):
+            self.out.write("\r" + " " * 78 + "\r")
+            self._live = False
+
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
             with contextlib.suppress(Exception):  # the run may not have written its first event yet
@@ -108,7 +122,10 @@ class RunProgress:
 
     def _handle(self, entry) -> None:
         event = entry.dagster_event
-        if event is None or not event.step_key:
+        if event is None:
+            self._step_progress(entry)
+            return
+        if not event.step_key:
             return
         step, kind = event.step_key, event.event_type_value
         if kind == "STEP_START":
@@ -122,11 +139,28 @@ class RunProgress:
             item = {"asset": step, "ok": ok, "seconds": entry.timestamp - self._started.get(step, entry.timestamp),
                     "metadata": self._metadata.get(step, {}), "error": error}
             self.done.append(item)
+            self._clear_progress()
             self.out.write(asset_line(len(self.done), self.total, step, item["seconds"], ok, item["metadata"],
                                       error) + "\n")
         elif kind == "ASSET_CHECK_EVALUATION":
             check = event.event_specific_data
+            self._clear_progress()
             self.out.write(f"        check {check.check_name}: {'passed' if check.passed else 'FAILED'}\n")
+
+
+def _progress_text(entry) -> str | None:
+    """``step 12 loss 0.31`` from a trainer's per-step log line (JSON with a "step"), else None."""
+    import json
+
+    message = (entry.user_message or "").strip()
+    if not message.startswith('{"step"'):
+        return None
+    try:
+        record = json.loads(message)
+    except ValueError:
+        return None
+    loss = next((record[k] for k in ("loss", "pg_loss", "final/loss") if isinstance(record.get(k), (int, float))), None)
+    return f"step {record['step']}" + (f"  loss {loss:.4g}" if loss is not None else "")
 
 
 def _root_cause(error) -> str:
