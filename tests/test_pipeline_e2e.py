@@ -237,3 +237,23 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
     batching.write_text(batching.read_text() + "\n\ndef padded_length(n: int, multiple: int = 8) -> int:\n"
                         "    return -(-n // multiple) * multiple\n")
     assert code_stale_in_copy() == {"reference_logprobs", "dpo_checkpoint", "policy_checkpoint"}
+
+
+def test_rollouts_in_a_pipes_subprocess_equal_in_process(pipeline):
+    """The GPU environment's shape on CPU: the static-cache engine sampling in a Pipes subprocess gives the
+    same rows (same data version) as in the Dagster process."""
+    from batchrl.resources import RolloutEngineResource
+
+    _, instance, root = pipeline
+    config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}}}}
+    versions = []
+    for in_subprocess in (False, True):
+        engine = RolloutEngineResource(kind="static", batch_size=8, in_subprocess=in_subprocess)
+        result = run_assets(local_resources(root, rollout_engine=engine), instance, ["rollouts"], config)
+        assert result.success
+        meta = latest_metadata(instance, "rollouts")
+        assert meta["samples"] == 12 and meta["generate_s"] > 0
+        versions.append(meta["data_version"])
+    assert versions[0] == versions[1]
+    piped = [e for e in instance.all_logs(result.run_id) if "sampling 6 prompts x 2 with static" in (e.user_message or "")]
+    assert piped, "the subprocess reported through Pipes"
