@@ -1,6 +1,7 @@
 """batchrl's command line: `run` materialises the asset graph (one line per asset; Dagster's events in the
 instance and a log file), `audit` shows an artifact's lineage or queries the catalog (which checkpoints used a
-file, what changed between two), `reproduce` re-materialises an artifact's lineage and compares data versions."""
+file, what changed between two), `stale` lists what a code or data change made stale, `reproduce` re-materialises
+an artifact's lineage and compares data versions."""
 from __future__ import annotations
 
 import argparse
@@ -183,6 +184,27 @@ def _audit_catalog(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_stale(args: argparse.Namespace) -> int:
+    """Assets whose code version or upstream data changed since their last materialisation (as the UI says)."""
+    ensure_dagster_home()
+    import dagster as dg
+
+    from batchrl.definitions import build_definitions
+    from batchrl.staleness import stale_causes
+
+    with dg.DagsterInstance.get() as instance:
+        causes = stale_causes(build_definitions(), instance)
+    if args.json:
+        print(json.dumps(causes, indent=2, sort_keys=True))
+        return 0
+    if not causes:
+        print("every materialised asset is up to date with its code and its inputs")
+    for asset, found in causes.items():
+        own = [c for c in found if c["key"] == asset] or found
+        print(f"{asset}: " + "; ".join(f"{c['key']} {c['reason']}" if c["key"] != asset else c["reason"] for c in own[:3]))
+    return 0
+
+
 def _target_uri(target: str) -> str | None:
     """An artifact folder, or the latest materialisation of an asset named ``target``."""
     if "/" in target or os.path.isdir(target):
@@ -258,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
                             "code versions, configs, packages")
     audit.add_argument("--catalog", help="the DuckDB catalog (default: <storage root>/catalog.duckdb)")
     audit.set_defaults(func=cmd_audit)
+    stale = sub.add_parser("stale", help="list the assets that are stale (code version or upstream data changed) "
+                                         "and why")
+    stale.add_argument("--json", action="store_true")
+    stale.set_defaults(func=cmd_stale)
     repro = sub.add_parser("reproduce", help="re-materialise an artifact and its whole lineage into a fresh storage "
                                             "root and compare every data version with the recorded one")
     repro.add_argument("target", nargs="?", default="policy_checkpoint",

@@ -147,6 +147,8 @@ def test_run_prints_one_line_per_asset_and_echoes_config_files(tmp_path):
     assert "DEBUG" not in out.stdout + out.stderr and "Warning" not in out.stdout + out.stderr
     log = re.search(r"details in (\S+)", out.stdout).group(1)
     assert "STEP_SUCCESS" in open(log).read()  # Dagster's events went to the log file (and the instance)
+    stale = _cli("stale", cwd=tmp_path)
+    assert stale.returncode == 0 and "up to date" in stale.stdout, stale.stdout + stale.stderr
     uri = next(line.split(": ", 1)[1] for line in lines if line.strip().startswith("validated_preferences:"))
     with open(os.path.join(uri, "lineage.json")) as f:
         lineage = json.load(f)
@@ -157,10 +159,10 @@ def test_run_prints_one_line_per_asset_and_echoes_config_files(tmp_path):
 def test_help_names_only_commands_that_exist():
     out = subprocess.run([sys.executable, "-m", "batchrl.cli", "--help"], capture_output=True, text=True, timeout=60)
     commands = set(re.search(r"\{([a-z,]+)\}", out.stdout).group(1).split(","))
-    assert commands == {"run", "audit", "reproduce"}
+    assert commands == {"run", "audit", "stale", "reproduce"}
     with open(os.path.join(REPO, "README.md")) as f:
         mentioned = set(re.findall(r"(?:bin/|`)batchrl (\w+)", f.read())) | set(re.findall(r"`(\w+)`", out.stdout))
-    assert mentioned - {"run", "audit", "reproduce"} == set(), mentioned
+    assert mentioned - commands == set(), mentioned
 
 
 def test_reproduce_names_the_first_asset_that_differs_and_why(two_drops, tmp_path):
