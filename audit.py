@@ -69,3 +69,28 @@ def artifact_files(node: dict[str, Any]) -> list[str]:
         files.update(artifact_files(child))
     return sorted(files)
 
+
+
+def policy_chain(node: dict[str, Any]) -> list[str]:
+    """``asset@version`` from a checkpoint back through its parent checkpoints to the base model: the RL
+    iterations, each a lineage edge (input ``policy``: the checkpoint the rollouts were sampled from)."""
+    chain, seen = [], {}
+
+    def index(n: dict) -> None:  # shared inputs appear once in the tree, as {"ref": ...} elsewhere
+        if "ref" not in n:
+            seen[f"{n['asset']}@{n['data_version']}"] = n
+            for child in n.get("inputs", {}).values():
+                index(child)
+
+    index(node)
+    current = node
+    while current is not None:
+        if "ref" in current:
+            current = seen.get(current["ref"])
+            continue
+        chain.append(f"{current['asset']}@{current['data_version']}")
+        parent = current.get("inputs", {}).get("policy")
+        if parent is None and current["asset"] == "policy_checkpoint":
+            parent = current["inputs"].get("rollouts", {}).get("inputs", {}).get("policy")
+        current = parent
+    return chain

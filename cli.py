@@ -140,7 +140,7 @@ def _catalog_path(args: argparse.Namespace) -> str:
 def cmd_audit(args: argparse.Namespace) -> int:
     if args.used_file or args.diff:
         return _audit_catalog(args)
-    from batchrl.audit import artifact_files, format_tree, lineage_tree
+    from batchrl.audit import artifact_files, format_tree, lineage_tree, policy_chain
 
     uri = args.uri
     if uri is None:
@@ -158,6 +158,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         print(format_tree(tree))
         print("source files:", *artifact_files(tree), sep="\n  ")
+        chain = policy_chain(tree)
+        if len(chain) > 1:
+            print("checkpoint chain (newest first):", " <- ".join(chain))
     return 0
 
 

@@ -179,3 +179,19 @@ def test_reproduce_names_the_first_asset_that_differs_and_why(two_drops, tmp_pat
     # the second drop's pairs are reproduced exactly (same landing, config and code)
     again = reproduce(second["uri"], str(tmp_path / "fresh2"), log=lambda line: None)
     assert again["equal"] and [row["asset"] for row in again["assets"]] == DATA
+
+
+def test_policy_chain_follows_parent_checkpoints_to_the_base_model():
+    from batchrl.audit import policy_chain
+
+    def node(asset, version, **inputs):
+        return {"asset": asset, "data_version": version, "inputs": inputs}
+
+    base = node("base_model", "b0")
+    first = node("policy_checkpoint", "p1", policy=base, reference={"ref": "base_model@b0"})
+    second = node("policy_checkpoint", "p2", policy=first, reference={"ref": "base_model@b0"})
+    rollouts = node("rollouts", "r3", policy=second)
+    third = node("policy_checkpoint", "p3", policy={"ref": "policy_checkpoint@p2"}, rollouts=rollouts)
+    assert policy_chain(third) == ["policy_checkpoint@p3", "policy_checkpoint@p2", "policy_checkpoint@p1",
+                                   "base_model@b0"]
+    assert policy_chain(base) == ["base_model@b0"]
