@@ -44,6 +44,7 @@ def test_every_asset_materialises_and_checks_pass(pipeline):
     assert all(c.event_specific_data.passed for c in checks)
 
 
+@pytest.mark.slow
 def test_reproduce_the_checkpoint_from_a_copied_storage_root(pipeline, tmp_path):
     """~1.5 min on 2 cores (it trains the reward model and the policy again): the issue's acceptance test.
     The storage root is copied elsewhere (lineage paths are relative to it) and every artifact in the
