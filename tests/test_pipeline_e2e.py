@@ -44,28 +44,6 @@ def test_every_asset_materialises_and_checks_pass(pipeline):
     assert all(c.event_specific_data.passed for c in checks)
 
 
-@pytest.mark.slow
-def test_reproduce_the_checkpoint_from_a_copied_storage_root(pipeline, tmp_path):
-    """~1.5 min on 2 cores (it trains the reward model and the policy again): the issue's acceptance test.
-    The storage root is copied elsewhere (lineage paths are relative to it) and every artifact in the
-    checkpoint's lineage is re-materialised into a fresh root: all data versions equal, weights included."""
-    import shutil
-
-    from batchrl.reproduce import reproduce
-
-    _, instance, root = pipeline
-    checkpoint = latest_metadata(instance, "policy_checkpoint")
-    copied = tmp_path / "copied"
-    shutil.copytree(root, copied, ignore=shutil.ignore_patterns("_cache"))
-    report = reproduce(str(copied / "policy_checkpoint" / checkpoint["data_version"]), str(tmp_path / "fresh"),
-                       log=lambda line: None)
-    assert report["equal"], report["first_difference"]
-    assets = [row["asset"] for row in report["assets"]]
-    assert assets[-1] == "policy_checkpoint" and {"raw_logs", "base_model", "reward_model", "rollouts"} <= set(assets)
-    assert all(row["recorded"] == row["reproduced"] for row in report["assets"])
-    assert os.path.isdir(tmp_path / "fresh" / "policy_checkpoint" / checkpoint["data_version"])
-
-
 @pytest.mark.parametrize("asset", ["policy_checkpoint", "dpo_checkpoint"])
 def test_checkpoints_load_and_generate(pipeline, asset):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -258,3 +236,42 @@ def test_rollouts_in_a_pipes_subprocess_equal_in_process(pipeline):
     assert versions[0] == versions[1]
     piped = [e for e in instance.all_logs(result.run_id) if "sampling 6 prompts x 2 with static" in (e.user_message or "")]
     assert piped, "the subprocess reported through Pipes"
+
+
+def _second_iteration_rollouts(instance, root) -> dict:
+    """Rollouts sampled from the trained policy_checkpoint (an RL iteration's second step): made by
+    test_next_rollouts_sample_from_the_latest_policy_checkpoint when the module runs whole, else here."""
+    import duckdb
+
+    with duckdb.connect(os.path.join(root, "catalog.duckdb"), read_only=True) as con:
+        rows = con.execute("SELECT uri, data_version, lineage FROM artifacts WHERE asset = 'rollouts'").fetchall()
+    for uri, version, lineage in rows:
+        if json.loads(lineage)["inputs"]["policy"]["asset"] == "policy_checkpoint":
+            return {"uri": uri, "data_version": version}
+    assert run_assets(local_resources(root), instance, selection=["rollouts"], run_config={"ops": {
+        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}}).success
+    return latest_metadata(instance, "rollouts")
+
+
+@pytest.mark.slow
+def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
+    """~1.5-2 min on 2 cores (the reward model and the policy are trained again): the issue's acceptance
+    test. The storage root is copied elsewhere (lineage paths are relative to it) and the lineage of
+    rollouts sampled from the trained checkpoint is re-materialised into a fresh root: every data version
+    equal, the checkpoint's weights included, and the rollouts sampled from the reproduced checkpoint."""
+    import shutil
+
+    from batchrl.reproduce import reproduce
+
+    _, instance, root = pipeline
+    target = _second_iteration_rollouts(instance, root)
+    copied = tmp_path / "copied"
+    shutil.copytree(root, copied, ignore=shutil.ignore_patterns("_cache"))
+    report = reproduce(str(copied / "rollouts" / target["data_version"]), str(tmp_path / "fresh"),
+                       log=lambda line: None)
+    assert report["equal"], report["first_difference"]
+    assets = [row["asset"] for row in report["assets"]]
+    assert assets[-1] == "rollouts" and assets.count("rollouts") == 2  # the first iteration's and this one
+    assert {"raw_logs", "base_model", "reward_model", "policy_checkpoint"} <= set(assets)
+    assert all(row["recorded"] == row["reproduced"] for row in report["assets"])
+    assert os.path.isdir(tmp_path / "fresh" / "rollouts" / target["data_version"])
