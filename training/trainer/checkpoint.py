@@ -134,6 +134,8 @@ def load_checkpoint(engine: Any, ckpt_dir: str) -> dict[str, Any] | None:
     with open(os.path.join(ckpt_dir, tag, "trainer_state.json")) as f:
         state = json.load(f)
     rng_path = os.path.join(ckpt_dir, tag, f"rng_rank{_rank()}.pt")
+    if not os.path.exists(rng_path):  # resumed on more ranks than saved it: continue rank 0's stream
+        rng_path = os.path.join(ckpt_dir, tag, "rng_rank0.pt")
     set_rng_state(torch.load(rng_path, weights_only=False))
     return state
 
