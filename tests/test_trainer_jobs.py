@@ -143,7 +143,8 @@ def _run_job(job: str, config: str, num_gpus: int) -> dict:
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_global_batch_is_the_same_on_one_or_two_ranks_and_resumes_on_another_count(inputs, tmp_path, zero_stage):
     """global_batch_size 8 with micro-batch 4: one process accumulates 2 micro-batches, two gloo ranks 1 each —
-    the same loss curve; a run cut after 2 steps on 2 ranks resumes on 1 process (ZeRO-0) to the same curve."""
+    the same loss curve; a run cut after 2 steps on 2 ranks resumes on 1 process (ZeRO-0) to the same curve,
+    or is refused with the reason (ZeRO-2)."""
     ref = tmp_path / "ref.parquet"
     compute_reference_logprobs(inputs["model_path"], inputs["pairs_parquet"], str(ref), max_length=64)
     kw = dict(pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"], reference_parquet=str(ref))
@@ -154,11 +155,13 @@ def test_global_batch_is_the_same_on_one_or_two_ranks_and_resumes_on_another_cou
                                               **kw), num_gpus=2)
     assert two["global_step"] == single["global_step"]
     assert two["loss_curve"] == pytest.approx(single["loss_curve"], abs=1e-5)
-    if zero_stage:
-        return  # ZeRO-1/2/3 optimiser states are partitioned per rank: resuming on another count is refused
     cut = {**trainer, "stop_after_steps": 2}
     _run_job("train_dpo", _write_config(tmp_path / "cut.json", trainer=cut, out_dir=str(tmp_path / "cut"), **kw),
              num_gpus=2)
+    if zero_stage:  # ZeRO's optimiser state is partitioned per rank: another rank count is refused clearly
+        with pytest.raises(ValueError, match="saved by 2 ranks with ZeRO stage 2"):
+            train_dpo(DPOConfig(**trainer), out_dir=str(tmp_path / "cut"), **kw)
+        return
     resumed = _run_job("train_dpo", _write_config(tmp_path / "resume.json", trainer=trainer,
                                                   out_dir=str(tmp_path / "cut"), **kw), num_gpus=1)
     assert resumed["resumed_from_step"] == 2

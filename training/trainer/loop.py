@@ -89,11 +89,11 @@ class TrainLoop:
         scheduler = make_scheduler(optimizer, cfg, total_steps)
         self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
         self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [],
-                                      "run_key": self.run_key}
+                                      "run_key": self.run_key, "world_size": world()[1]}
         self.resumed_from: int | None = None
         self._lr, self._grad_norm = float("nan"), None
         if cfg.resume:
-            restored = load_checkpoint(self.engine, self.ckpt_dir)
+            restored = load_checkpoint(self.engine, self.ckpt_dir, zero_stage=cfg.zero_stage)
             if restored is not None:
                 if restored.get("run_key") != self.run_key:
                     raise ValueError(f"{self.ckpt_dir} holds checkpoints of another run (config or inputs "
