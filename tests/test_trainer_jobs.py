@@ -166,3 +166,20 @@ def test_global_batch_is_the_same_on_one_or_two_ranks_and_resumes_on_another_cou
                                                   out_dir=str(tmp_path / "cut"), **kw), num_gpus=1)
     assert resumed["resumed_from_step"] == 2
     assert resumed["loss_curve"] == pytest.approx(single["loss_curve"], abs=1e-5)
+
+
+def test_reward_model_zero3_on_two_ranks_equals_one_process(inputs, tmp_path):
+    """The reward-model trainer, data-parallel under ZeRO-3 on 2 gloo ranks, follows the one-process curve."""
+    from batchrl.training.trainer.config import RewardModelConfig
+    from batchrl.training.trainer.reward import train_reward_model
+
+    trainer = {"epochs": 1, "micro_batch_size": 4, "global_batch_size": 8, "zero_stage": 3, "max_length": 64}
+    kw = dict(pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"])
+    single = train_reward_model(RewardModelConfig(**trainer), out_dir=str(tmp_path / "one"), **kw)
+    two = _run_job("train_reward_model", _write_config(tmp_path / "rm.json", trainer=trainer,
+                                                       out_dir=str(tmp_path / "two"), **kw), num_gpus=2)
+    assert two["loss_curve"] == pytest.approx(single["loss_curve"], abs=1e-5)
+    assert two["train_accuracy_after"] == pytest.approx(single["train_accuracy_after"])
+    one_w = load_file(tmp_path / "one" / "model" / "model.safetensors")
+    two_w = load_file(tmp_path / "two" / "model" / "model.safetensors")
+    assert one_w.keys() == two_w.keys() and all(torch.allclose(one_w[k], two_w[k], atol=1e-5) for k in one_w)
