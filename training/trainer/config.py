@@ -29,6 +29,10 @@ class TrainerConfig(BaseModel):
         None, ge=1, description="examples per optimiser step over all ranks; when set, grad_accum = "
         "global_batch_size / (micro_batch_size x ranks), so the update is the same on 1 or N GPUs")
     max_length: int = Field(256, ge=8)
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, "
+                                         "~1/3 more compute")
+    fused_optimizer: bool | None = Field(None, description="fused AdamW kernel; None = fused on GPUs, the "
+                                         "per-parameter loop on CPU (bitwise-stable resume)")
     # reproducibility / engine
     seed: int = 0
     zero_stage: Literal[0, 1, 2, 3] = 0

@@ -85,6 +85,8 @@ class TrainLoop:
         os.makedirs(self.ckpt_dir, exist_ok=True)
         seed_everything(cfg.seed)
         model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = make_optimizer(model, cfg)
         scheduler = make_scheduler(optimizer, cfg, total_steps)
         self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
