@@ -27,6 +27,7 @@ class InputFile:
     sha256: str       # of the stored bytes: the file's data version
     format: str       # jsonl | parquet | arrow | csv | unknown (needs IngestConfig.reader)
     compression: str | None = None
+    error: str | None = None  # why the file could not even be listed/hashed (e.g. permission denied)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +79,13 @@ def discover_inputs(uri: str, storage_options: dict | None = None, include_unkno
         fmt, comp = detect_format(p)
         if fmt == "unknown" and not (explicit or include_unknown):
             continue
-        info = fs.info(p)
-        digest = _sha256(fs, p) if hash_files else ""
-        found.append(InputFile(_with_protocol(fs, p), int(info["size"]), digest, fmt, comp))
+        size, digest, error = 0, "", None
+        try:  # an unreadable file is still listed: the ingest stage reports it (IngestConfig.on_bad_file)
+            size = int(fs.info(p)["size"])
+            digest = _sha256(fs, p) if hash_files else ""
+        except OSError as e:
+            error = f"cannot be read at discovery [{type(e).__name__}: {e}]"
+        found.append(InputFile(_with_protocol(fs, p), size, digest, fmt, comp, error))
     return found
 
 
