@@ -87,6 +87,8 @@ def sniff(head: bytes) -> str:
     for magic, name in _MAGIC:
         if head.startswith(magic):
             return name
+    if not head:
+        return "empty"
     body = head.removeprefix(b"\xef\xbb\xbf").lstrip()
     if body[:1] in (b"{", b"["):
         return "JSON"
@@ -165,14 +167,15 @@ def _first_record(head: bytes, file: InputFile, cfg: IngestConfig) -> str | None
     lines = head.split(b"\n")
     if len(head) == HEAD_BYTES:
         lines = lines[:-1]  # the last one may be cut by the head
-    if lines and not any(line.lstrip().removeprefix(b"\xef\xbb\xbf")[:1] in (b"{", b"[") for line in lines):
+    text = [line.removeprefix(b"\xef\xbb\xbf").lstrip() for line in lines if line.strip()]
+    if text and not any(line[:1] in (b"{", b"[") for line in text):
         return f"no line of the first {len(head)} bytes is a JSON object: not JSON lines (wrong extension?)"
     for k, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             obj = json.loads(line.removeprefix(b"\xef\xbb\xbf").decode("utf-8"), strict=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None  # a bad first line is a quarantined row, like any other
         if isinstance(obj, dict):
             missing, extra = RecordStructurer(cfg).check_keys(obj)

@@ -149,7 +149,7 @@ class JsonlReader:
         self.first_checked = True
         try:
             obj = json.loads(line.removeprefix(BOM).decode("utf-8"), strict=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             return  # an undecodable/invalid first line is quarantined like any other
         if isinstance(obj, dict):
             missing, extra = self.structurer.check_keys(obj)
@@ -360,7 +360,7 @@ class JsonlReader:
                     continue
                 try:
                     obj = json.loads(text, strict=False)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
                     raise RowError("invalid_json", str(e))
                 good.append(self.structurer(obj))
                 good_lines.append(line_no)

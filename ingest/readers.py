@@ -121,9 +121,15 @@ def _csv_tables(stream, cfg: IngestConfig):
                               row.number or 0, row.text))
         return "skip"
 
-    reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=cfg.block_bytes, use_threads=False),
-                            parse_options=pacsv.ParseOptions(invalid_row_handler=invalid_row),
-                            convert_options=pacsv.ConvertOptions(column_types=text_types, strings_can_be_null=False))
+    try:
+        reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=cfg.block_bytes, use_threads=False),
+                                parse_options=pacsv.ParseOptions(invalid_row_handler=invalid_row),
+                                convert_options=pacsv.ConvertOptions(column_types=text_types,
+                                                                     strings_can_be_null=False))
+    except pa.ArrowInvalid as e:
+        if "Empty CSV file" in str(e):  # no header, no rows: nothing to read (like an empty JSONL file)
+            return
+        raise
     next_line = 2  # line 1 is the header; one physical line per record (quoted newlines make it approximate)
     for batch in reader:
         rejects, skipped[:] = list(skipped), []
