@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
@@ -31,6 +32,21 @@ class ArtifactRef:
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
+
+
+def _move_into_place(fill, dest: str) -> None:
+    """``fill(tmp)`` builds a folder next to ``dest``, then one rename makes it visible whole. Another
+    process may publish the same content at the same time: its folder wins, ours is dropped (the content
+    is the same: the name is its hash). A killed process leaves only a ``.tmp-`` sibling behind."""
+    tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fill(tmp)
+        os.replace(tmp, dest)
+    except OSError:
+        if not os.path.isdir(dest):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class StorageResource(dg.ConfigurableResource):
@@ -76,9 +92,7 @@ class StorageResource(dg.ConfigurableResource):
             uri = dest = os.path.abspath(dest)
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                tmp = f"{dest}.tmp-{os.getpid()}"
-                shutil.copytree(local_dir, tmp)
-                os.replace(tmp, dest)
+                _move_into_place(lambda tmp: shutil.copytree(local_dir, tmp), dest)
         else:
             uri = f"{self.root.split('://')[0]}://{dest}"
             if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
@@ -97,9 +111,7 @@ class StorageResource(dg.ConfigurableResource):
         local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
         if not os.path.exists(local):
             fs, _ = self._fs()
-            tmp = f"{local}.tmp-{os.getpid()}"
-            fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True)
-            os.replace(tmp, local)
+            _move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)
         return local
 
     def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
