@@ -67,7 +67,7 @@ class StorageResource(dg.ConfigurableResource):
         """A fresh local folder to build an artifact in; removed afterwards."""
         base = os.path.abspath(os.path.join(self.cache_dir, "_staging"))
         os.makedirs(base, exist_ok=True)
-        path = tempfile.mkdtemp(prefix=f"{asset}-", dir=base)
+        path = tempfile.mkdtemp(prefix=f"{fsutil.safe_name(asset, 'asset name')}-", dir=base)
         try:
             yield path
         finally:
@@ -79,6 +79,9 @@ class StorageResource(dg.ConfigurableResource):
 
         The hash covers the data files only: ``lineage.json`` and the ``sidecars`` (JSON reports with
         timings and paths) are written after hashing, so the same data gives the same version."""
+        fsutil.safe_name(asset, "asset name")
+        for name in sidecars or {}:
+            fsutil.safe_name(name, "sidecar name")
         local_fs = fsutil.filesystem_for(local_dir)[0]
         data_version = fsutil.sha256_tree(local_fs, os.path.abspath(local_dir))[:16]
         for name, content in (sidecars or {}).items():
@@ -87,7 +90,7 @@ class StorageResource(dg.ConfigurableResource):
         with open(os.path.join(local_dir, LINEAGE_FILE), "w") as f:
             json.dump({**lineage, "asset": asset, "data_version": data_version}, f, indent=2, sort_keys=True)
         fs, root = self._fs()
-        dest = fsutil.join(root, asset, data_version)
+        dest = fsutil.join(root, fsutil.safe_name(asset, "asset name"), fsutil.safe_name(data_version, "data version"))
         if self.is_local():
             uri = dest = os.path.abspath(dest)
             if not os.path.exists(dest):  # same content already published: keep the first copy
@@ -106,13 +109,22 @@ class StorageResource(dg.ConfigurableResource):
     def localize(self, ref: ArtifactRef | dict) -> str:
         """A local folder holding the artifact (downloaded once into the cache for S3 roots)."""
         ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
+        fsutil.safe_name(ref.asset, "asset name")  # refs travel through Dagster and JSON: check, then trust
+        fsutil.safe_name(ref.data_version, "data version")
         if self.is_local():
-            return ref.uri
+            return self._inside_root(ref.uri)
         local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
         if not os.path.exists(local):
             fs, _ = self._fs()
             _move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)
         return local
+
+    def _inside_root(self, uri: str) -> str:
+        root = os.path.realpath(self.root)
+        path = os.path.realpath(uri)
+        if os.path.commonpath([root, path]) != root:
+            raise ValueError(f"artifact {uri!r} is outside the storage root {self.root!r}")
+        return uri
 
     def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
         with open(os.path.join(self.localize(ref), LINEAGE_FILE)) as f:
