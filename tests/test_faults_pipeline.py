@@ -126,10 +126,24 @@ def _big_landing(folder) -> str:
     return str(folder)
 
 
-def _run(root: str, landing: str, selection: str, kill_when=None) -> str | None:
+def _file_size_limit(limit: int):
+    """preexec: files may not grow past ``limit`` bytes (EFBIG on write, as a full disk gives ENOSPC)."""
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with an error instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def _run(root: str, landing: str, selection: str, kill_when=None, max_file_bytes: int | None = None) -> str | None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE] + sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", RUNNER, root, landing, selection], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_file_size_limit(max_file_bytes) if max_file_bytes else None)
+    if max_file_bytes:
+        out, err = proc.communicate(timeout=300)
+        return out + err
     if kill_when is None:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0 and "SUCCESS" in out, err[-3000:]
@@ -176,6 +190,21 @@ def test_sigkill_mid_stage_then_rerun(tmp_path, reference_run, stage):
     assert _versions(root, stage) == []  # nothing half-published
     assert CatalogResource(path=os.path.join(root, "catalog.duckdb")).query(
         "SELECT count(*) FROM artifacts WHERE asset = ?", [stage]) == [(0,)]
+    _run(root, landing, ",".join(DATA))
+    for asset in DATA:
+        assert _versions(root, asset) == _versions(reference, asset), asset
+
+
+def test_disk_full_mid_stage_publishes_nothing_and_rerun_completes(tmp_path, reference_run):
+    """Every file write past 1 MB fails (RLIMIT_FSIZE: the same OSError path as a full disk) while
+    cleaned_logs writes its ~10 MB Parquet: the run fails naming the write error, no version is published
+    and no staging file stays behind; the rerun with room completes with the reference's versions."""
+    landing, reference = reference_run
+    root = str(tmp_path / "root")
+    output = _run(root, landing, ",".join(DATA), max_file_bytes=1 << 20)
+    assert "FAILED" in output and "File too large" in output
+    assert _versions(root, "cleaned_logs") == [] and _versions(root, "validated_preferences") == []
+    assert not [f for _, _, fs in os.walk(os.path.join(root, "_cache", "_staging")) for f in fs]
     _run(root, landing, ",".join(DATA))
     for asset in DATA:
         assert _versions(root, asset) == _versions(reference, asset), asset
