@@ -340,28 +340,38 @@ def run_group(folder: str, group: str, out_dir: str, **over):
     return ingest_logs(discover_inputs(os.path.join(folder, group)), out_dir, cfg, keep_cleaned=False)
 
 
+def _short_cause(cause: str, uri: str) -> str:
+    cause = cause.replace(uri, "").replace(os.path.basename(uri), "FILE").lstrip(":0123456789 ")
+    cause = cause.split(" (map other names")[0].replace("|", "/")
+    cause = "".join(c if c.isprintable() else " " for c in cause)
+    return cause if len(cause) <= 90 else cause[:87] + "..."
+
+
 def table_markdown(folder: str, corpus: list[Case], work: str) -> str:
-    rows = ["| # | kind of bad input | format | outcome (on_bad_file: skip) | rows in file | lost rows |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| # | kind of bad input | file | outcome (`on_bad_file: skip`; with `fail` the run stops naming "
+            "every bad file) | rows in file | lost rows |", "|---|---|---|---|---:|---:|"]
     by_group: dict[str, dict] = {}
+    causes: dict[str, str] = {}
     for group in sorted({c.group for c in corpus}):
         _, report = run_group(folder, group, os.path.join(work, group), on_bad_file="skip")
+        causes.update({b["uri"]: b["cause"] for b in report.extra["bad_files"]})
         name = "scored.parquet" if group == "scored" else "preferences.parquet"
         by_group[group] = outcomes(os.path.join(work, group), name)
     for k, case in enumerate(corpus, start=1):
         uri = os.path.abspath(os.path.join(folder, case.group, case.filename))
         got = by_group[case.group].get(uri, ok(0))
         if got["reasons"].get(BAD_FILE):
-            outcome = "file skipped, `bad_file` entry with the cause"
-            lost = 0
+            outcome = f"whole file: `bad_file` entry, cause: {_short_cause(causes[uri], uri)}"
+            records, lost = "(not read)", "0 (file recorded)"
         else:
             parts = [f"{got['valid']} valid"] + [f"{n} `{r}`" for r, n in sorted(got["reasons"].items())]
             if got["duplicates"]:
-                parts.append(f"{got['duplicates']} duplicate")
+                parts.append(f"{got['duplicates']} `duplicate`")
             outcome = ", ".join(parts)
+            records = case.records
             lost = case.records - got["valid"] - sum(got["reasons"].values()) - got["duplicates"]
-        fmt = case.filename.split(".", 1)[1]
-        rows.append(f"| {k} | {case.what} | {fmt} | {outcome} | {case.records} | {lost} |")
+        config = "" if case.group == "preference" else f" (config: {case.group})"
+        rows.append(f"| {k} | {case.what}{config} | `{case.filename}` | {outcome} | {records} | {lost} |")
     return "\n".join(rows) + "\n"
 
 
