@@ -188,8 +188,8 @@ def _first_record(head: bytes, file: InputFile, cfg: IngestConfig) -> str | None
 def deep_probe(file: InputFile, cfg: IngestConfig) -> str | None:
     """``probe`` plus a read of every byte (decompression, every Parquet row group / Arrow batch)."""
     cause = probe(file, cfg)
-    if cause is not None:
-        return cause
+    if cause is not None or (file.compression is None and file.format in ("jsonl", "csv")):
+        return cause  # plain text has no byte-level fault past the probe: its bad lines are bad rows
     try:
         with open_binary(file, cfg.storage_options) as stream:
             if file.format == "parquet":
