@@ -92,8 +92,21 @@ def extra_json(fields: dict) -> str | None:
 
 
 def extra_json_column(table: pa.Table) -> pa.Array:
-    """``extra_json`` of every row of ``table`` (its columns are the extra fields)."""
-    return pa.array([extra_json(row) for row in table.to_pylist()], pa.string())
+    """``extra_json`` of every row of ``table`` (its columns are the extra fields); only the rows that
+    hold a value are converted (usually few: the others stay null without a Python step)."""
+    n = table.num_rows
+    present = np.zeros(n, bool)
+    for column in table.columns:
+        present |= column.is_valid().to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(present)
+    if not len(rows):
+        return pa.nulls(n, pa.string())
+    values = [extra_json(row) for row in table.take(pa.array(rows)).to_pylist()]
+    if len(rows) == n:
+        return pa.array(values, pa.string())
+    out = np.full(n, None, dtype=object)
+    out[rows] = values
+    return pa.array(out, pa.string())
 
 
 def _is_messages(value: Any) -> bool:
