@@ -18,9 +18,9 @@ REDACTED = "<redacted>"
 
 def redact(value: Any) -> Any:
     """A copy of ``value`` with the values of secret-looking keys replaced by ``<redacted>``."""
-    if isinstance(value, dict):
+    if type(value) is dict:  # exact types: Dagster's metadata records are tuples that refuse iteration
         return {k: REDACTED if isinstance(k, str) and SECRET_KEY.search(k) and v not in (None, "", {}, [])
                 else redact(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return type(value)(redact(v) for v in value)
     return value

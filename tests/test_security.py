@@ -194,3 +194,17 @@ def test_no_unsafe_deserialisation_in_the_package():
     unexpected = {k: v for k, v in found.items() if k not in ALLOWED}
     assert unexpected == {}
     assert set(ALLOWED) <= set(found)  # an exception no longer needed must be removed from the list
+
+
+def test_redact_replaces_secret_values_and_keeps_the_rest():
+    from batchrl.redact import REDACTED, redact
+
+    metadata = {"storage_options": {"key": "AKIA1", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://x",
+                "aws_session_token": "tok"}}, "tokens_per_s": 12.5, "max_new_tokens": 64, "password": "",
+                "table": dg.MetadataValue.md("| a |"), "runs": [{"api_key": "k"}, ("x", {"token": "t"})]}
+    out = redact(metadata)
+    assert out["storage_options"] == {"key": REDACTED, "secret": REDACTED,
+                                      "client_kwargs": {"endpoint_url": "http://x", "aws_session_token": REDACTED}}
+    assert (out["tokens_per_s"], out["max_new_tokens"], out["password"]) == (12.5, 64, "")
+    assert out["table"] is metadata["table"] and out["runs"] == [{"api_key": REDACTED}, ("x", {"token": REDACTED})]
+    assert metadata["storage_options"]["secret"] == "s3cr3t"  # a copy: the caller's dict is untouched
