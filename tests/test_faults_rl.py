@@ -2,8 +2,8 @@
 stage leaves no version, every visible version is complete, the rerun completes. (The trainings' kill +
 resume is tested in test_trainer_jobs.py; cleaning and validation in test_faults_pipeline.py.)
 
-One test, 35 s on the 2-core box before the reward model trained through DeepSpeed, ~1.5 min now under load (four killed subprocesses and the
-reward-model trainer's): the upstream assets are materialised once in this process with a
+One test, ~1.5 min on the loaded 2-core box (four killed subprocesses and the reward-model trainer's;
+35 s before the reward model trained through DeepSpeed): the upstream assets are materialised once in this process with a
 filesystem IO manager; then each stage runs alone in a subprocess (its inputs load from that IO
 manager), is killed as soon as Dagster starts its step, and runs again to completion here."""
 from __future__ import annotations
