@@ -12,21 +12,10 @@ from typing import Any
 import dagster as dg
 
 from batchrl.lineage import environment_record, relative_to_root
+from batchrl.redact import redact
 from batchrl.resources import ArtifactRef, StorageResource
 
 NOT_RECORDED = {"storage", "catalog", "io_manager"}  # the root is where the record lives; io is Dagster's
-SECRET_MARKERS = ("secret", "password", "token", "access_key", "key_id", "credential")
-
-
-def redact(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: "<redacted>" if any(m in str(k).lower() for m in SECRET_MARKERS) else redact(v)
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact(v) for v in value]
-    return value
-
-
 def _resource_configs(context: dg.AssetExecutionContext) -> dict[str, Any]:
     out = {}
     for key in sorted(context.assets_def.required_resource_keys - NOT_RECORDED):
