@@ -19,6 +19,9 @@ from pydantic import BaseModel, Field
 
 RewardFn = Callable[[str, str, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+# What each registered reward reads from a row besides prompt/response (e.g. "answer", "tests"),
+# so a run config can be checked against the prompt set before anything runs.
+REWARD_NEEDS: dict[str, tuple[str, ...]] = {}
 RULE, REWARD_MODEL = "rule", "reward_model"
 
 _INTEGER = re.compile(r"[-+]?\d+")
@@ -27,9 +30,15 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _FINAL_MARK = "####"
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, needs: tuple[str, ...] = ()) -> Callable[[RewardFn], RewardFn]:
+    """Register ``fn`` under ``name``; ``needs`` lists the row fields it reads (documentation and
+    config checks)."""
     def decorate(fn: RewardFn) -> RewardFn:
+        known = REWARD_FUNCTIONS.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"reward {name!r} is already registered")
         REWARD_FUNCTIONS[name] = fn
+        REWARD_NEEDS[name] = tuple(needs)
         return fn
 
     return decorate
@@ -62,7 +71,7 @@ def _gold(meta: Mapping[str, Any]) -> int | None:
     return None if text is None else first_integer(text)
 
 
-@register_reward("arith_exact")
+@register_reward("arith_exact", needs=("answer",))
 def arith_exact(prompt: str, response: str, meta: dict) -> float:
     """1.0 iff the first integer in the response equals ``meta["answer"]``; 0.0 otherwise (also when
     the row has no answer). "7", " 7.", "It is 7" score 1 for answer 7; "17", "3 then 7" score 0."""
@@ -70,7 +79,7 @@ def arith_exact(prompt: str, response: str, meta: dict) -> float:
     return float(gold is not None and first_integer(response) == gold)
 
 
-@register_reward("arith_partial")
+@register_reward("arith_partial", needs=("answer",))
 def arith_partial(prompt: str, response: str, meta: dict) -> float:
     """Shaped arithmetic reward: 0.2 for writing any integer, +0.8 if it is the right one (max 1.0).
 
@@ -80,7 +89,7 @@ def arith_partial(prompt: str, response: str, meta: dict) -> float:
     return (0.2 if first_integer(response) is not None else 0.0) + 0.8 * arith_exact(prompt, response, meta)
 
 
-@register_reward("final_answer")
+@register_reward("final_answer", needs=("answer",))
 def final_answer(prompt: str, response: str, meta: dict) -> float:
     """1.0 iff the response's final number (``final_number``: after the last ``####``, else the last
     number) equals ``meta["answer"]`` (|Δ| < 1e-6); 0.0 otherwise. Credits worked solutions:
@@ -216,3 +225,7 @@ def compute_rewards(
         out[name] = values
     out["reward"] = reward
     return out
+
+
+# Built-in reward families register themselves on import (they import the helpers above).
+from batchrl.training import reward_math  # noqa: E402,F401
