@@ -228,4 +228,4 @@ def compute_rewards(
 
 
 # Built-in reward families register themselves on import (they import the helpers above).
-from batchrl.training import reward_math  # noqa: E402,F401
+from batchrl.training import reward_code, reward_math  # noqa: E402,F401
