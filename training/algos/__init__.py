@@ -24,11 +24,13 @@ from .preference import (
     get_preference_loss,
     preference_metrics,
 )
-from .registry import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator, get_policy_loss
+from .registry import (ADV_ESTIMATOR_NEEDS, ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs, get_adv_estimator,
+                       get_policy_loss, register_adv_estimator, register_policy_loss)
 from .utils import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "ADV_ESTIMATOR_NEEDS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
@@ -50,6 +52,7 @@ __all__ = [
     "compute_value_loss",
     "dpo_loss",
     "entropy_from_logits",
+    "estimator_needs",
     "get_adv_estimator",
     "get_policy_loss",
     "get_preference_loss",
@@ -59,6 +62,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "preference_metrics",
+    "register_adv_estimator",
+    "register_policy_loss",
     "token_logprobs_from_hidden",
     "token_logprobs_from_logits",
 ]
