@@ -49,10 +49,11 @@ def _s3() -> dict:
 
 
 def _gpu() -> dict:
-    """vLLM rollouts where vLLM is installed, else transformers on CUDA (``BATCHRL_ROLLOUT_ENGINE`` forces one)."""
-    engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "transformers")
+    """Every model stage on CUDA in bf16; rollouts with vLLM where it is installed, else the static-cache
+    engine (``BATCHRL_ROLLOUT_ENGINE`` forces one), sampled in a Pipes subprocess like the trainers."""
+    engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
     return {**_local(),
-            "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16"),
+            "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
             "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1"))),
             "compute": ComputeResource(device="cuda", dtype="bfloat16")}
 

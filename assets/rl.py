@@ -1,7 +1,6 @@
 """RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint."""
 
 import os
-import time
 
 import dagster as dg
 import pandas as pd
@@ -85,18 +84,17 @@ def _current_policy(context: dg.AssetExecutionContext, storage: StorageResource,
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout"), kinds={"pytorch"})
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: dict, base_model: dict,
-             rollout_engine: RolloutEngineResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+             rollout_engine: RolloutEngineResource, trainer: TrainerLauncherResource, storage: StorageResource,
+             catalog: CatalogResource) -> dg.Output:
     """n sampled responses per prompt from the current policy, with token log-probs."""
     policy = _current_policy(context, storage, base_model, config.policy)
     table = read_parquet_in(storage, prompts, "prompts.parquet")
     if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
         table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
-    engine = rollout_engine.engine(storage.localize(policy))
-    started = time.perf_counter()
-    samples = pd.DataFrame(engine.generate(list(table["prompt"]), n=config.samples_per_prompt, seed=config.seed))
-    generate_s = time.perf_counter() - started
-    del engine
-    rollout_engine.release()
+    with storage.staging_dir("rollouts_work") as workdir:
+        samples, stats = rollout_engine.sample(context, trainer, model_path=storage.localize(policy),
+                                               prompts=list(table["prompt"]), n=config.samples_per_prompt,
+                                               seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir)
     meta = table.reset_index(drop=True)[["prompt_id", "answer", "category"]]
     samples = samples.join(meta, on="prompt_index")
     with storage.staging_dir("rollouts") as staging:
@@ -104,10 +102,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         return publish(context, storage, catalog, staging, seed=config.seed,
                        config={**config.model_dump(), "engine": rollout_engine.model_dump()},
                        inputs={"prompts": prompts, "policy": policy},
-                       metadata={"samples": len(samples), "policy": policy.uri, "generate_s": generate_s,
-                                 "generated_tokens_per_s": float(samples["response_ids"].map(len).sum() / generate_s),
-                                 "mean_response_tokens": float(samples["response_ids"].map(len).mean()),
-                                 "stop_rate": float((samples["finish_reason"] == "stop").mean())})
+                       metadata={"policy": policy.uri, **{k: v for k, v in stats.items() if k != "content_hash"}})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"})

@@ -1,29 +1,54 @@
-"""Rollout engine resource: transformers on CPU (default) or vLLM on GPU hosts, chosen by config."""
+"""Rollout engine resource, chosen per environment by config: which engine, on which device, and whether
+sampling runs in the Dagster process (CPU) or in a subprocess through Pipes (GPU: its memory, and
+vLLM's engine processes, are gone when the stage ends)."""
 from __future__ import annotations
 
+import os
+
 import dagster as dg
+import pandas as pd
+from pydantic import Field
 
 
 class RolloutEngineResource(dg.ConfigurableResource):
-    kind: str = "transformers"  # "transformers" | "vllm"
+    kind: str = Field("transformers", description="transformers (plain generate) | static (static KV cache, "
+                      "CUDA graphs; Llama-family models) | vllm")
     max_new_tokens: int = 12
     temperature: float = 1.0
     top_p: float = 1.0
-    batch_size: int = 64
+    batch_size: int = Field(64, description="rows per chunk (transformers, static)")
     device: str = "cpu"
     dtype: str = "float32"
+    gpu_memory_utilization: float = Field(0.5, description="vLLM's share of the GPU memory")
+    in_subprocess: bool = Field(False, description="sample in a Pipes subprocess instead of the Dagster process")
 
-    def engine(self, model_path: str):
-        from batchrl.training.rollout import make_rollout_engine
+    def engine_options(self, model_path: str, cache_dir: str) -> dict:
+        """``make_rollout_engine`` kwargs (with ``kind``) for this engine."""
+        options = dict(kind=self.kind, model_path=model_path, max_new_tokens=self.max_new_tokens,
+                       temperature=self.temperature, top_p=self.top_p)
+        if self.kind == "vllm":
+            options.update(gpu_memory_utilization=self.gpu_memory_utilization,
+                           compile_cache_dir=os.path.join(cache_dir, "vllm"))
+        else:
+            options.update(batch_size=self.batch_size, device=self.device, dtype=self.dtype)
+        return options
 
-        kwargs = dict(model_path=model_path, max_new_tokens=self.max_new_tokens,
-                      temperature=self.temperature, top_p=self.top_p)
-        if self.kind == "transformers":
-            kwargs.update(batch_size=self.batch_size, device=self.device, dtype=self.dtype)
-        return make_rollout_engine(self.kind, **kwargs)
+    def sample(self, context: dg.AssetExecutionContext, launcher, *, model_path: str, prompts: list[str], n: int,
+               seed: int, workdir: str, cache_dir: str) -> tuple[pd.DataFrame, dict]:
+        """Samples (the engine contract's rows) and the sampling statistics."""
+        from batchrl.training.rollout.sampling_job import sample_to_parquet
 
-    def release(self) -> None:
-        """Give the accelerator memory of a dropped engine back before the next stage's subprocess."""
-        from batchrl.resources.compute import release_accelerator_memory
+        out = os.path.join(workdir, "samples.parquet")
+        engine = self.engine_options(model_path, cache_dir)
+        if self.in_subprocess:
+            prompts_parquet = os.path.join(workdir, "prompts.parquet")
+            pd.DataFrame({"prompt": prompts}).to_parquet(prompts_parquet, index=False)
+            result = launcher.run_job(context, "rollouts", {"engine": engine, "prompts_parquet": prompts_parquet,
+                                                           "n": n, "seed": seed, "out_parquet": out}, workdir)
+            stats = {k: getattr(v, "value", v) for k, v in (result.metadata or {}).items()}
+        else:
+            stats = sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out)
+            from batchrl.resources.compute import release_accelerator_memory
 
-        release_accelerator_memory(self.device)
+            release_accelerator_memory(self.device)
+        return pd.read_parquet(out), stats

@@ -115,7 +115,9 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     assert s3["landing"].storage_options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9"
     monkeypatch.setenv("BATCHRL_ROLLOUT_ENGINE", "vllm")
     assert (RESOURCES_BY_ENV["gpu"]()["rollout_engine"].kind, gpu["trainer"].num_gpus) == ("vllm", 2)
-    # without vLLM installed (this machine), the GPU environment rolls out with transformers on CUDA
-    assert (gpu["rollout_engine"].kind, gpu["rollout_engine"].device) == ("transformers", "cuda")
+    # without vLLM installed (this machine), the GPU environment rolls out with the static-cache engine on
+    # CUDA, in a Pipes subprocess; locally sampling stays in the Dagster process
+    assert (gpu["rollout_engine"].kind, gpu["rollout_engine"].device) == ("static", "cuda")
+    assert gpu["rollout_engine"].in_subprocess and not local["rollout_engine"].in_subprocess
     assert (gpu["compute"].device, local["compute"].device) == ("cuda", "cpu")
     assert (local["rollout_engine"].kind, local["trainer"].num_gpus) == ("transformers", 0)

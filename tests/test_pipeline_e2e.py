@@ -170,3 +170,23 @@ def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
     message = " ".join(str(e.event_specific_data.error) for e in switched.all_events
                        if e.event_type_value == "STEP_FAILURE")
     assert "descends from another base model" in message and "base_model" in message
+
+
+def test_rollouts_in_a_pipes_subprocess_equal_in_process(pipeline):
+    """The GPU environment's shape on CPU: the static-cache engine sampling in a Pipes subprocess gives the
+    same rows (same data version) as in the Dagster process."""
+    from batchrl.resources import RolloutEngineResource
+
+    _, instance, root = pipeline
+    config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}}}}
+    versions = []
+    for in_subprocess in (False, True):
+        engine = RolloutEngineResource(kind="static", batch_size=8, in_subprocess=in_subprocess)
+        result = run_assets(local_resources(root, rollout_engine=engine), instance, ["rollouts"], config)
+        assert result.success
+        meta = latest_metadata(instance, "rollouts")
+        assert meta["samples"] == 12 and meta["generate_s"] > 0
+        versions.append(meta["data_version"])
+    assert versions[0] == versions[1]
+    piped = [e for e in instance.all_logs(result.run_id) if "sampling 6 prompts x 2 with static" in (e.user_message or "")]
+    assert piped, "the subprocess reported through Pipes"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-JOBS = ("train_dpo", "train_policy", "reference_logprobs")
+JOBS = ("train_dpo", "train_policy", "reference_logprobs", "rollouts")
 
 
 def job_command(job_name: str, config_path: str, num_gpus: int | None = None) -> list[str]:

@@ -4,11 +4,13 @@ the vLLM engine is held to.
 Prompts are rendered with ``render_prompt`` and left-padded; ``prompts * n`` rows are generated in
 chunks of ``batch_size``. Each chunk reseeds torch from ``(seed, chunk index)`` inside a forked RNG,
 so a run is deterministic for a fixed seed and batch size and leaves the caller's RNG untouched.
+Rows are chunked in order of prompt length (less padding); samples come back in ``(prompt, sample)`` order.
 ``rollout_logprobs`` come from the raw logits (``output_logits``), see ``base`` for the convention.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -70,6 +72,18 @@ class TransformersRolloutEngine:
             kwargs.update(do_sample=False)
         return kwargs
 
+    @contextlib.contextmanager
+    def _seeded_inference(self, seed: int) -> Iterator[None]:
+        """Eval mode and a forked RNG seeded with ``seed`` (the caller's RNG stream stays untouched)."""
+        was_training = self.model.training
+        self.model.eval()  # an in-memory policy handed over by a trainer may be in train mode
+        try:
+            with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+                torch.manual_seed(seed)
+                yield
+        finally:
+            self.model.train(was_training)
+
     @torch.no_grad()
     def _generate_chunk(self, prompt_ids: list[list[int]], seed: int) -> list[tuple[list[int], list[float], bool]]:
         """Generate one response per row; returns ``(response_ids, logprobs, stopped)`` per row."""
@@ -79,36 +93,38 @@ class TransformersRolloutEngine:
         attention_mask = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device
         )
-        was_training = self.model.training
-        self.model.eval()  # an in-memory policy handed over by a trainer may be in train mode
-        try:
-            with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
-                torch.manual_seed(seed)
-                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
-        finally:
-            self.model.train(was_training)
+        with self._seeded_inference(seed):
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
         new_tokens = out.sequences[:, width:]
         # logits: one [B, V] tensor per generated step -> [B, steps, V] log-probs of the sampled tokens.
         logits = torch.stack(out.logits, dim=1).float()
         token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        return self._cut_at_stop(new_tokens.tolist(), token_logprobs.tolist())
+
+    def _cut_at_stop(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[tuple[list[int], list[float], bool]]:
+        """Per row: ``(response_ids, logprobs, stopped)`` up to and including the first stop token."""
         rows = []
-        for tokens, logps in zip(new_tokens.tolist(), token_logprobs.tolist()):
-            stop_at = next((i for i, t in enumerate(tokens) if t in self.stop_ids), None)
-            end = len(tokens) if stop_at is None else stop_at + 1
-            rows.append((tokens[:end], logps[:end], stop_at is not None))
+        for row_tokens, row_logprobs in zip(tokens, logprobs):
+            stop_at = next((i for i, t in enumerate(row_tokens) if t in self.stop_ids), None)
+            end = len(row_tokens) if stop_at is None else stop_at + 1
+            rows.append((row_tokens[:end], row_logprobs[:end], stop_at is not None))
         return rows
 
     def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
         encoded = [
             self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
         ]
-        jobs = [(p, s) for p in range(len(prompts)) for s in range(n)]
-        samples: list[dict[str, Any]] = []
+        # Rows are chunked in order of prompt length, so a chunk's prompts need little padding.
+        jobs = sorted(((p, s) for p in range(len(prompts)) for s in range(n)), key=lambda job: len(encoded[job[0]]))
+        results: dict[tuple[int, int], tuple[list[int], list[float], bool]] = {}
         for chunk_index, start in enumerate(range(0, len(jobs), self.batch_size)):
             chunk = jobs[start : start + self.batch_size]
             chunk_seed = seed * 1_000_003 + chunk_index
-            results = self._generate_chunk([encoded[p] for p, _ in chunk], chunk_seed)
-            for (p, s), (response_ids, logprobs, stopped) in zip(chunk, results):
+            results.update(zip(chunk, self._generate_chunk([encoded[p] for p, _ in chunk], chunk_seed)))
+        samples: list[dict[str, Any]] = []
+        for p in range(len(prompts)):
+            for s in range(n):
+                response_ids, logprobs, stopped = results[(p, s)]
                 samples.append(
                     make_sample(
                         prompt_index=p,

@@ -1,0 +1,35 @@
+"""Sampling as one call: build an engine, generate, write the samples; used in-process and by the job.
+
+``sample_to_parquet`` is what the ``rollouts`` asset runs, either in the Dagster process (CPU) or in a
+subprocess through Pipes (``batchrl.training.jobs.rollouts``), so that a GPU's memory — and vLLM's
+engine with its own processes — is gone when the stage ends.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+
+
+def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, seed: int, out_parquet: str) -> dict:
+    """``engine`` = ``{"kind": ..., **make_rollout_engine kwargs}``; writes the contract's rows to
+    ``out_parquet`` and returns timing and length statistics."""
+    from batchrl.training.rollout import make_rollout_engine
+
+    options = dict(engine)
+    started = time.perf_counter()
+    sampler = make_rollout_engine(options.pop("kind"), **options)
+    load_s = time.perf_counter() - started
+    started = time.perf_counter()
+    samples = pd.DataFrame(sampler.generate(prompts, n=n, seed=seed))
+    generate_s = time.perf_counter() - started
+    samples.to_parquet(out_parquet, index=False)
+    lengths = samples["response_ids"].map(len)
+    shutdown = getattr(sampler, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    return {"samples": len(samples), "engine_load_s": load_s, "generate_s": generate_s,
+            "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
+            "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
+            "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0}
