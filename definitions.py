@@ -100,7 +100,11 @@ def environment_resources(env: str | None = None, profile: str | None = None) ->
 
 def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,
                    run_config: dict | None = None) -> dg.ExecuteInProcessResult:
-    """Materialise ``selection`` (default: every asset, with its checks) in this process."""
+    """Materialise ``selection`` (default: every asset, with its checks) in this process, after the
+    whole-run config checks (``assets.rl_config``: an impossible combination fails before anything runs)."""
+    from batchrl.assets.rl_config import check_rl_run_config
+
+    check_rl_run_config(run_config, selection)
     job = defs.resolve_implicit_global_asset_job_def()
     if selection:
         keys = dg.AssetSelection.assets(*selection).resolve(defs.resolve_asset_graph())

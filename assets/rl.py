@@ -4,16 +4,19 @@ import os
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
 from batchrl import fsutil
 from batchrl.assets.common import (
     as_ref, code_version, publish, run_config_for, to_library_config, train_and_publish,
 )
 from batchrl.assets.models import read_parquet_in
+from batchrl.assets.rl_algorithm import check_kl_in_reward, kl_in_reward_inputs
 from batchrl.resources import (
     ArtifactRef, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
 )
+from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.prompts import load_prompts
 from batchrl.training.rewards import RewardConfig
 from batchrl.training.trainer.config import PolicyConfig
@@ -31,15 +34,11 @@ class RolloutConfig(dg.Config):
     samples_per_prompt: int = 8
     max_prompts: int | None = None
     seed: int = 0
+    greedy_baseline: bool = Field(False, description="also decode one greedy response per prompt; its reward "
+                                  "becomes the prompt's baseline (ReMax, advantages.estimator: remax)")
 
 
-class AdvantageConfig(dg.Config):
-    """Estimator by registry name: grpo, drgrpo, rloo, reinforce_plus_plus(_baseline), remax, gae."""
-
-    estimator: str = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std: bool = True
+AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"})
@@ -54,6 +53,11 @@ def prompts(context: dg.AssetExecutionContext, landing: LandingResource, storage
         return publish(context, storage, catalog, staging, config={"landing": landing.prompts},
                        input_files=[source],
                        metadata={"rows": len(table), "categories": table["category"].value_counts().to_dict()})
+
+
+def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
+    keys = context.run.asset_selection
+    return [key.to_user_string() for key in keys] if keys else None
 
 
 def chain_base(storage: StorageResource, policy: ArtifactRef) -> str:
@@ -86,7 +90,11 @@ def _current_policy(context: dg.AssetExecutionContext, storage: StorageResource,
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: dict, base_model: dict,
              rollout_engine: RolloutEngineResource, trainer: TrainerLauncherResource, storage: StorageResource,
              catalog: CatalogResource) -> dg.Output:
-    """n sampled responses per prompt from the current policy, with token log-probs."""
+    """n sampled responses per prompt from the current policy, with token log-probs (plus one greedy
+    response per prompt with ``greedy_baseline``, for ReMax)."""
+    from batchrl.assets.rl_config import check_rl_run_config
+
+    check_rl_run_config(context.run.run_config, _selected_assets(context))  # runs launched from the UI
     policy = _current_policy(context, storage, base_model, config.policy)
     table = read_parquet_in(storage, prompts, "prompts.parquet")
     if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
@@ -95,6 +103,15 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         samples, stats = rollout_engine.sample(context, trainer, model_path=storage.localize(policy),
                                                prompts=list(table["prompt"]), n=config.samples_per_prompt,
                                                seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir)
+        if config.greedy_baseline:
+            from batchrl.training.remax import add_greedy_baselines, greedy_engine
+
+            greedy_dir = os.path.join(workdir, "greedy")
+            os.makedirs(greedy_dir, exist_ok=True)
+            greedy, _ = greedy_engine(rollout_engine).sample(
+                context, trainer, model_path=storage.localize(policy), prompts=list(table["prompt"]), n=1,
+                seed=config.seed, workdir=greedy_dir, cache_dir=storage.cache_dir)
+            samples = add_greedy_baselines(samples, greedy)
     meta = table.reset_index(drop=True)[["prompt_id", "answer", "category"]]
     samples = samples.join(meta, on="prompt_index")
     with storage.staging_dir("rollouts") as staging:
@@ -124,21 +141,30 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
                                  "mean_reward_by_category": by_category})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos"),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
+                                                    "batchrl.training.kl_reward", "batchrl.training.remax"),
           kinds={"pytorch"})
-def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: dict,
-               storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """Per-token advantages and returns from the configured estimator (grouped by prompt)."""
+def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: dict, base_model: dict,
+               storage: StorageResource, catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
+    """Per-token advantages and returns from the configured estimator (grouped by prompt), with the
+    KL to the base model in the token rewards when ``use_kl_in_reward``."""
     from batchrl.training.advantages import compute_advantages
 
+    settings = to_library_config(config, AdvantageSettings)
     table = read_parquet_in(storage, rewards, "rewards.parquet")
-    out = compute_advantages(table, config.estimator, gamma=config.gamma, lam=config.lam,
-                             norm_adv_by_std=config.norm_adv_by_std)
+    kl, kl_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model)
+    out = compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,
+                             norm_adv_by_std=settings.norm_adv_by_std, kl=kl)
+    metrics = out.attrs.get("metrics", {})
     flat = [a for row in out["advantages"] for a in row]
     with storage.staging_dir("advantages") as staging:
         out.to_parquet(os.path.join(staging, "advantages.parquet"), index=False)
-        return publish(context, storage, catalog, staging, config=config.model_dump(), inputs={"rewards": rewards},
-                       metadata={"samples": len(out), "estimator": config.estimator,
+        lineage_config = settings.model_dump()
+        if kl is not None:  # the controller's state, read back by the next iteration
+            lineage_config["kl_ctrl_state"] = {k: metrics[k] for k in ("kl_coef_applied", "kl_coef_next")}
+        return publish(context, storage, catalog, staging, config=lineage_config,
+                       inputs={"rewards": rewards, **kl_inputs},
+                       metadata={"samples": len(out), "estimator": settings.estimator, **metrics,
                                  "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
 
 
@@ -154,6 +180,7 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
                          f"({policy.uri}), which descends from another base model than the KL reference "
                          f"base_model {as_ref(base_model).data_version} ({as_ref(base_model).uri}): re-materialise "
                          "rollouts so the policy chain and its reference share one base model")
+    check_kl_in_reward(storage, advantages, config.use_kl_in_reward, config.kl_coef)
     job_config = {
         "trainer": config.model_dump(),
         "batch_parquet": os.path.join(storage.localize(advantages), "advantages.parquet"),

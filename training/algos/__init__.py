@@ -14,7 +14,7 @@ from .advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
-from .kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_loss, kl_penalty
+from .kl import KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_loss, kl_penalty
 from .logprobs import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from .policy_loss import compute_policy_loss, compute_policy_loss_gspo, compute_rollout_is_weights, compute_value_loss
 from .preference import (
@@ -31,6 +31,7 @@ from .utils import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whi
 __all__ = [
     "ADV_ESTIMATORS",
     "ADV_ESTIMATOR_NEEDS",
+    "KL_KINDS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",

@@ -33,7 +33,8 @@ def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, tor
     batch = pad_prompt_completion([rows["prompt_ids"][i] for i in idx],
                                   [rows["response_ids"][i] for i in idx], pad_id)
     R = batch["responses"].shape[1]
-    batch["advantages"] = _pad_floats([rows["advantages"][i] for i in idx], R)
+    if "advantages" in rows:  # absent when only log-probs are wanted
+        batch["advantages"] = _pad_floats([rows["advantages"][i] for i in idx], R)
     return to_device(batch, device)
 
 

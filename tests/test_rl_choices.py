@@ -1,0 +1,178 @@
+"""Estimators, ReMax baselines and KL in the reward through the pipeline; impossible choices refused
+before anything runs."""
+from __future__ import annotations
+
+import dagster as dg
+import numpy as np
+import pandas as pd
+import pytest
+from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+from batchrl.assets.rl_config import RunConfigError, check_rl_run_config
+from batchrl.resources import StorageResource
+from batchrl.training.algos import ADV_ESTIMATOR_NEEDS, ADV_ESTIMATORS
+
+UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
+            "base_model", "reward_model"]
+RL = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
+BASE = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+        "reward_model": {"config": {"epochs": 1}}}
+SMALL_ROLLOUTS = {"samples_per_prompt": 3, "max_prompts": 6}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("storage"))
+    with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp("home"))) as instance:
+        result = run_assets(local_resources(root), instance, UPSTREAM, {"ops": BASE})
+        assert result.success
+        yield instance, root
+
+
+def _run_rl(upstream, ops: dict, selection=RL):
+    instance, root = upstream
+    result = run_assets(local_resources(root), instance, selection, {"ops": ops})
+    failures = [str(e.event_specific_data.error) for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    return result, failures
+
+
+def _lineage(instance, root, asset):
+    meta = latest_metadata(instance, asset)
+    return StorageResource(root=root).read_lineage({"asset": asset, "uri": meta["uri"],
+                                                    "data_version": meta["data_version"]})
+
+
+def _estimator_run_config(name: str) -> dict:
+    needs = ADV_ESTIMATOR_NEEDS[name]
+    ops = {"rollouts": {"config": {**SMALL_ROLLOUTS, "greedy_baseline": "reward_baselines" in needs}},
+           "advantages": {"config": {"estimator": name}},
+           "policy_checkpoint": {"config": {"adv_estimator": name, "critic": "values" in needs}}}
+    return ops
+
+
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
+def test_every_offered_estimator_runs_in_the_pipeline(upstream, name):
+    result, failures = _run_rl(upstream, _estimator_run_config(name))
+    assert result.success, failures
+    instance, root = upstream
+    meta = latest_metadata(instance, "advantages")
+    assert meta["estimator"] == name and meta["samples"] == 18  # greedy rows never reach the batch
+    assert meta["adv_abs_mean"] > 0 or name == "remax"  # remax can tie greedy exactly on a tiny model
+    assert latest_metadata(instance, "policy_checkpoint")["num_samples"] == 18
+
+
+def test_remax_baselines_are_the_greedy_rewards(upstream):
+    result, failures = _run_rl(upstream, _estimator_run_config("remax"))
+    assert result.success, failures
+    instance, root = upstream
+    storage = StorageResource(root=root)
+    rewards = pd.read_parquet(storage.localize(_ref(instance, "rewards")) + "/rewards.parquet")
+    greedy = rewards[rewards["is_greedy_baseline"]]
+    assert len(greedy) == 6 and (greedy["sample_index"] == -1).all()
+    assert greedy["prompt_index"].is_unique
+    batch = pd.read_parquet(storage.localize(_ref(instance, "advantages")) + "/advantages.parquet")
+    assert "is_greedy_baseline" not in batch.columns and len(batch) == 18
+    baseline = batch["prompt_index"].map(greedy.set_index("prompt_index")["reward"])
+    last_token_adv = batch["advantages"].map(lambda a: a[-1])
+    np.testing.assert_allclose(last_token_adv, batch["reward"] - baseline, atol=1e-6)
+
+
+def _ref(instance, asset):
+    meta = latest_metadata(instance, asset)
+    return {"asset": asset, "uri": meta["uri"], "data_version": meta["data_version"]}
+
+
+def test_kl_in_reward_adaptive_controller_carries_over(upstream):
+    instance, root = upstream
+    ops = {"advantages": {"config": {"use_kl_in_reward": True, "kl_ctrl": "adaptive", "kl_coef": 0.05,
+                                     "target_kl": 1e-4, "kl_horizon": 10, "kl_penalty": "k3"}},
+           "policy_checkpoint": {"config": {"use_kl_in_reward": True}}}
+    states = []
+    for seed in (0, 1):
+        ops["rollouts"] = {"config": {**SMALL_ROLLOUTS, "seed": seed}}
+        result, failures = _run_rl(upstream, ops)
+        assert result.success, failures
+        lineage = _lineage(instance, root, "advantages")
+        assert latest_metadata(instance, "advantages")["kl_in_reward"] > 0  # sampled away from the reference
+        assert "reference" in lineage["inputs"]
+        states.append((latest_metadata(instance, "advantages")["data_version"], lineage))
+        assert "kl_loss" not in latest_metadata(instance, "policy_checkpoint")["final"]  # KL is in the reward only
+    (first_version, first), (_, second) = states
+    assert second["inputs"]["kl_ctrl_from"]["data_version"] == first_version
+    assert second["config"]["kl_ctrl_state"]["kl_coef_applied"] == pytest.approx(
+        first["config"]["kl_ctrl_state"]["kl_coef_next"])
+    state = first["config"]["kl_ctrl_state"]
+    assert state["kl_coef_next"] > state["kl_coef_applied"]  # KL above its target: the coefficient grows
+
+
+@pytest.mark.parametrize("policy", ["base", "latest"])
+def test_kl_in_reward_lowers_the_token_rewards_by_beta_kl(upstream, policy):
+    """REINFORCE++ returns at token 0 are the sum of the token rewards: reward - beta * sum_t |log-ratio_t|."""
+    instance, root = upstream
+    ops = {"rollouts": {"config": {**SMALL_ROLLOUTS, "policy": policy}},
+           "advantages": {"config": {"estimator": "reinforce_plus_plus", "use_kl_in_reward": True,
+                                     "kl_coef": 0.5, "kl_penalty": "abs"}}}
+    result, failures = _run_rl(upstream, ops, ["rollouts", "rewards", "advantages"])
+    assert result.success, failures
+    batch = pd.read_parquet(StorageResource(root=root).localize(_ref(instance, "advantages")) + "/advantages.parquet")
+    penalty = batch["reward"] - batch["returns"].map(lambda r: r[0])
+    kl = latest_metadata(instance, "advantages")["kl_in_reward"]
+    assert (penalty >= -1e-6).all()
+    if policy == "base":  # the sampling policy is the reference: engine and reference log-probs agree
+        assert kl < 1e-3 and penalty.max() < 1e-2
+    else:
+        assert kl > 1e-3 and penalty.mean() > 0.5 * kl
+
+
+def test_policy_refuses_advantages_without_the_kl_it_expects(upstream):
+    _run_rl(upstream, {"rollouts": {"config": SMALL_ROLLOUTS}}, ["rollouts", "rewards", "advantages"])
+    result, failures = _run_rl(upstream, {"policy_checkpoint": {"config": {"use_kl_in_reward": True}}},
+                               ["policy_checkpoint"])
+    assert not result.success and "would silently vanish" in " ".join(failures)
+
+
+@pytest.mark.parametrize("ops,field", [
+    ({"advantages": {"config": {"estimator": "remax"}}}, "ops.rollouts.config.greedy_baseline"),
+    ({"advantages": {"config": {"estimator": "rloo"}}, "rollouts": {"config": {"samples_per_prompt": 1}}},
+     "ops.rollouts.config.samples_per_prompt"),
+    ({"advantages": {"config": {"estimator": "gae"}}}, "ops.policy_checkpoint.config.critic"),
+    ({"policy_checkpoint": {"config": {"use_kl_in_reward": True}}}, "ops.advantages.config.use_kl_in_reward"),
+    ({"advantages": {"config": {"use_kl_in_reward": True}}}, "ops.policy_checkpoint.config.use_kl_in_reward"),
+    ({"advantages": {"config": {"estimator": "rloo"}}, "policy_checkpoint": {"config": {"adv_estimator": "grpo"}}},
+     "ops.policy_checkpoint.config.adv_estimator"),
+    ({"policy_checkpoint": {"config": {"adv_estimator": "gae"}}}, "ops.policy_checkpoint.config"),
+    ({"advantages": {"config": {"use_kl_in_reward": True, "kl_coef": 0}}}, "ops.advantages.config"),
+    ({"rewards": {"config": {"rule": "no_such_reward"}}}, "ops.rewards.config.rule"),
+])
+def test_impossible_combinations_are_config_errors_naming_the_field(ops, field):
+    with pytest.raises(RunConfigError) as err:
+        check_rl_run_config({"ops": ops})
+    assert field in str(err.value)
+
+
+def test_config_error_stops_the_run_before_any_asset(tmp_path):
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        with pytest.raises(RunConfigError, match="greedy_baseline"):
+            run_assets(local_resources(str(tmp_path / "s")), instance, None,
+                       {"ops": {"advantages": {"config": {"estimator": "remax"}}}})
+        assert instance.get_latest_materialization_event(dg.AssetKey("prompts")) is None
+
+
+def test_unknown_names_are_refused_by_the_config_schema(tmp_path):
+    """Allowed names come from the registries: Dagster's own config check refuses others at launch."""
+    from batchrl.definitions import build_definitions
+
+    job = build_definitions(local_resources(str(tmp_path / "s"))).resolve_implicit_global_asset_job_def()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        for asset, field, value in (("advantages", "estimator", "ppo_magic"), ("advantages", "kl_penalty", "k9"),
+                                    ("policy_checkpoint", "policy_loss", "nope")):
+            with pytest.raises(dg.DagsterInvalidConfigError, match=field):
+                job.execute_in_process(instance=instance, run_config={"ops": {asset: {"config": {field: value}}}})
+
+
+def test_valid_combinations_pass():
+    check_rl_run_config({"ops": {"rollouts": {"config": {"greedy_baseline": True}},
+                                 "advantages": {"config": {"estimator": "remax"}}}})
+    check_rl_run_config({"ops": {"advantages": {"config": {"estimator": "remax"}}}}, ["advantages"])
+    check_rl_run_config({"ops": {"advantages": {"config": {"estimator": "gae"}},
+                                 "policy_checkpoint": {"config": {"adv_estimator": "gae", "critic": True}}}})
