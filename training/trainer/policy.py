@@ -96,14 +96,17 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
         raise KeyError(f"{batch_parquet} lacks columns {sorted(missing)}")
     table = table[table["response_ids"].map(len) > 0].reset_index(drop=True)
     cols = ["prompt_ids", "response_ids", "advantages"] + [
-        c for c in ("rollout_logprobs", "reward") if c in table.columns]
+        c for c in ("rollout_logprobs", "reward", "values", "returns") if c in table.columns]
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
 
 
 def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_dir: str,
-                 reference_model_path: str | None = None, report: Report | None = None) -> dict[str, Any]:
+                 reference_model_path: str | None = None, critic_path: str | None = None,
+                 report: Report | None = None) -> dict[str, Any]:
     """One PPO/GRPO update of ``model_path`` on ``batch_parquet``; checkpoints in
-    ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns last-step metrics + curve."""
+    ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns last-step metrics + curve.
+    With ``cfg.critic`` the critic at ``critic_path`` (default: a fresh one from ``model_path``)
+    is then trained on the batch's returns and exported to ``out_dir/critic`` (``trainer.critic``)."""
     rows = load_batch(batch_parquet)
     n = len(rows["prompt_ids"])
     cfg = fit_batch(cfg, n)
@@ -164,4 +167,8 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
         result["batch_mean_reward"] = float(np.mean(rows["reward"]))
     if not result["stopped_early"]:
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
+        if cfg.critic:
+            from batchrl.training.trainer.critic import train_critic
+
+            result.update(train_critic(cfg, rows, critic_path=critic_path or model_path, out_dir=out_dir))
     return result
