@@ -11,7 +11,7 @@ from batchrl.assets.common import (
     as_ref, code_version, publish, run_config_for, to_library_config, train_and_publish,
 )
 from batchrl.assets.models import read_parquet_in
-from batchrl.assets.rl_algorithm import check_kl_in_reward, kl_in_reward_inputs
+from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_for_rewards, critic_job_inputs, kl_in_reward_inputs
 from batchrl.resources import (
     ArtifactRef, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -56,7 +56,7 @@ def prompts(context: dg.AssetExecutionContext, landing: LandingResource, storage
 
 
 def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
-    keys = context.run.asset_selection
+    keys = context.run.asset_selection or context.job_def.asset_layer.selected_asset_keys
     return [key.to_user_string() for key in keys] if keys else None
 
 
@@ -150,9 +150,18 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
     KL to the base model in the token rewards when ``use_kl_in_reward``."""
     from batchrl.training.advantages import compute_advantages
 
+    from batchrl.training.algos import estimator_needs
+
     settings = to_library_config(config, AdvantageSettings)
     table = read_parquet_in(storage, rewards, "rewards.parquet")
-    kl, kl_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model)
+    kl, extra_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model)
+    if "values" in estimator_needs(settings.estimator):
+        from batchrl.training.trainer.critic import predict_values
+
+        critic = critic_for_rewards(storage, rewards)
+        table["values"] = predict_values(storage.localize(critic), table, device=compute.device)
+        compute.release()
+        extra_inputs["critic"] = critic
     out = compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,
                              norm_adv_by_std=settings.norm_adv_by_std, kl=kl)
     metrics = out.attrs.get("metrics", {})
@@ -163,7 +172,7 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
         if kl is not None:  # the controller's state, read back by the next iteration
             lineage_config["kl_ctrl_state"] = {k: metrics[k] for k in ("kl_coef_applied", "kl_coef_next")}
         return publish(context, storage, catalog, staging, config=lineage_config,
-                       inputs={"rewards": rewards, **kl_inputs},
+                       inputs={"rewards": rewards, **extra_inputs},
                        metadata={"samples": len(out), "estimator": settings.estimator, **metrics,
                                  "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
 
@@ -181,12 +190,14 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
                          f"base_model {as_ref(base_model).data_version} ({as_ref(base_model).uri}): re-materialise "
                          "rollouts so the policy chain and its reference share one base model")
     check_kl_in_reward(storage, advantages, config.use_kl_in_reward, config.kl_coef)
+    critic_config, companions = critic_job_inputs(storage, advantages, config.critic)
     job_config = {
         "trainer": config.model_dump(),
         "batch_parquet": os.path.join(storage.localize(advantages), "advantages.parquet"),
         "model_path": storage.localize(policy),
         "reference_model_path": storage.localize(base_model),
+        **critic_config,
     }
     return train_and_publish(context, "train_policy", job_config,
                              {"advantages": advantages, "policy": policy, "reference": base_model},
-                             config.seed, storage, catalog, trainer)
+                             config.seed, storage, catalog, trainer, companions=companions)

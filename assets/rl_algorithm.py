@@ -69,3 +69,37 @@ def check_kl_in_reward(storage: StorageResource, advantages: dict, policy_use_kl
         raise dg.Failure("policy_checkpoint: the advantages already carry the KL penalty in their rewards "
                          "(advantages config use_kl_in_reward: true) and config use_kl_in_reward is false, so the "
                          "KL loss would count it twice; set policy_checkpoint use_kl_in_reward: true or kl_coef: 0")
+
+
+CRITIC_ASSET = "critic_checkpoint"
+
+
+def critic_for_rewards(storage: StorageResource, rewards: dict) -> ArtifactRef:
+    """The critic that values the samples behind ``rewards``: the critic exported with the policy
+    that sampled them (its ``companions.json``), else that policy itself (a new critic starts from
+    the policy's weights with a zeroed value head, ``trainer.critic.load_value_model``)."""
+    import json
+    import os
+
+    rollouts = storage.read_lineage(as_ref(rewards))["inputs"]["rollouts"]
+    policy = as_ref(storage.read_lineage(as_ref(rollouts))["inputs"]["policy"])
+    companions = os.path.join(storage.localize(policy), "companions.json")
+    if os.path.exists(companions):
+        with open(companions) as f:
+            critic = json.load(f).get(CRITIC_ASSET)
+        if critic is not None:
+            return as_ref(critic)
+    return policy
+
+
+def critic_job_inputs(storage: StorageResource, advantages: dict, use_critic: bool) -> tuple[dict, dict]:
+    """(extra job config, companion artifacts) of the policy update: the critic the advantages were
+    valued with is trained further and published as ``critic_checkpoint``."""
+    critic = storage.read_lineage(as_ref(advantages)).get("inputs", {}).get("critic")
+    if not use_critic:
+        return {}, {}
+    if critic is None:
+        raise dg.Failure("policy_checkpoint: config critic is true but the advantages were computed without critic "
+                         "values (advantages config estimator needs no values): use estimator gae, or critic: false")
+    return ({"critic_path": storage.localize(critic)},
+            {CRITIC_ASSET: ("critic", {"advantages": advantages, "critic": critic})})
