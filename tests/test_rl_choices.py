@@ -52,17 +52,14 @@ def _estimator_run_config(name: str) -> dict:
 
 @pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
 def test_every_offered_estimator_runs_in_the_pipeline(upstream, name):
-    """Estimators with special inputs (critic values, greedy baselines) run the whole loop including
-    the policy update; the others the stages up to advantages (the update does not depend on them)."""
-    special = ADV_ESTIMATOR_NEEDS[name] & {"values", "reward_baselines"}
-    result, failures = _run_rl(upstream, _estimator_run_config(name), RL if special else RL[:3])
+    """Up to the advantages here; the policy update is estimator-agnostic except for the critic, and the
+    full loop runs below for remax (baselines) and gae (critic, two iterations)."""
+    result, failures = _run_rl(upstream, _estimator_run_config(name), RL[:3])
     assert result.success, failures
     instance, root = upstream
     meta = latest_metadata(instance, "advantages")
     assert meta["estimator"] == name and meta["samples"] == 18  # greedy rows never reach the batch
     assert meta["adv_abs_mean"] > 0 or name == "remax"  # remax can tie greedy exactly on a tiny model
-    if special:
-        assert latest_metadata(instance, "policy_checkpoint")["num_samples"] == 18
 
 
 def test_remax_baselines_are_the_greedy_rewards(upstream):
@@ -79,6 +76,7 @@ def test_remax_baselines_are_the_greedy_rewards(upstream):
     baseline = batch["prompt_index"].map(greedy.set_index("prompt_index")["reward"])
     last_token_adv = batch["advantages"].map(lambda a: a[-1])
     np.testing.assert_allclose(last_token_adv, batch["reward"] - baseline, atol=1e-6)
+    assert latest_metadata(instance, "policy_checkpoint")["num_samples"] == 18
 
 
 def _ref(instance, asset):
@@ -181,3 +179,23 @@ def test_valid_combinations_pass():
     check_rl_run_config({"ops": {"advantages": {"config": {"estimator": "remax"}}}}, ["advantages"])
     check_rl_run_config({"ops": {"advantages": {"config": {"estimator": "gae"}},
                                  "policy_checkpoint": {"config": {"adv_estimator": "gae", "critic": True}}}})
+
+
+def test_the_critic_is_its_own_versioned_checkpoint_carried_to_the_next_iteration(upstream):
+    instance, root = upstream
+    ops = _estimator_run_config("gae")
+    versions = []
+    for seed in (0, 1):
+        ops["rollouts"]["config"]["seed"] = seed
+        result, failures = _run_rl(upstream, ops)
+        assert result.success, failures
+        policy = latest_metadata(instance, "policy_checkpoint")
+        critic = {"asset": "critic_checkpoint", "uri": policy["critic_checkpoint_uri"],
+                  "data_version": policy["critic_checkpoint_data_version"]}
+        lineage = StorageResource(root=root).read_lineage(critic)
+        assert lineage["inputs"]["advantages"]["data_version"] == latest_metadata(instance, "advantages")["data_version"]
+        assert policy["critic_value_loss_first"] > 0 and policy["critic_vf_clipfrac"] >= 0
+        versions.append((critic, _lineage(instance, root, "advantages")["inputs"]["critic"]))
+    (first_critic, _), (second_critic, second_valued_with) = versions
+    assert second_valued_with == first_critic  # iteration 2 valued its samples with iteration 1's critic
+    assert lineage["inputs"]["critic"] == first_critic and second_critic != first_critic
