@@ -112,7 +112,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                 context, trainer, model_path=storage.localize(policy), prompts=list(table["prompt"]), n=1,
                 seed=config.seed, workdir=greedy_dir, cache_dir=storage.cache_dir)
             samples = add_greedy_baselines(samples, greedy)
-    meta = table.reset_index(drop=True)[["prompt_id", "answer", "category"]]
+    meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, data_source, tests ...
     samples = samples.join(meta, on="prompt_index")
     with storage.staging_dir("rollouts") as staging:
         samples.to_parquet(os.path.join(staging, "rollouts.parquet"), index=False)

@@ -199,3 +199,37 @@ def test_the_critic_is_its_own_versioned_checkpoint_carried_to_the_next_iteratio
     (first_critic, _), (second_critic, second_valued_with) = versions
     assert second_valued_with == first_critic  # iteration 2 valued its samples with iteration 1's critic
     assert lineage["inputs"]["critic"] == first_critic and second_critic != first_critic
+
+
+def test_rewards_route_by_data_source_through_the_pipeline(upstream, tmp_path):
+    """Prompt fields (data_source, tests) reach the rewards; each source gets its own verifier."""
+    import json
+
+    from batchrl.resources import LandingResource
+
+    instance, root = upstream
+    rows = [{"id": f"g{i}", "prompt": f"Compute {i} + 2. Answer with a number.", "answer": f"... #### {i + 2}",
+             "data_source": "openai/gsm8k"} for i in range(3)]
+    rows += [{"id": f"c{i}", "prompt": f"Write add{i}(a, b).", "data_source": "code",
+              "tests": [f"assert add{i}(1, 2) == 3"]} for i in range(2)]
+    rows += [{"id": "m0", "prompt": "Compute 1 + 1. Answer with a number.", "answer": "2"}]  # default route
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ops = {"rollouts": {"config": {"samples_per_prompt": 2}},
+           "rewards": {"config": {"rule": "arith_exact", "custom": {"gsm8k": "gsm8k_flexible", "code": "code_exec"},
+                                  "route_by": "data_source", "weights": {"rule": 1.0},
+                                  "routing": {"openai/gsm8k": {"gsm8k": 1.0}, "code": {"code": 1.0}}}}}
+    resources = local_resources(root, landing=LandingResource(prompts=str(path)))
+    try:
+        result = run_assets(resources, instance, ["prompts", "rollouts", "rewards"], {"ops": ops})
+        assert result.success
+        scored = pd.read_parquet(StorageResource(root=root).localize(_ref(instance, "rewards")) + "/rewards.parquet")
+    finally:  # the other tests use the shipped prompts
+        assert run_assets(local_resources(root), instance, ["prompts"]).success
+    assert len(scored) == 12 and set(scored["data_source"].dropna()) == {"openai/gsm8k", "code"}
+    by_source = scored["data_source"].fillna("default")
+    for source, column in (("openai/gsm8k", "gsm8k"), ("code", "code"), ("default", "rule")):
+        part = scored[by_source == source]
+        np.testing.assert_allclose(part["reward"], part[column])
+    for _, row in scored[by_source == "code"].iterrows():  # each row carries its own prompt's tests
+        assert json.loads(row["tests"]) == [f"assert add{row['prompt_id'][1]}(1, 2) == 3"]

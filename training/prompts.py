@@ -10,6 +10,9 @@ import pandas as pd
 from batchrl import fsutil
 
 PROMPT_COLUMNS = ["prompt_id", "prompt", "answer", "category"]
+# Optional per-prompt fields carried to the rewards: where the prompt comes from (reward routing,
+# as verl's data_source) and the code-execution reward's tests (kept as JSON text).
+PROMPT_EXTRAS = ["data_source", "tests"]
 
 
 class PromptFileError(ValueError):
@@ -26,8 +29,15 @@ def _check_row(uri: str, line_no: int, row: Any) -> dict:
     if answer is not None and not isinstance(answer, (str, int, float)):
         raise PromptFileError(f"{uri}:{line_no}: field 'answer' must be a string or number, got {answer!r}")
     prompt_id = row.get("id") or hashlib.sha256(prompt.encode()).hexdigest()[:16]
+    data_source, tests = row.get("data_source"), row.get("tests")
+    if data_source is not None and not isinstance(data_source, str):
+        raise PromptFileError(f"{uri}:{line_no}: field 'data_source' must be a string, got {data_source!r}")
+    if tests is not None and not isinstance(tests, (list, dict)):
+        raise PromptFileError(f"{uri}:{line_no}: field 'tests' must be a list of test statements or "
+                              f"{{'inputs': [...], 'outputs': [...]}}, got {type(tests).__name__}")
     return {"prompt_id": str(prompt_id), "prompt": prompt.strip(),
-            "answer": None if answer is None else str(answer), "category": row.get("category")}
+            "answer": None if answer is None else str(answer), "category": row.get("category"),
+            "data_source": data_source, "tests": None if tests is None else json.dumps(tests)}
 
 
 def load_prompts(uri: str, storage_options: dict | None = None) -> pd.DataFrame:
@@ -46,4 +56,5 @@ def load_prompts(uri: str, storage_options: dict | None = None) -> pd.DataFrame:
             rows.append(_check_row(uri, line_no, row))
     if not rows:
         raise PromptFileError(f"{uri}: no prompts")
-    return pd.DataFrame(rows, columns=PROMPT_COLUMNS)
+    table = pd.DataFrame(rows, columns=PROMPT_COLUMNS + PROMPT_EXTRAS)
+    return table.drop(columns=[c for c in PROMPT_EXTRAS if table[c].isna().all()])

@@ -3,7 +3,8 @@
 A reward function is ``fn(prompt: str, response: str, meta: dict) -> float``; ``meta`` is the whole
 row (``answer``, ``category``, ...). ``compute_rewards`` evaluates every component per row and mixes
 them: ``reward = sum_k w_k(category) * component_k`` where the weights come from
-``RewardConfig.routing[category]`` when the row's category is routed, else ``RewardConfig.weights``
+``RewardConfig.routing[category]`` when the row's category (or the field named by ``route_by``, e.g.
+``data_source``) is routed, else ``RewardConfig.weights``
 (the category-routed reward idea: e.g. arithmetic judged by the rule, chat by the RM).
 """
 from __future__ import annotations
@@ -184,6 +185,8 @@ class RewardConfig(BaseModel):
     custom: dict[str, str] = Field(default_factory=dict)
     weights: dict[str, float] = Field(default_factory=lambda: {RULE: 1.0, REWARD_MODEL: 0.0})
     routing: dict[str, dict[str, float]] | None = None
+    route_by: str = Field("category", description="row field whose value picks the routing entry "
+                          "(category, or data_source as verl's reward manager does)")
     reward_model_path: str | None = None
     rm_batch_size: int = 32
     rm_max_length: int = 256
@@ -218,7 +221,8 @@ def compute_rewards(
         ).astype(np.float64)
     elif _uses(cfg, REWARD_MODEL):
         raise ValueError("the reward mix weights the reward model but no reward_model_path is set")
-    categories = [c if isinstance(c, str) else None for c in frame["category"]] if "category" in frame else None
+    key = cfg.route_by
+    categories = [c if isinstance(c, str) else None for c in frame[key]] if key in frame else None
     reward = mix_rewards(components, cfg.weights, category=categories, routing=cfg.routing)
     out = frame.copy()
     for name, values in components.items():
