@@ -20,6 +20,8 @@ class RolloutEngineResource(dg.ConfigurableResource):
     device: str = "cpu"
     dtype: str = "float32"
     gpu_memory_utilization: float = Field(0.5, description="vLLM's share of the GPU memory")
+    sampled_logprobs: bool = Field(False, description="vLLM: report the sampled tokens' log-probs (for the "
+                                   "truncated-IS correction); off, the trainer recomputes them, which is faster")
     in_subprocess: bool = Field(False, description="sample in a Pipes subprocess instead of the Dagster process")
 
     def engine_options(self, model_path: str, cache_dir: str) -> dict:
@@ -27,7 +29,7 @@ class RolloutEngineResource(dg.ConfigurableResource):
         options = dict(kind=self.kind, model_path=model_path, max_new_tokens=self.max_new_tokens,
                        temperature=self.temperature, top_p=self.top_p)
         if self.kind == "vllm":
-            options.update(gpu_memory_utilization=self.gpu_memory_utilization,
+            options.update(gpu_memory_utilization=self.gpu_memory_utilization, sampled_logprobs=self.sampled_logprobs,
                            compile_cache_dir=os.path.join(cache_dir, "vllm"))
         else:
             options.update(batch_size=self.batch_size, device=self.device, dtype=self.dtype)

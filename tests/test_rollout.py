@@ -32,7 +32,7 @@ def _vllm_or_skip() -> None:
 
 
 ENGINE_OPTIONS = {"transformers": {"batch_size": 4}, "static": {"batch_size": 4},
-                  "vllm": {"gpu_memory_utilization": 0.3}}
+                  "vllm": {"gpu_memory_utilization": 0.3, "sampled_logprobs": True}}
 
 
 @pytest.fixture(scope="module", params=sorted(ENGINE_OPTIONS))

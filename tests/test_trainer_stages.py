@@ -90,3 +90,17 @@ def test_policy_uses_rollout_logprobs_and_kl(setup, tmp_path):
     w = AutoModelForCausalLM.from_pretrained(result["model_dir"]).state_dict()
     b = AutoModelForCausalLM.from_pretrained(setup["base"]).state_dict()
     assert any(not torch.equal(w[k], b[k]) for k in w)
+
+
+def test_policy_without_sampled_logprobs(setup, tmp_path):
+    """Rollouts from an engine that reports no log-probs (vLLM's default): recompute trains without the IS
+    correction; old_logprobs='rollout' is refused with the fix named."""
+    batch = pd.read_parquet(setup["policy"]["batch_parquet"])
+    batch["rollout_logprobs"] = [[] for _ in range(len(batch))]
+    path = str(tmp_path / "no_logprobs.parquet")
+    batch.to_parquet(path)
+    paths = {**setup["policy"], "batch_parquet": path}
+    result = train_policy(PolicyConfig(micro_batch_size=32, kl_coef=0.0), out_dir=str(tmp_path / "a"), **paths)
+    assert abs(result["final"]["ppo_kl"]) < 1e-5 and "rollout_is_weight_mean" not in result["final"]
+    with pytest.raises(ValueError, match="sampled_logprobs=True"):
+        train_policy(PolicyConfig(old_logprobs="rollout"), out_dir=str(tmp_path / "b"), **paths)

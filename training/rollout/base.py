@@ -12,6 +12,8 @@
   what vLLM reports in its default ``raw_logprobs`` mode. At temperature 1 and top_p 1 this is
   exactly the sampling distribution; otherwise it is the policy's own log-prob, which is what
   PPO/GRPO importance ratios need;
+  An engine built not to report them (vLLM's default, ``sampled_logprobs=False``: the trainer recomputes
+  log-probs faster than vLLM reports them) leaves the list empty for every sample;
 - ``finish_reason``: ``"stop"`` (eos generated) or ``"length"`` (``max_new_tokens`` reached).
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ def make_sample(
     stopped: bool,
 ) -> dict[str, Any]:
     """One rollout record in the contract's shape (plain python types, JSON/Parquet friendly)."""
-    if len(response_ids) != len(rollout_logprobs):
+    if rollout_logprobs and len(response_ids) != len(rollout_logprobs):
         raise ValueError(f"{len(response_ids)} response ids but {len(rollout_logprobs)} logprobs")
     return {
         "prompt_index": int(prompt_index),

@@ -73,7 +73,7 @@ class StaticCacheRolloutEngine(TransformersRolloutEngine):
         pad = torch.tensor([width - len(row) for row in prompt_ids], device=self.device)
         slots = -(-(width + self.max_new_tokens) // SLOT_MULTIPLE) * SLOT_MULTIPLE
         decoder = self._decoder(slots)
-        stop_ids = torch.tensor(sorted(self.stop_ids), device=self.device)
+        stop_ids = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=self.device)
         tokens_out = torch.zeros(self.batch_size, self.max_new_tokens, dtype=torch.long, device=self.device)
         logprobs_out = torch.zeros(self.batch_size, self.max_new_tokens, dtype=torch.float32, device=self.device)
         stopped = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)

@@ -1,9 +1,12 @@
 """Rollouts with vLLM on GPU hosts (``pip install 'batchrl[gpu]'``); same contract as the transformers engine.
 
 vllm is imported here only, when the engine is built. Prompts are rendered with ``render_prompt``
-and passed as token ids, so prompt tokenisation is identical across engines. ``logprobs=0`` asks for
-the sampled token's log-prob only; ``logprobs_mode="raw_logprobs"`` (vLLM's default, set explicitly)
-reports it from the raw logits (before temperature/top-p), the same convention as ``base`` documents.
+and passed as token ids, so prompt tokenisation is identical across engines. With ``sampled_logprobs``
+``logprobs=0`` asks for the sampled token's log-prob only; ``logprobs_mode="raw_logprobs"`` (vLLM's
+default, set explicitly) reports it from the raw logits (before temperature/top-p), the same convention
+as ``base`` documents. Off by default: on an H200 asking for them cost 1.45-1.9x vLLM's throughput while
+the trainer recomputes them in a fraction of that (bench/RESULTS.md); turn it on for the truncated-IS
+correction of the engine mismatch (``rollout_is_threshold``) or ``old_logprobs="rollout"``.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class VLLMRolloutEngine:
         gpu_memory_utilization: float = 0.5,
         tensor_parallel_size: int = 1,
         compile_cache_dir: str | None = None,
+        sampled_logprobs: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         vllm = _import_vllm(compile_cache_dir)
@@ -65,6 +69,7 @@ class VLLMRolloutEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+        self.sampled_logprobs = sampled_logprobs
 
     def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
         params = self._sampling_params(
@@ -73,7 +78,7 @@ class VLLMRolloutEngine:
             temperature=self.temperature,
             top_p=self.top_p,
             max_tokens=self.max_new_tokens,
-            logprobs=0,
+            logprobs=0 if self.sampled_logprobs else None,
         )
         encoded = [
             self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
@@ -83,7 +88,8 @@ class VLLMRolloutEngine:
         for p, request in enumerate(outputs):
             for s, completion in enumerate(request.outputs):
                 response_ids = list(completion.token_ids)
-                logprobs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(response_ids)]
+                logprobs = ([completion.logprobs[i][tok].logprob for i, tok in enumerate(response_ids)]
+                            if self.sampled_logprobs else [])
                 samples.append(
                     make_sample(
                         prompt_index=p,

@@ -95,6 +95,9 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
     if missing:
         raise KeyError(f"{batch_parquet} lacks columns {sorted(missing)}")
     table = table[table["response_ids"].map(len) > 0].reset_index(drop=True)
+    if "rollout_logprobs" in table.columns and not (
+            table["rollout_logprobs"].map(len) == table["response_ids"].map(len)).all():
+        table = table.drop(columns="rollout_logprobs")  # the engine was built not to report them
     cols = ["prompt_ids", "response_ids", "advantages"] + [
         c for c in ("rollout_logprobs", "reward", "values", "returns") if c in table.columns]
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
@@ -108,6 +111,10 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     With ``cfg.critic`` the critic at ``critic_path`` (default: a fresh one from ``model_path``)
     is then trained on the batch's returns and exported to ``out_dir/critic`` (``trainer.critic``)."""
     rows = load_batch(batch_parquet)
+    if cfg.old_logprobs == "rollout" and "rollout_logprobs" not in rows:
+        raise ValueError(f"old_logprobs='rollout' but the rollouts in {batch_parquet} carry no sampled-token "
+                         "log-probs: set the rollout engine's sampled_logprobs=True (vLLM) or use "
+                         "old_logprobs='recompute'")
     n = len(rows["prompt_ids"])
     cfg = fit_batch(cfg, n)
     n_steps = steps_per_epoch(n, cfg.micro_batch_size, cfg.grad_accum)

@@ -1,0 +1,165 @@
+"""The whole asset graph on one GPU at a real job's size, through Dagster, timed per asset.
+
+    python3 bench/bench_gpu_pipeline.py --out DIR [--layers 24] [--prompts 512] [--samples 8] [--new-tokens 256]
+        [--pairs 2000] [--engine static|vllm|transformers]
+
+Base model: the Qwen2-0.5B shape with its full 151,936-id vocabulary and random weights (bench/qwen_shape.py).
+Data: `pairs` preference pairs written into a landing folder (correct vs wrong final answers to the
+sample_data/real problems), the sample_data/real prompts (500 train, 200 held-out) and scored logs.
+Runs `batchrl run --profile DIR/pipeline.yaml` with BATCHRL_ENV=gpu (every model stage on CUDA in bf16,
+trainers and rollouts in Pipes subprocesses) while nvidia-smi samples GPU utilisation every 200 ms, then
+reads the run's step start/end events from the Dagster instance: wall time per asset, GPU busy share
+inside each asset's window, peak GPU memory, and orchestration overhead = total wall time minus the
+sum of the asset steps (process start, definitions, Dagster bookkeeping). Writes DIR/pipeline.json.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def write_inputs(out: str, pairs: int) -> dict:
+    """Landing folder with `pairs` preference pairs built from the real task's problems."""
+    rng = random.Random(0)
+    problems = [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "real", "train.jsonl"))]
+    landing = os.path.join(out, "landing", "preferences")
+    os.makedirs(landing, exist_ok=True)
+    with open(os.path.join(landing, "pairs.jsonl"), "w") as f:
+        for i in range(pairs):
+            p = problems[i % len(problems)]
+            wrong = int(p["answer"]) + rng.choice([-3, -2, -1, 1, 2, 5, 10])
+            f.write(json.dumps({"prompt": p["prompt"], "chosen": f"The answer is {p['answer']}.\n#### {p['answer']}",
+                                "rejected": f"The answer is {wrong}.\n#### {wrong} (try {i})"}) + "\n")
+    return {"preferences": landing, "prompts": os.path.join(REPO, "sample_data", "real", "train.jsonl"),
+            "eval_prompts": os.path.join(REPO, "sample_data", "real", "heldout.jsonl")}
+
+
+def write_profile(out: str, model: str, landing: dict, a) -> str:
+    import yaml
+
+    profile = {
+        "description": f"Qwen2-0.5B shape, {a.prompts} prompts x {a.samples} x {a.new_tokens} tokens, {a.pairs} pairs",
+        "rl_iterations": 1,
+        "resources": {"landing": landing,
+                      "rollout_engine": {"max_new_tokens": a.new_tokens, "batch_size": 512, "kind": a.engine},
+                      "compute": {"batch_size": 128}},
+        "ops": {
+            "base_model": {"config": {"model_path": model}},
+            "reward_model": {"config": {"epochs": 1, "lr": 1e-5, "batch_size": 32, "max_length": 128}},
+            "rollouts": {"config": {"samples_per_prompt": a.samples, "max_prompts": a.prompts}},
+            "rewards": {"config": {"rule": "final_answer", "weights": {"rule": 1.0, "reward_model": 0.5},
+                                   "rm_batch_size": 128, "rm_max_length": 384}},
+            "policy_checkpoint": {"config": {"lr": 1e-6, "micro_batch_size": 32, "grad_accum": 4,
+                                             "max_length": 384, "precision": "bf16"}},
+            "dpo_pairs": {"config": {"source": "logged"}},
+            "reference_logprobs": {"config": {"max_length": 128, "batch_size": 64}},
+            "dpo_checkpoint": {"config": {"lr": 1e-6, "epochs": 1, "micro_batch_size": 32, "max_length": 128,
+                                          "precision": "bf16"}},
+            "evaluation": {"config": {"reward": "final_answer", "max_new_tokens": 64, "max_eval_prompts": 200}},
+        },
+    }
+    path = os.path.join(out, "pipeline.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(profile, f, sort_keys=False)
+    return path
+
+
+def step_windows(home: str) -> list[dict]:
+    """(asset, start, end) of every step of the runs in the instance, from the event log."""
+    import dagster as dg
+
+    os.environ["DAGSTER_HOME"] = home
+    steps: dict[tuple[str, str], dict] = {}
+    with dg.DagsterInstance.get() as instance:
+        for run in instance.get_runs():
+            for event in instance.all_logs(run.run_id):
+                kind, key = event.dagster_event_type, event.step_key
+                if key is None or kind is None:
+                    continue
+                box = steps.setdefault((run.run_id, key), {"asset": key})
+                if kind == dg.DagsterEventType.STEP_START:
+                    box["start"] = event.timestamp
+                elif kind in (dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE):
+                    box["end"], box["ok"] = event.timestamp, kind == dg.DagsterEventType.STEP_SUCCESS
+    return sorted((s for s in steps.values() if "start" in s and "end" in s), key=lambda s: s["start"])
+
+
+def read_trace(path: str) -> list[tuple[float, float, float]]:
+    """(unix time, GPU util %, memory used MiB) samples of nvidia-smi's CSV."""
+    rows = []
+    for line in csv.reader(open(path)):
+        try:
+            stamp = dt.datetime.strptime(line[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            rows.append((stamp, float(line[1]), float(line[2])))
+        except (ValueError, IndexError):
+            continue
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    for flag, default in (("--layers", 24), ("--prompts", 512), ("--samples", 8), ("--new-tokens", 256),
+                          ("--pairs", 2000), ("--timeout", 560)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--engine", default="static", choices=["static", "vllm", "transformers"])
+    a = ap.parse_args()
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    work = "/tmp/bench-pipeline"
+    from bench.qwen_shape import build
+
+    t0 = time.time()
+    model = build(os.path.join(work, "model"), layers=a.layers)
+    build_s = time.time() - t0
+    profile = write_profile(out, model, write_inputs(work, a.pairs), a)
+    env = {**os.environ, "BATCHRL_ENV": "gpu", "BATCHRL_STORAGE": os.path.join(work, "storage"),
+           "DAGSTER_HOME": os.path.join(work, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    trace_path = os.path.join(out, "gpu_trace.csv")
+    tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
+                               "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
+    started = time.time()
+    cmd = [sys.executable, "-c", "import sys; from batchrl.cli import main; sys.exit(main(sys.argv[1:]))",
+           "run", "--profile", profile]
+    with open(os.path.join(out, "run.log"), "w") as log:
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    total = time.time() - started
+    tracer.terminate()
+    trace = read_trace(trace_path)
+    steps = step_windows(env["DAGSTER_HOME"])
+    per_asset = []
+    for s in steps:
+        inside = [u for t, u, _ in trace if s["start"] <= t <= s["end"]]
+        per_asset.append({"asset": s["asset"], "ok": s.get("ok"), "wall_s": round(s["end"] - s["start"], 2),
+                          "gpu_busy_mean_pct": round(sum(inside) / len(inside), 1) if inside else None,
+                          "samples": len(inside)})
+    in_steps = sum(p["wall_s"] for p in per_asset)
+    report = {"rc": rc, "model_build_s": round(build_s, 1), "total_wall_s": round(total, 1),
+              "sum_of_asset_steps_s": round(in_steps, 1),
+              "orchestration_overhead_s": round(total - in_steps, 1),
+              "orchestration_overhead_pct": round(100 * (total - in_steps) / total, 1) if total else None,
+              "peak_gpu_memory_gib": round(max((m for _, _, m in trace), default=0) / 1024, 1),
+              "gpu_busy_whole_run_pct": round(sum(u for _, u, _ in trace) / len(trace), 1) if trace else None,
+              "per_asset": per_asset, "settings": vars(a)}
+    with open(os.path.join(out, "pipeline.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: v for k, v in report.items() if k != "per_asset"}))
+    for p in per_asset:
+        print(f"  {p['asset']:<28} {p['wall_s']:>8.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}")
+
+
+if __name__ == "__main__":
+    main()
