@@ -25,6 +25,13 @@ RewardRunConfig = run_config_for(RewardConfig, "RewardRunConfig")
 PolicyRunConfig = run_config_for(PolicyConfig, "PolicyRunConfig")
 
 
+class PromptsConfig(dg.Config):
+    """``field_mapping``: ``{source field (dotted path into nested records): prompt field}``, e.g. verl
+    Parquet ``{"reward_model.ground_truth": "answer"}``, GSM8K ``{"question": "prompt"}``."""
+
+    field_mapping: dict[str, str] = Field(default_factory=dict)
+
+
 class RolloutConfig(dg.Config):
     """``policy``: "latest" samples from the last policy_checkpoint of this base model's chain (the
     base model itself when the chain is new); "base" always samples from the base model.
@@ -42,15 +49,16 @@ AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"})
-def prompts(context: dg.AssetExecutionContext, landing: LandingResource, storage: StorageResource,
-            catalog: CatalogResource) -> dg.Output:
+def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
+            storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
-    table = load_prompts(landing.prompts, landing.storage_options)
+    table = load_prompts(landing.prompts, landing.storage_options, mapping=config.field_mapping)
     fs, path = fsutil.filesystem_for(landing.prompts, landing.storage_options)
     source = {"uri": landing.prompts, "sha256": fsutil.sha256_file(fs, path)}
     with storage.staging_dir("prompts") as staging:
         table.to_parquet(os.path.join(staging, "prompts.parquet"), index=False)
-        return publish(context, storage, catalog, staging, config={"landing": landing.prompts},
+        return publish(context, storage, catalog, staging,
+                       config={"landing": landing.prompts, "field_mapping": config.field_mapping},
                        input_files=[source],
                        metadata={"rows": len(table), "categories": table["category"].value_counts().to_dict()})
 

@@ -233,3 +233,71 @@ def test_rewards_route_by_data_source_through_the_pipeline(upstream, tmp_path):
         np.testing.assert_allclose(part["reward"], part[column])
     for _, row in scored[by_source == "code"].iterrows():  # each row carries its own prompt's tests
         assert json.loads(row["tests"]) == [f"assert add{row['prompt_id'][1]}(1, 2) == 3"]
+
+
+def _verl_rows():
+    instruction = " Let's think step by step and output the final answer after '####'."
+    rows = [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "user", "content": f"Tom has {i} apples and buys 2 more. How many?{instruction}"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+             "extra_info": {"split": "train", "index": i}} for i in range(3)]
+    rows += [{"data_source": "lighteval/MATH", "ability": "math",
+              "prompt": [{"role": "user", "content": "Simplify 2/4. Put the answer in \\boxed{}."}],
+              "reward_model": {"style": "rule", "ground_truth": "\\frac{1}{2}"},
+              "extra_info": {"split": "train", "index": 3}}]
+    return rows
+
+
+def test_verl_parquet_prompts_run_through_rollouts_and_rewards_routed_by_data_source(upstream, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchrl.resources import LandingResource
+
+    instance, root = upstream
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_verl_rows()), path)
+    ops = {"prompts": {"config": {"field_mapping": {"reward_model.ground_truth": "answer"}}},
+           "rollouts": {"config": {"samples_per_prompt": 2}},
+           "rewards": {"config": {"rule": "format_final_mark", "custom": {"gsm8k": "gsm8k_strict", "math": "math_strict"},
+                                  "route_by": "data_source", "weights": {"rule": 1.0},
+                                  "routing": {"openai/gsm8k": {"gsm8k": 1.0}, "lighteval/MATH": {"math": 1.0}}}}}
+    resources = local_resources(root, landing=LandingResource(prompts=str(path)))
+    try:
+        result = run_assets(resources, instance, ["prompts", "rollouts", "rewards"], {"ops": ops})
+        assert result.success
+        storage = StorageResource(root=root)
+        table = pd.read_parquet(storage.localize(_ref(instance, "prompts")) + "/prompts.parquet")
+        scored = pd.read_parquet(storage.localize(_ref(instance, "rewards")) + "/rewards.parquet")
+    finally:
+        assert run_assets(local_resources(root), instance, ["prompts"]).success
+    assert table["answer"].tolist() == ["2", "3", "4", "\\frac{1}{2}"]
+    assert table["prompt"][0].startswith("Tom has 0 apples") and table["data_source"][3] == "lighteval/MATH"
+    assert len(scored) == 8
+    gsm8k, math = scored[scored["data_source"] == "openai/gsm8k"], scored[scored["data_source"] == "lighteval/MATH"]
+    np.testing.assert_allclose(gsm8k["reward"], gsm8k["gsm8k"])
+    np.testing.assert_allclose(math["reward"], math["math"])
+
+
+def test_prompt_files_map_fields_and_refuse_what_they_cannot_carry(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchrl.training.prompts import PromptFileError, load_prompts
+
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text(json.dumps({"question": "Tom has 3 apples...", "answer": "3 + 2 = 5\n#### 5"}) + "\n")
+    table = load_prompts(str(gsm8k), mapping={"question": "prompt"})
+    assert table[["prompt", "answer"]].values.tolist() == [["Tom has 3 apples...", "3 + 2 = 5\n#### 5"]]
+    rows = _verl_rows()
+    rows[2]["prompt"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(PromptFileError, match=r"bad.parquet: row 3: field 'prompt' is a chat with roles \['system', 'user'\]"):
+        load_prompts(str(tmp_path / "bad.parquet"), mapping={"reward_model.ground_truth": "answer"})
+    no_prompt = tmp_path / "no_prompt.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "1"}]), no_prompt)
+    with pytest.raises(PromptFileError, match="no_prompt.parquet: row 1: field 'prompt' must be a non-empty string"):
+        load_prompts(str(no_prompt))
+    assert load_prompts(str(no_prompt), mapping={"question": "prompt"})["prompt"].tolist() == ["q"]
