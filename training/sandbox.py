@@ -20,6 +20,7 @@ files. Isolation, strongest available first (``isolation_level()``; ``BATCHRL_SA
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import resource
 import shutil
@@ -63,6 +64,7 @@ def _works(cmd: list[str]) -> bool:
 
 
 _PROBED: dict[str, bool] = {}
+_WARNED: list[str] = []
 
 
 def available(level: str) -> bool:
@@ -87,7 +89,13 @@ def isolation_level() -> str:
         if forced not in LEVELS or not available(forced):
             raise RuntimeError(f"BATCHRL_SANDBOX={forced!r} is not available here (levels: {LEVELS})")
         return forced
-    return next(level for level in LEVELS if available(level))
+    level = next(level for level in LEVELS if available(level))
+    if level != "bwrap" and not _WARNED:
+        _WARNED.append(level)
+        logging.getLogger(__name__).warning(
+            "sandbox: bubblewrap unavailable, running model code with the weaker %r isolation "
+            "(install the Debian package bubblewrap)", level)
+    return level
 
 
 def _interpreter() -> tuple[str, str]:
