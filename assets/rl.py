@@ -166,7 +166,7 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
     if "values" in estimator_needs(settings.estimator):
         from batchrl.training.trainer.critic import predict_values
 
-        critic = critic_for_rewards(storage, rewards)
+        critic = critic_for_rewards(storage, rewards, settings.critic_init)
         table["values"] = predict_values(storage.localize(critic), table, device=compute.device)
         compute.release()
         extra_inputs["critic"] = critic

@@ -74,14 +74,15 @@ def check_kl_in_reward(storage: StorageResource, advantages: dict, policy_use_kl
 CRITIC_ASSET = "critic_checkpoint"
 
 
-def critic_for_rewards(storage: StorageResource, rewards: dict) -> ArtifactRef:
+def critic_for_rewards(storage: StorageResource, rewards: dict, init: str = "policy") -> ArtifactRef:
     """The critic that values the samples behind ``rewards``: the critic exported with the policy
-    that sampled them (its ``companions.json``), else that policy itself (a new critic starts from
-    the policy's weights with a zeroed value head, ``trainer.critic.load_value_model``)."""
+    that sampled them (its ``companions.json``), else a new one from that policy (``init="policy"``)
+    or from the reward model the rewards used (``"reward_model"``; ``trainer.critic.load_value_model``)."""
     import json
     import os
 
-    rollouts = storage.read_lineage(as_ref(rewards))["inputs"]["rollouts"]
+    inputs = storage.read_lineage(as_ref(rewards))["inputs"]
+    rollouts = inputs["rollouts"]
     policy = as_ref(storage.read_lineage(as_ref(rollouts))["inputs"]["policy"])
     companions = os.path.join(storage.localize(policy), "companions.json")
     if os.path.exists(companions):
@@ -89,7 +90,7 @@ def critic_for_rewards(storage: StorageResource, rewards: dict) -> ArtifactRef:
             critic = json.load(f).get(CRITIC_ASSET)
         if critic is not None:
             return as_ref(critic)
-    return policy
+    return as_ref(inputs["reward_model"]) if init == "reward_model" else policy
 
 
 def critic_job_inputs(storage: StorageResource, advantages: dict, use_critic: bool) -> tuple[dict, dict]:

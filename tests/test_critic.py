@@ -80,3 +80,24 @@ def test_ppo_with_critic_learns_values_and_raises_the_reward(base_model, tmp_pat
     outcome = np.concatenate([[r] * len(v) for r, v in zip(samples["reward"], samples["values"])])
     assert np.mean((values - outcome) ** 2) < 0.8 * np.mean(outcome ** 2)
     assert after - before > 0.1
+
+
+def test_a_critic_from_the_reward_model_starts_at_the_rm_score_of_each_prefix(base_model, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from batchrl.training.tiny_model import load_tokenizer
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1).eval()
+    rm.config.pad_token_id = load_tokenizer(base_model).pad_token_id
+    rm.save_pretrained(tmp_path / "rm")
+    load_tokenizer(base_model).save_pretrained(tmp_path / "rm")
+    critic, tokenizer = load_value_model(str(tmp_path / "rm"))
+    assert torch.equal(critic.score.weight, rm.score.weight)
+    critic.eval()
+    prompt, response = [5, 6, 7], [10, 11, 12]
+    values = value_predictions(critic, pad_prompt_completion([prompt], [response], tokenizer.pad_token_id))[0]
+    with torch.no_grad():
+        for t in range(len(response)):  # V(s_t) = RM score of the prompt plus the tokens before t
+            prefix = torch.tensor([prompt + response[:t]])
+            assert values[t].item() == pytest.approx(rm(input_ids=prefix).logits[0, 0].item(), abs=1e-4)

@@ -301,3 +301,15 @@ def test_prompt_files_map_fields_and_refuse_what_they_cannot_carry(tmp_path):
     with pytest.raises(PromptFileError, match="no_prompt.parquet: row 1: field 'prompt' must be a non-empty string"):
         load_prompts(str(no_prompt))
     assert load_prompts(str(no_prompt), mapping={"question": "prompt"})["prompt"].tolist() == ["q"]
+
+
+def test_a_new_critic_can_start_from_the_reward_model(upstream):
+    instance, root = upstream
+    ops = {"rollouts": {"config": {**SMALL_ROLLOUTS, "policy": "base"}},
+           "advantages": {"config": {"estimator": "gae", "critic_init": "reward_model"}}}
+    result, failures = _run_rl(upstream, ops, RL[:3])
+    assert result.success, failures
+    critic = _lineage(instance, root, "advantages")["inputs"]["critic"]
+    assert critic["data_version"] == latest_metadata(instance, "reward_model")["data_version"]
+    batch = pd.read_parquet(StorageResource(root=root).localize(_ref(instance, "advantages")) + "/advantages.parquet")
+    assert np.abs(np.concatenate(batch["values"].tolist())).max() > 0  # the RM head, not a zero head

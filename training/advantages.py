@@ -32,6 +32,9 @@ class AdvantageSettings(BaseModel):
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std")
+    critic_init: Literal["policy", "reward_model"] = Field(
+        "policy", description="gae: where a new critic starts: the policy's weights with a zero value head, or "
+        "the reward model (its score head becomes the value head)")
     use_kl_in_reward: bool = Field(False, description="subtract beta * KL(policy || reference) from the "
                                    "token rewards; the policy update then needs use_kl_in_reward too")
     kl_penalty: Literal[KL_KINDS] = Field("kl", description="KL estimator per token (k1 'kl', k2 'mse', "  # type: ignore[valid-type]

@@ -25,27 +25,34 @@ from batchrl.training.trainer.config import PolicyConfig
 CRITIC_DIR = "critic"
 
 
+def _architectures(path: str) -> list[str]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f).get("architectures") or []
+
+
 def is_value_model(path: str) -> bool:
     """Whether ``path`` holds a value model (a token-classification checkpoint) rather than an LM."""
-    with open(os.path.join(path, "config.json")) as f:
-        architectures = json.load(f).get("architectures") or []
-    return any(a.endswith("ForTokenClassification") for a in architectures)
+    return any(a.endswith("ForTokenClassification") for a in _architectures(path))
 
 
 def load_value_model(path: str, *, device: str = "cpu"):
-    """(value model, tokenizer) from a critic checkpoint, or a fresh critic (head zeroed) from an LM."""
+    """(value model, tokenizer) from a critic checkpoint; from a reward model (sequence classifier,
+    one label) its score head becomes the value head, so V(s_t) starts as the RM's score of the
+    prefix; from a causal LM the head starts at zero."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from batchrl.training.tiny_model import load_tokenizer
 
-    existing = is_value_model(path)
+    existing, from_reward_model = is_value_model(path), any(
+        a.endswith("ForSequenceClassification") for a in _architectures(path))
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # the head's default 0.1 dropout would make values noisy in training
     model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
     if not existing:
         with torch.no_grad():
-            model.score.weight.zero_()
-            if model.score.bias is not None:
+            if not from_reward_model:
+                model.score.weight.zero_()
+            if model.score.bias is not None:  # a reward model's head has none
                 model.score.bias.zero_()
     model.config.use_cache = False
     return model.to(device), load_tokenizer(path)
