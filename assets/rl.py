@@ -11,7 +11,7 @@ from batchrl.assets.common import (
     as_ref, code_version, publish, run_config_for, to_library_config, train_and_publish,
 )
 from batchrl.assets.models import read_parquet_in
-from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_for_rewards, critic_job_inputs, kl_in_reward_inputs
+from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_job_inputs, kl_in_reward_inputs, with_critic_values
 from batchrl.resources import (
     ArtifactRef, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -158,18 +158,11 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
     KL to the base model in the token rewards when ``use_kl_in_reward``."""
     from batchrl.training.advantages import compute_advantages
 
-    from batchrl.training.algos import estimator_needs
-
     settings = to_library_config(config, AdvantageSettings)
     table = read_parquet_in(storage, rewards, "rewards.parquet")
     kl, extra_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model)
-    if "values" in estimator_needs(settings.estimator):
-        from batchrl.training.trainer.critic import predict_values
-
-        critic = critic_for_rewards(storage, rewards, settings.critic_init)
-        table["values"] = predict_values(storage.localize(critic), table, device=compute.device)
-        compute.release()
-        extra_inputs["critic"] = critic
+    table, critic_inputs = with_critic_values(storage, compute, settings, table, rewards)
+    extra_inputs.update(critic_inputs)
     out = compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,
                              norm_adv_by_std=settings.norm_adv_by_std, kl=kl)
     metrics = out.attrs.get("metrics", {})

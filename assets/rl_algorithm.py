@@ -93,6 +93,22 @@ def critic_for_rewards(storage: StorageResource, rewards: dict, init: str = "pol
     return as_ref(inputs["reward_model"]) if init == "reward_model" else policy
 
 
+def with_critic_values(storage: StorageResource, compute: ComputeResource, settings: AdvantageSettings,
+                       table: pd.DataFrame, rewards: dict) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """``table`` with the critic's ``values`` when the estimator needs them, and the lineage input
+    naming that critic; ``(table, {})`` otherwise."""
+    from batchrl.training.algos import estimator_needs
+
+    if "values" not in estimator_needs(settings.estimator):
+        return table, {}
+    from batchrl.training.trainer.critic import predict_values
+
+    critic = critic_for_rewards(storage, rewards, settings.critic_init)
+    values = predict_values(storage.localize(critic), table, device=compute.device)
+    compute.release()
+    return table.assign(values=values), {"critic": critic}
+
+
 def critic_job_inputs(storage: StorageResource, advantages: dict, use_critic: bool) -> tuple[dict, dict]:
     """(extra job config, companion artifacts) of the policy update: the critic the advantages were
     valued with is trained further and published as ``critic_checkpoint``."""
