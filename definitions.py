@@ -49,13 +49,14 @@ def _s3() -> dict:
 
 
 def _gpu() -> dict:
-    """Every model stage on CUDA in bf16; rollouts with vLLM where it is installed, else the static-cache
-    engine (``BATCHRL_ROLLOUT_ENGINE`` forces one), sampled in a Pipes subprocess like the trainers."""
+    """Every model stage on CUDA in bf16, each in a Pipes subprocess like the trainers (the Dagster process
+    holds no GPU memory between assets); rollouts with vLLM where it is installed, else the static-cache
+    engine (``BATCHRL_ROLLOUT_ENGINE`` forces one); evaluation decodes with the static-cache engine."""
     engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
     return {**_local(),
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
             "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1"))),
-            "compute": ComputeResource(device="cuda", dtype="bfloat16")}
+            "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 
 
 RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}

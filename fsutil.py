@@ -24,6 +24,16 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return protocol in ("file", "local")
 
 
+def safe_name(name: str, what: str = "name") -> str:
+    """``name`` as one path component under a storage root, or ValueError: asset names, data versions,
+    partition keys and anything else that may come from data or config must not escape the root
+    (``..``, separators, NUL, absolute paths, a drive or URL scheme)."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0")
+            or ":" in name or name != name.strip() or len(name) > 255):
+        raise ValueError(f"unsafe {what} {name!r}: must be one plain path component (no '/', '\\', '..', ':')")
+    return name
+
+
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p)
 

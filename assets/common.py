@@ -15,6 +15,8 @@ from typing import Any
 import dagster as dg
 import pydantic
 
+from batchrl import fsutil
+from batchrl.redact import redact
 from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
 
 
@@ -58,14 +60,14 @@ def publish(
     code = context.assets_def.code_versions_by_key.get(context.asset_key) or ""
     lineage = {
         "code_version": code,
-        "config": config or {},
+        "config": redact(config or {}),
         "seed": seed,
         "inputs": {name: as_ref(ref).to_dict() for name, ref in (inputs or {}).items()},
         "input_files": input_files or [],
         "dagster_run_id": context.run.run_id,
     }
     ref = storage.publish(staging, asset, lineage, sidecars)
-    metadata = dict(metadata or {})
+    metadata = redact(dict(metadata or {}))
     plain = {k: v for k, v in metadata.items() if not isinstance(v, dg.MetadataValue)}  # tables/markdown: UI only
     catalog.record(asset=asset, data_version=ref.data_version, uri=ref.uri, run_id=context.run.run_id,
                    code_version=code, metadata=plain)
@@ -108,7 +110,7 @@ def to_library_config(config: dg.Config, model_cls: type):
 def work_dir(storage: StorageResource, asset: str, key: dict) -> str:
     """A stable per-(inputs, config) folder for trainer checkpoints, so a re-run resumes exactly."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = os.path.abspath(os.path.join(storage.cache_dir, "_work", asset, digest))
+    path = os.path.abspath(os.path.join(storage.cache_dir, "_work", fsutil.safe_name(asset, "asset name"), digest))
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -4,11 +4,14 @@ import json
 import os
 
 import dagster as dg
+import pandas as pd
 
 from batchrl import fsutil
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.models import read_parquet_in
-from batchrl.resources import CatalogResource, ComputeResource, LandingResource, StorageResource
+from batchrl.resources import (
+    CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
+)
 from batchrl.training.prompts import load_prompts
 
 
@@ -27,28 +30,28 @@ class EvaluationConfig(dg.Config):
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: dict,
                dpo_checkpoint: dict, base_model: dict, reward_model: dict, dpo_pairs: dict,
                reference_logprobs: dict, landing: LandingResource, storage: StorageResource,
-               catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
+               catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
     for the base, policy and DPO checkpoints, side by side."""
-    from batchrl.training.evaluate import evaluate_policy
-
     eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options)
     if config.max_eval_prompts:
         eval_prompts = eval_prompts.head(config.max_eval_prompts)
     fs, path = fsutil.filesystem_for(landing.eval_prompts, landing.storage_options)
-    pairs = read_parquet_in(storage, dpo_pairs, "preferences.parquet")
-    reference = pairs[["id"]].merge(read_parquet_in(storage, reference_logprobs, "reference_logprobs.parquet"),
-                                    on="id", how="left", validate="one_to_one")
+    pairs_parquet = os.path.join(storage.localize(dpo_pairs), "preferences.parquet")
+    reference = pd.read_parquet(pairs_parquet, columns=["id"]).merge(
+        read_parquet_in(storage, reference_logprobs, "reference_logprobs.parquet"), on="id", how="left",
+        validate="one_to_one")
     models = {"base_model": base_model, "policy_checkpoint": policy_checkpoint, "dpo_checkpoint": dpo_checkpoint}
-    results = {
-        name: evaluate_policy(storage.localize(ref), arith_eval=eval_prompts.to_dict("records"), pairs=pairs,
-                              reward_model_path=storage.localize(reward_model),
-                              max_new_tokens=config.max_new_tokens, seed=config.seed, reference=reference,
-                              reward=config.reward, num_examples=config.num_examples, device=compute.device,
-                              dtype=compute.dtype, batch_size=compute.batch_size)
-        for name, ref in models.items()
-    }
-    compute.release()
+    options = dict(reward_model_path=storage.localize(reward_model), max_new_tokens=config.max_new_tokens,
+                   seed=config.seed, reward=config.reward, num_examples=config.num_examples, device=compute.device,
+                   dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine)
+    with storage.staging_dir("evaluation_work") as workdir:
+        eval_prompts.to_parquet(os.path.join(workdir, "eval_prompts.parquet"), index=False)
+        reference.to_parquet(os.path.join(workdir, "reference.parquet"), index=False)
+        results = compute.run(context, trainer, "evaluation", {
+            "models": {name: storage.localize(ref) for name, ref in models.items()},
+            "eval_prompts_parquet": os.path.join(workdir, "eval_prompts.parquet"), "pairs_parquet": pairs_parquet,
+            "reference_parquet": os.path.join(workdir, "reference.parquet"), "options": options}, workdir=workdir)
     with storage.staging_dir("evaluation") as staging:
         with open(os.path.join(staging, "evaluation.json"), "w") as f:
             json.dump(results, f, indent=2, sort_keys=True)

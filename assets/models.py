@@ -1,4 +1,4 @@
-"""Model assets: the embedded default base model and the Bradley-Terry reward model."""
+"""Model assets: the base model (embedded default, HF folder or GGUF) and the Bradley-Terry reward model."""
 
 import os
 import shutil
@@ -6,8 +6,9 @@ import shutil
 import dagster as dg
 import pandas as pd
 
-from batchrl.assets.common import code_version, publish
-from batchrl.resources import CatalogResource, ComputeResource, StorageResource
+from batchrl.assets.common import as_ref, code_version, publish, run_config_for, train_and_publish, work_dir
+from batchrl.resources import CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.training.trainer.config import RewardModelConfig
 
 
 class BaseModelConfig(dg.Config):
@@ -24,15 +25,7 @@ class BaseModelConfig(dg.Config):
     seed: int = 0
 
 
-class RewardModelConfig(dg.Config):
-    """Bradley-Terry RM training; ``max_pairs`` caps the pairs (a seeded sample) for smoke-size runs."""
-
-    max_pairs: int | None = None
-    epochs: int = 3
-    lr: float = 1e-3
-    batch_size: int = 16
-    max_length: int = 256
-    seed: int = 0
+RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 
 
 def read_parquet_in(storage: StorageResource, ref: dict, name: str) -> pd.DataFrame:
@@ -71,22 +64,21 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, valid
                        input_files=input_files, metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.reward_model"), kinds={"pytorch"})
-def reward_model(context: dg.AssetExecutionContext, config: RewardModelConfig, validated_preferences: dict,
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.reward_model", "batchrl.training.trainer"),
+          kinds={"deepspeed"})
+def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, validated_preferences: dict,
                  scored_pairs: dict, base_model: dict, storage: StorageResource,
-                 catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
-    """Bradley-Terry reward model on the validated pairs plus pairs mined from scored logs."""
-    from batchrl.training.reward_model import train_reward_model
-
+                 catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
+    """Bradley-Terry reward model on the validated pairs plus pairs mined from scored logs, trained on
+    DeepSpeed through Pipes like DPO and the policy update."""
     pairs = pd.concat([read_parquet_in(storage, validated_preferences, "preferences.parquet"),
                        read_parquet_in(storage, scored_pairs, "pairs.parquet")], ignore_index=True)
-    if config.max_pairs and len(pairs) > config.max_pairs:
-        pairs = pairs.sample(config.max_pairs, random_state=config.seed).reset_index(drop=True)
-    with storage.staging_dir("reward_model") as staging:
-        metrics = train_reward_model(pairs, storage.localize(base_model), staging, device=compute.device,
-                                     **config.model_dump(exclude={"max_pairs"}))
-        compute.release()
-        return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
-                       inputs={"validated_preferences": validated_preferences, "scored_pairs": scored_pairs,
-                               "base_model": base_model},
-                       metadata={"pairs": len(pairs), **metrics})
+    data_dir = work_dir(storage, "reward_model_pairs", {"validated_preferences": as_ref(validated_preferences).data_version,
+                                                        "scored_pairs": as_ref(scored_pairs).data_version})
+    pairs_parquet = os.path.join(data_dir, "pairs.parquet")
+    pairs[["prompt", "chosen", "rejected"]].to_parquet(pairs_parquet, index=False)
+    job_config = {"trainer": config.model_dump(), "pairs_parquet": pairs_parquet,
+                  "model_path": storage.localize(base_model)}
+    return train_and_publish(context, "train_reward_model", job_config,
+                             {"validated_preferences": validated_preferences, "scored_pairs": scored_pairs,
+                              "base_model": base_model}, config.seed, storage, catalog, trainer)

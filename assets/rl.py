@@ -132,16 +132,17 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"})
 def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: dict, reward_model: dict,
-            storage: StorageResource, catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
+            storage: StorageResource, catalog: CatalogResource, compute: ComputeResource,
+            trainer: TrainerLauncherResource) -> dg.Output:
     """Rule reward + reward-model score per sample, mixed by weights (optionally routed by category)."""
-    from batchrl.training.rewards import compute_rewards
-
-    table = read_parquet_in(storage, rollouts, "rollouts.parquet")
-    cfg = to_library_config(config, RewardConfig)
-    scored = compute_rewards(table, cfg, reward_model_path=storage.localize(reward_model), device=compute.device)
-    compute.release()
-    with storage.staging_dir("rewards") as staging:
-        scored.to_parquet(os.path.join(staging, "rewards.parquet"), index=False)
+    with storage.staging_dir("rewards_work") as workdir, storage.staging_dir("rewards") as staging:
+        out = os.path.join(staging, "rewards.parquet")
+        compute.run(context, trainer, "rewards", {
+            "rollouts_parquet": os.path.join(storage.localize(rollouts), "rollouts.parquet"),
+            "reward_config": to_library_config(config, RewardConfig).model_dump(),
+            "reward_model_path": storage.localize(reward_model), "device": compute.device, "out_parquet": out},
+            workdir=workdir)
+        scored = pd.read_parquet(out)
         by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()
         return publish(context, storage, catalog, staging, config=config.model_dump(),
                        inputs={"rollouts": rollouts, "reward_model": reward_model},

@@ -55,7 +55,8 @@ def write_profile(out: str, model: str, landing: dict, a) -> str:
                       "compute": {"batch_size": 128}},
         "ops": {
             "base_model": {"config": {"model_path": model}},
-            "reward_model": {"config": {"epochs": 1, "lr": 1e-5, "batch_size": 32, "max_length": 128}},
+            "reward_model": {"config": {"epochs": 1, "lr": 1e-5, "micro_batch_size": 32, "max_length": 128,
+                                        "precision": "bf16"}},
             "rollouts": {"config": {"samples_per_prompt": a.samples, "max_prompts": a.prompts}},
             "rewards": {"config": {"rule": "final_answer", "weights": {"rule": 1.0, "reward_model": 0.5},
                                    "rm_batch_size": 128, "rm_max_length": 384}},

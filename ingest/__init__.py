@@ -11,12 +11,13 @@ from batchrl.ingest.config import (
     REASONS, ChatMapping, IngestConfig, IngestError, StageReport, check_reject_rate,
 )
 from batchrl.ingest.discover import InputFile, discover_inputs
+from batchrl.ingest.faults import BadInputFiles
 from batchrl.ingest.pairs import scored_to_pairs
 from batchrl.ingest.records import RowError
 from batchrl.ingest.validate import ingest_logs, validate_preferences, validate_scored
 
 __all__ = [
-    "REASONS", "ChatMapping", "IngestConfig", "IngestError", "InputFile", "RowError", "StageReport",
+    "BadInputFiles", "REASONS", "ChatMapping", "IngestConfig", "IngestError", "InputFile", "RowError", "StageReport",
     "check_reject_rate", "clean_logs", "ingest_logs", "discover_inputs", "scored_to_pairs", "validate_preferences",
     "validate_scored",
 ]

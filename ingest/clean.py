@@ -10,7 +10,9 @@ import pyarrow as pa
 
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.discover import InputFile
+from batchrl.ingest.faults import READ_ERRORS, FileFault, describe, with_file_policy
 from batchrl.ingest.readers import jsonl_reader, structured_batches
+from batchrl.ingest.records import ExtraFieldCounter, Reject, rows_to_table
 from batchrl.ingest.sink import ParquetSink, QuarantineSink, rejects_table
 from batchrl.ingest.textclean import clean_table
 from batchrl.schemas import ARROW_SCHEMAS
@@ -20,7 +22,8 @@ R = TypeVar("R")
 
 
 def cleaned_text_columns(cfg: IngestConfig) -> list[str]:
-    return [f for f in ARROW_SCHEMAS[cfg.kind].names if f not in ("score", "source_file", "source_line")]
+    # ``extra`` is JSON text kept as it came (nothing of it is lost or rewritten)
+    return [f for f in ARROW_SCHEMAS[cfg.kind].names if f not in ("score", "extra", "source_file", "source_line")]
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
@@ -41,7 +44,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Itera
 
 
 def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table], object] | None = None,
-                    keep_rows: bool = True):
+                    keep_rows: bool = True, extras: ExtraFieldCounter | None = None):
     """(cleaned table, rejects, then(table)) in input order. Reading is sequential; structuring,
     cleaning and ``then`` (e.g. the contract check) run per JSONL block / columnar batch in workers.
     ``keep_rows=False``: the table comes back without columns (its row count only), so results waiting
@@ -54,13 +57,13 @@ def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table
         return (table if keep_rows else table.select([])), rejects, checked
 
     if file.format == "jsonl":
-        reader = jsonl_reader(file, cfg)
+        reader = jsonl_reader(file, cfg, extras)
         blocks = ordered_map(lambda block: [finish(t, r) for t, r in reader.process(*block)], reader.blocks(),
                              cfg.threads)
         for results in blocks:
             yield from results
     else:
-        yield from ordered_map(lambda item: finish(*item), structured_batches(file, cfg), cfg.threads)
+        yield from ordered_map(lambda item: finish(*item), structured_batches(file, cfg, extras), cfg.threads)
 
 
 def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig | None = None,
@@ -68,13 +71,35 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
     """Decode, structure (mapping/flatness/types) and clean every row; stream, never load a whole file.
 
     Rows that cannot be structured are quarantined with a reason code; this stage finds no duplicates.
+    Files that cannot be read as a whole follow ``cfg.on_bad_file`` (``faults.with_file_policy``).
     ``on_batch(table, upstream, then(table))`` sees every batch in input order (``ingest_logs`` validates
     in the same pass this way). ``out_dir=None`` writes no files: the rows this stage quarantined reach
     ``on_batch`` as ``upstream`` (a quarantine table) instead, so nothing is lost.
     """
     cfg = cfg or IngestConfig()
+    return with_file_policy(inputs, cfg, lambda bad: clean_files(inputs, bad, out_dir, cfg, on_batch, then))
+
+
+def _batches(file: InputFile, cfg: IngestConfig, then, keep_rows: bool, extras: ExtraFieldCounter):
+    """``cleaned_batches``, with a read failure turned into a ``FileFault`` naming the file."""
+    batches = cleaned_batches(file, cfg, then, keep_rows, extras)
+    while True:
+        try:
+            item = next(batches)
+        except StopIteration:
+            return
+        except READ_ERRORS as e:
+            raise FileFault(file.uri, describe(e)) from e
+        yield item
+
+
+def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | None, cfg: IngestConfig,
+                on_batch=None, then=None) -> StageReport:
+    """One attempt of ``clean_logs``: the files in ``bad`` (uri -> cause) become one ``bad_file``
+    quarantine entry each (source_line 0; counted as one row in and one quarantined)."""
     start = time.perf_counter()
     report = StageReport("clean_logs")
+    extras = ExtraFieldCounter()
     sink = quarantine = None
     if out_dir is not None:
         sink = ParquetSink(out_dir, "cleaned.parquet", ARROW_SCHEMAS[cfg.kind], cfg.row_group_rows,
@@ -84,7 +109,12 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
     try:
         for file in inputs:
             report.bytes_in += file.size
-            for table, rejects, checked in cleaned_batches(file, cfg, then, keep_rows):
+            if file.uri in bad:
+                batches = [(rows_to_table([], [], file.uri, cfg.kind), [Reject("bad_file", bad[file.uri], 0, "")],
+                            None)]
+            else:
+                batches = _batches(file, cfg, then, keep_rows, extras)
+            for table, rejects, checked in batches:
                 report.rows_in += table.num_rows + len(rejects)
                 report.valid += table.num_rows
                 upstream = rejects_table(rejects, file.uri) if rejects and sink is None else None
@@ -108,5 +138,6 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
         raise
     report.seconds = time.perf_counter() - start
     report.extra = {"inputs": [{"uri": f.uri, "sha256": f.sha256, "format": f.format} for f in inputs],
-                    "kind": cfg.kind}
+                    "kind": cfg.kind, "extra_fields": dict(sorted(extras.counts.items())),
+                    "bad_files": [{"uri": uri, "cause": cause} for uri, cause in sorted(bad.items())]}
     return report

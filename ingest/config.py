@@ -29,7 +29,12 @@ REASONS = {
     "invalid_json": "line is not valid JSON",
     "not_object": "record is valid JSON but not an object",
     "missing_field": "a contract field is absent or null (detail names it)",
-    "extra_field": "a field outside contract + metadata + mapping (detail names it)",
+    "extra_field": "a field outside contract + metadata + mapping (detail names it); only with "
+                   "extra_fields: quarantine | error (the default keeps them in the ``extra`` column)",
+    "invalid_csv_row": "a CSV line with the wrong number of columns (detail gives expected/actual)",
+    "bad_file": "a whole input file could not be read (on_bad_file: skip): truncated compression, damaged "
+                "Parquet/Arrow footer, content not matching its extension, permission denied, S3 object "
+                "unreadable, header without the contract columns; source_line 0, detail gives the cause",
     "nested_value": "a contract/metadata value is an object or list (records must be flat)",
     "wrong_type": "a value has the wrong type (e.g. number for a text field, text for score)",
     "reader_error": "a custom reader rejected the record",
@@ -66,8 +71,8 @@ class IngestConfig(BaseModel):
     """Configuration of the data plane; defaults work on ``sample_data/``.
 
     ``field_mapping`` maps a source field (or dotted JSON path, e.g. ``meta.topic``) to a contract or
-    metadata field. Field names are strict otherwise: anything not in the contract, the metadata
-    fields, the mapping or ``drop_fields`` is an ``extra_field``.
+    metadata field. Any other field (not in the contract, the metadata fields, the mapping or
+    ``drop_fields``) is an *extra field*, handled by ``extra_fields``.
     """
 
     kind: Literal["preference", "scored"] = "preference"
@@ -94,6 +99,16 @@ class IngestConfig(BaseModel):
     # field_mapping / chat_mapping, else arrow). Same outputs; "auto" = arrow, measured faster on 2 cores
     engine: Literal["auto", "duckdb", "arrow"] = "auto"
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    extra_fields: Literal["keep", "drop", "quarantine", "error"] = Field(
+        "keep", description="fields outside contract + metadata + mapping: keep = one JSON object per row in "
+        "the nullable ``extra`` column (null values left out), drop = discard (counted), quarantine = reject "
+        "the row (reason extra_field), error = the strict contract: a header or first record with an "
+        "unknown field is a file error, later such rows are quarantined. Names and counts go to the report.")
+    on_bad_file: Literal["fail", "skip"] = Field(
+        "fail", description="an input file that cannot be read as a whole (truncated gzip/zstd, damaged "
+        "Parquet/Arrow footer, content not matching its extension, permission denied, unreadable S3 object, "
+        "header without the contract columns): fail = stop before any output is written, naming every bad "
+        "file of the drop; skip = leave it out, one 'bad_file' quarantine entry (source_line 0) with the cause")
 
     @property
     def required(self) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 from dataclasses import asdict, dataclass
 from typing import Any, BinaryIO
 
@@ -27,6 +28,7 @@ class InputFile:
     sha256: str       # of the stored bytes: the file's data version
     format: str       # jsonl | parquet | arrow | csv | unknown (needs IngestConfig.reader)
     compression: str | None = None
+    error: str | None = None  # why the file could not even be listed/hashed (e.g. permission denied)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,9 +80,13 @@ def discover_inputs(uri: str, storage_options: dict | None = None, include_unkno
         fmt, comp = detect_format(p)
         if fmt == "unknown" and not (explicit or include_unknown):
             continue
-        info = fs.info(p)
-        digest = _sha256(fs, p) if hash_files else ""
-        found.append(InputFile(_with_protocol(fs, p), int(info["size"]), digest, fmt, comp))
+        size, digest, error = 0, "", None
+        try:  # an unreadable file is still listed: the ingest stage reports it (IngestConfig.on_bad_file)
+            size = int(fs.info(p)["size"])
+            digest = _sha256(fs, p) if hash_files else ""
+        except OSError as e:
+            error = f"cannot be read at discovery [{type(e).__name__}: {e}]"
+        found.append(InputFile(_with_protocol(fs, p), size, digest, fmt, comp, error))
     return found
 
 
@@ -99,7 +105,52 @@ def open_binary(file: InputFile, storage_options: dict | None = None) -> BinaryI
     if file.compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if file.compression == "zstd":
+        return io.BufferedReader(ZstdStream(raw), buffer_size=1 << 20)
+    return raw
+
+
+class ZstdStream(io.RawIOBase):
+    """Streaming zstd decompression that raises ``EOFError`` when the input ends inside a frame
+    (``zstandard``'s ``stream_reader`` reports a truncated file as a clean, short end). Concatenated
+    frames are read one after the other."""
+
+    def __init__(self, raw: BinaryIO, chunk: int = 1 << 18):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-    return raw
+        self.raw, self.chunk = raw, chunk
+        self.dctx = zstandard.ZstdDecompressor()
+        self.obj, self.in_frame = self.dctx.decompressobj(), False
+        self.out, self.pos, self.done = memoryview(b""), 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self.pos >= len(self.out) and not self.done:
+            self._fill()
+        n = min(len(b), len(self.out) - self.pos)
+        b[:n] = self.out[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def _fill(self) -> None:
+        data = self.raw.read(self.chunk)
+        if not data:
+            if self.in_frame:
+                raise EOFError("zstd stream ended inside a frame (truncated file?)")
+            self.done = True
+            return
+        parts = []
+        while data:
+            self.in_frame = True
+            parts.append(self.obj.decompress(data))
+            if not self.obj.eof:
+                break
+            data, self.in_frame = self.obj.unused_data, False  # a frame ended: maybe another one follows
+            self.obj = self.dctx.decompressobj()
+        self.out, self.pos = memoryview(b"".join(parts)), 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()

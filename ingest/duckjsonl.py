@@ -73,8 +73,8 @@ def _sql_list(items) -> str:
 
 
 class DuckJsonlReader(JsonlReader):
-    def __init__(self, file: InputFile, cfg: IngestConfig):
-        super().__init__(file, cfg)
+    def __init__(self, file: InputFile, cfg: IngestConfig, extras=None):
+        super().__init__(file, cfg, extras)
         # blocks already run in cfg.threads workers: one DuckDB thread each avoids oversubscription
         self.con = duckdb.connect(config={"threads": 1 if cfg.threads > 1 else 2})
         self.local = threading.local()
@@ -152,6 +152,8 @@ class DuckJsonlReader(JsonlReader):
                 cols[f.name] = pa.repeat(pa.scalar(self.file.uri, f.type), n)
             elif f.name == "source_line":
                 cols[f.name] = pc.add(fast.column("i"), line_base + 1)
+            elif f.name == "extra":  # lines with extra fields are not plain: the reference path keeps them
+                cols[f.name] = pa.nulls(n, f.type)
             else:
                 cols[f.name] = fast.column(f.name).cast(f.type)
         table = pa.table(cols, schema=schema)

@@ -23,7 +23,10 @@ import pyarrow.json as pajson
 from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
 from batchrl.ingest.textclean import CANDIDATE_COLUMN
-from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
+from batchrl.ingest.records import (
+    EXTRA_JSON_COLUMN, ExtraFieldCounter, RecordStructurer, Reject, RowError, extra_json_column, raw_text,
+    rows_to_table, structure_table,
+)
 
 BOM = b"\xef\xbb\xbf"
 
@@ -61,9 +64,10 @@ def split_lines(block: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
 
 
 class JsonlReader:
-    def __init__(self, file: InputFile, cfg: IngestConfig):
+    def __init__(self, file: InputFile, cfg: IngestConfig, extras: ExtraFieldCounter | None = None):
         self.file, self.cfg = file, cfg
-        self.structurer = RecordStructurer(cfg)
+        self.extras = extras if extras is not None else ExtraFieldCounter()
+        self.structurer = RecordStructurer(cfg, self.extras)
         self.fast = cfg.fast_json and cfg.chat_mapping is None and not any("." in k for k in cfg.field_mapping)
         source = {dst: src for src, dst in cfg.field_mapping.items()}
         fields = []
@@ -145,7 +149,7 @@ class JsonlReader:
         self.first_checked = True
         try:
             obj = json.loads(line.removeprefix(BOM).decode("utf-8"), strict=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             return  # an undecodable/invalid first line is quarantined like any other
         if isinstance(obj, dict):
             missing, extra = self.structurer.check_keys(obj)
@@ -218,7 +222,8 @@ class JsonlReader:
             return [], sorted(set(slow))
         parsed_table = pa.concat_tables([t for t, _ in tables])
         lines = ctx.line_base + np.concatenate([seg for _, seg in tables]) + 1
-        structured, rejects = structure_table(parsed_table, lines, self.cfg, self.file.uri, lambda i: "")
+        structured, rejects = structure_table(parsed_table, lines, self.cfg, self.file.uri, lambda i: "",
+                                              extras=self.extras)
         assert not rejects, rejects  # the explicit schema guarantees flat, typed, non-null values
         return [structured], sorted(set(slow))
 
@@ -308,21 +313,34 @@ class JsonlReader:
         return self._defer(table, seg, slow)
 
     def _defer(self, table: pa.Table, seg: np.ndarray, slow: list[int]) -> tuple[pa.Table, np.ndarray]:
-        """Rows the fast path cannot judge exactly (a null required field, an extra field) go to ``slow``."""
+        """Rows the fast path cannot judge exactly go to ``slow``: a null required field; with
+        ``extra_fields`` quarantine/error any extra field; with keep an extra field whose inferred type may
+        not be the JSON value (numbers that may have been ints, timestamps, nested values). Under keep the
+        other extra fields become the ``EXTRA_JSON_COLUMN``; under drop they are counted and dropped."""
         known = set(self.parse_schema.names)
         extras = [c for c in table.column_names if c not in known and c not in self.cfg.drop_fields]
         required_src = [self.parse_schema.field(i).name for i in range(len(self.cfg.required))]
+        policy = self.cfg.extra_fields
         defer = np.zeros(table.num_rows, bool)
         for c in required_src:
             if table.column(c).null_count:
                 defer |= table.column(c).is_null().to_numpy(zero_copy_only=False)
+        exact = [c for c in extras if policy == "drop" or _json_exact(table.column(c).type)]
         for c in extras:
-            defer |= table.column(c).is_valid().to_numpy(zero_copy_only=False)
+            if policy in ("quarantine", "error") or c not in exact:
+                defer |= table.column(c).is_valid().to_numpy(zero_copy_only=False)
         if defer.any():
             slow.extend(seg[defer].tolist())
             table = table.filter(pa.array(~defer))
             seg = seg[~defer]
-        return table.select(self.parse_schema.names), seg
+        if exact and policy in ("keep", "drop"):
+            self.extras.add({c: n for c in exact if (n := len(table) - table.column(c).null_count)})
+        out = table.select(self.parse_schema.names)
+        if policy == "keep":
+            with_extras = [c for c in exact if table.column(c).null_count < len(table)]
+            column = extra_json_column(table.select(with_extras)) if with_extras else pa.nulls(len(table), pa.string())
+            out = out.append_column(EXTRA_JSON_COLUMN, column)
+        return out, seg
 
     # -- reference path ----------------------------------------------------------------------
     def _slow(self, ctx: "_Block", rows) -> tuple[pa.Table, list[Reject]]:
@@ -342,13 +360,19 @@ class JsonlReader:
                     continue
                 try:
                     obj = json.loads(text, strict=False)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # RecursionError: nesting too deep
                     raise RowError("invalid_json", str(e))
                 good.append(self.structurer(obj))
                 good_lines.append(line_no)
             except RowError as e:
                 rejects.append(Reject(e.reason, e.detail, line_no, raw_text(raw)))
         return rows_to_table(good, good_lines, self.file.uri, self.cfg.kind), rejects
+
+
+def _json_exact(t: pa.DataType) -> bool:
+    """Arrow types inferred from JSON whose Python value is exactly what ``json.loads`` gives (an int64
+    column held only integers; a double one may have held ``1`` as well as ``1.5``)."""
+    return pa.types.is_string(t) or pa.types.is_int64(t) or pa.types.is_boolean(t) or pa.types.is_null(t)
 
 
 def _utf8_valid(buffer: pa.Buffer, start: int, end: int) -> bool:

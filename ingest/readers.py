@@ -21,7 +21,9 @@ from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
 from batchrl.ingest.duckjsonl import DuckJsonlReader, duckdb_applies
 from batchrl.ingest.jsonl import JsonlReader
-from batchrl.ingest.records import RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table
+from batchrl.ingest.records import (
+    ExtraFieldCounter, RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table,
+)
 
 
 class RecordReader(Protocol):
@@ -37,27 +39,29 @@ def load_reader(spec: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def jsonl_reader(file: InputFile, cfg: IngestConfig) -> JsonlReader:
+def jsonl_reader(file: InputFile, cfg: IngestConfig, extras: ExtraFieldCounter | None = None) -> JsonlReader:
     """DuckDB block engine where it is exact (``duckdb_applies``), else the pyarrow.json one."""
-    return DuckJsonlReader(file, cfg) if duckdb_applies(cfg) else JsonlReader(file, cfg)
+    return DuckJsonlReader(file, cfg, extras) if duckdb_applies(cfg) else JsonlReader(file, cfg, extras)
 
 
-def structured_batches(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, list[Reject]]]:
+def structured_batches(file: InputFile, cfg: IngestConfig,
+                       extras: ExtraFieldCounter | None = None) -> Iterator[tuple[pa.Table, list[Reject]]]:
     if file.format == "jsonl":
-        yield from jsonl_reader(file, cfg).batches()
+        yield from jsonl_reader(file, cfg, extras).batches()
     elif file.format in ("parquet", "arrow", "csv"):
-        yield from _columnar(file, cfg)
+        yield from _columnar(file, cfg, extras)
     elif cfg.reader:
         reader = load_reader(cfg.reader)(cfg)
         with open_binary(file, cfg.storage_options) as stream:
-            yield from _records(reader.records(stream, file.uri), file, cfg)
+            yield from _records(reader.records(stream, file.uri), file, cfg, extras)
     else:
         raise IngestError(file.uri, 0, f"unknown format of {file.uri!r}; name a reader in IngestConfig.reader")
 
 
-def _records(records: Iterator[tuple[int, Any]], file: InputFile, cfg: IngestConfig):
+def _records(records: Iterator[tuple[int, Any]], file: InputFile, cfg: IngestConfig,
+             extras: ExtraFieldCounter | None = None):
     """Reference path for record streams (custom readers, nested columnar data)."""
-    structurer = RecordStructurer(cfg)
+    structurer = RecordStructurer(cfg, extras)
     good, lines, rejects, first = [], [], [], True
     for line_no, record in records:
         if first and isinstance(record, dict):
@@ -80,13 +84,14 @@ def _records(records: Iterator[tuple[int, Any]], file: InputFile, cfg: IngestCon
         yield rows_to_table(good, lines, file.uri, cfg.kind), rejects
 
 
-def _columnar_tables(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, int]]:
-    """(table, first line number) batches; header line numbering: csv 1 = header, columnar rows from 1."""
+def _columnar_tables(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, np.ndarray, list[Reject]]]:
+    """(table, its line numbers, rejected lines) batches; csv line 1 is the header, columnar rows count
+    from 1. CSV lines with the wrong number of columns are rejected rows, not a file error."""
     with open_binary(file, cfg.storage_options) as stream:
         if file.format == "parquet":
             first = 1
             for batch in pq.ParquetFile(stream, pre_buffer=False).iter_batches(batch_size=cfg.batch_rows):
-                yield pa.Table.from_batches([batch]), first
+                yield pa.Table.from_batches([batch]), np.arange(first, first + batch.num_rows, dtype=np.int64), []
                 first += batch.num_rows
         elif file.format == "arrow":
             try:
@@ -99,29 +104,59 @@ def _columnar_tables(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Ta
             for batch in batches:
                 for start in range(0, batch.num_rows, cfg.batch_rows):
                     part = batch.slice(start, cfg.batch_rows)
-                    yield pa.Table.from_batches([part]), first
+                    yield (pa.Table.from_batches([part]), np.arange(first, first + part.num_rows, dtype=np.int64),
+                           [])
                     first += part.num_rows
         else:
-            names = set(cfg.required) | set(cfg.metadata) | set(cfg.field_mapping)
-            text_types = {n: pa.string() for n in names if n != "score" and cfg.field_mapping.get(n) != "score"}
-            reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=cfg.block_bytes),
-                                    convert_options=pacsv.ConvertOptions(column_types=text_types,
-                                                                         strings_can_be_null=False))
-            first = 2  # line 1 is the header
-            for batch in reader:
-                for start in range(0, batch.num_rows, cfg.batch_rows):
-                    part = batch.slice(start, cfg.batch_rows)
-                    yield pa.Table.from_batches([part]), first
-                    first += part.num_rows
+            yield from _csv_tables(stream, cfg)
 
 
-def _columnar(file: InputFile, cfg: IngestConfig):
+def _csv_tables(stream, cfg: IngestConfig):
+    names = set(cfg.required) | set(cfg.metadata) | set(cfg.field_mapping)
+    text_types = {n: pa.string() for n in names if n != "score" and cfg.field_mapping.get(n) != "score"}
+    skipped: list[Reject] = []
+
+    def invalid_row(row) -> str:
+        skipped.append(Reject("invalid_csv_row", f"{row.actual_columns} columns, header has {row.expected_columns}",
+                              row.number or 0, row.text))
+        return "skip"
+
+    try:
+        reader = pacsv.open_csv(stream, read_options=pacsv.ReadOptions(block_size=cfg.block_bytes, use_threads=False),
+                                parse_options=pacsv.ParseOptions(invalid_row_handler=invalid_row),
+                                convert_options=pacsv.ConvertOptions(column_types=text_types,
+                                                                     strings_can_be_null=False))
+    except pa.ArrowInvalid as e:
+        if "Empty CSV file" in str(e):  # no header, no rows: nothing to read (like an empty JSONL file)
+            return
+        raise
+    next_line = 2  # line 1 is the header; one physical line per record (quoted newlines make it approximate)
+    for batch in reader:
+        rejects, skipped[:] = list(skipped), []
+        taken = np.array([r.source_line for r in rejects], np.int64)
+        candidates = np.arange(next_line, next_line + batch.num_rows + len(rejects), dtype=np.int64)
+        lines = candidates[~np.isin(candidates, taken)][:batch.num_rows]
+        next_line = int(max(lines[-1] if len(lines) else 0, taken.max() if len(taken) else 0, next_line - 1)) + 1
+        for start in range(0, max(batch.num_rows, 1), cfg.batch_rows):
+            part = batch.slice(start, cfg.batch_rows)
+            yield pa.Table.from_batches([part], schema=batch.schema), lines[start:start + part.num_rows], \
+                (rejects if start == 0 else [])
+    if skipped:  # rejected lines after the last batch
+        yield reader.schema.empty_table(), np.zeros(0, np.int64), skipped
+
+
+def _columnar(file: InputFile, cfg: IngestConfig, extras: ExtraFieldCounter | None = None):
     header_line = 1 if file.format == "csv" else 0
     nested = cfg.chat_mapping is not None or any("." in k for k in cfg.field_mapping)
-    for table, first in _columnar_tables(file, cfg):
-        lines = np.arange(first, first + table.num_rows, dtype=np.int64)
+    for table, lines, skipped in _columnar_tables(file, cfg):
         if nested:  # mapping into nested values: per-record reference path
-            yield from _records(zip(lines.tolist(), table.to_pylist()), file, cfg)
+            for good, rejects in _records(zip(lines.tolist(), table.to_pylist()), file, cfg, extras):
+                yield good, rejects + skipped
+                skipped = []
+            if skipped:
+                yield rows_to_table([], [], file.uri, cfg.kind), skipped
             continue
-        yield structure_table(table, lines, cfg, file.uri, lambda i, t=table: raw_text(t.slice(i, 1).to_pylist()[0]),
-                              header_line=header_line)
+        structured, rejects = structure_table(table, lines, cfg, file.uri,
+                                              lambda i, t=table: raw_text(t.slice(i, 1).to_pylist()[0]),
+                                              header_line=header_line, extras=extras)
+        yield structured, rejects + skipped

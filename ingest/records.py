@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -59,6 +60,55 @@ def _encodable(name: str, value: str) -> str:
     return value
 
 
+#: column of a structured table that already holds the extra-fields JSON (built by the JSONL fast path)
+EXTRA_JSON_COLUMN = "__extra_json"
+
+
+class ExtraFieldCounter:
+    """How many records carried each extra field (non-null values); shared by the worker threads."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, counts: dict[str, int]) -> None:
+        if counts:
+            with self._lock:
+                for name, n in counts.items():
+                    self.counts[name] = self.counts.get(name, 0) + n
+
+
+def extra_json(fields: dict) -> str | None:
+    """The non-null extra fields of one record as a JSON object (sorted keys), or None when there are none."""
+    kept = {k: v for k, v in fields.items() if v is not None}
+    if not kept:
+        return None
+    text = json.dumps(kept, ensure_ascii=False, sort_keys=True, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a \u escape: keep it escaped rather than lose the row
+        text = json.dumps(kept, sort_keys=True, default=str)
+    return text
+
+
+def extra_json_column(table: pa.Table) -> pa.Array:
+    """``extra_json`` of every row of ``table`` (its columns are the extra fields); only the rows that
+    hold a value are converted (usually few: the others stay null without a Python step)."""
+    n = table.num_rows
+    present = np.zeros(n, bool)
+    for column in table.columns:
+        present |= column.is_valid().to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(present)
+    if not len(rows):
+        return pa.nulls(n, pa.string())
+    values = [extra_json(row) for row in table.take(pa.array(rows)).to_pylist()]
+    if len(rows) == n:
+        return pa.array(values, pa.string())
+    out = np.full(n, None, dtype=object)
+    out[rows] = values
+    return pa.array(out, pa.string())
+
+
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
 
@@ -66,8 +116,9 @@ def _is_messages(value: Any) -> bool:
 class RecordStructurer:
     """Reference per-record path; raises ``RowError`` with a reason code."""
 
-    def __init__(self, cfg: IngestConfig):
+    def __init__(self, cfg: IngestConfig, extras: ExtraFieldCounter | None = None):
         self.cfg = cfg
+        self.extras = extras if extras is not None else ExtraFieldCounter()
         self.allowed = set(cfg.required) | set(cfg.metadata)
         self.mapping = dict(cfg.field_mapping)
         self.consumed = {p.split(".")[0] for p in self.mapping} | set(cfg.drop_fields)
@@ -76,14 +127,16 @@ class RecordStructurer:
         self.text_fields = [f for f in cfg.required if f != "score"]
 
     def check_keys(self, obj: dict) -> tuple[list[str], list[str]]:
-        """(missing, extra) contract fields of a record, after mapping; used for the first-record check."""
+        """(missing, extra) contract fields of a record, after mapping; used for the first-record check.
+        Extra fields are reported only when they make the file fail (``extra_fields: error``) or as a hint
+        next to missing ones."""
         try:
             row = self._map(obj)
         except RowError:
             return [], []
         extra = sorted(k for k in obj if k not in self.consumed and k not in self.allowed)
         missing = [f for f in self.cfg.required if f not in row]
-        return missing, extra
+        return missing, (extra if missing or self.cfg.extra_fields == "error" else [])
 
     def _map(self, obj: dict) -> dict:
         row = {k: v for k, v in obj.items() if k in self.allowed and k not in self.consumed}
@@ -99,13 +152,19 @@ class RecordStructurer:
         if not isinstance(obj, dict):
             raise RowError("not_object", f"record is a JSON {type(obj).__name__}, expected an object")
         extra = sorted(k for k in obj if k not in self.consumed and k not in self.allowed)
+        extra_text = None
         if extra:
-            raise RowError("extra_field", "extra fields: " + ", ".join(extra))
+            self.extras.add({k: 1 for k in extra if obj[k] is not None})
+            if self.cfg.extra_fields in ("quarantine", "error"):
+                raise RowError("extra_field", "extra fields: " + ", ".join(extra))
+            if self.cfg.extra_fields == "keep":
+                extra_text = extra_json({k: obj[k] for k in extra})
         row = self._map(obj)
         missing = [f for f in self.cfg.required if row.get(f) is None]
         if missing:
-            raise RowError("missing_field", "missing or null fields: " + ", ".join(missing))
-        out: dict[str, Any] = {}
+            hint = f" (the record has other fields: {', '.join(extra)}; map them with field_mapping)" if extra else ""
+            raise RowError("missing_field", "missing or null fields: " + ", ".join(missing) + hint)
+        out: dict[str, Any] = {"extra": extra_text}
         for name in self.text_fields:
             out[name] = self._text(name, row[name])
         if "score" in self.cfg.required:
@@ -204,20 +263,29 @@ def _nested(t: pa.DataType) -> bool:
     return pa.types.is_nested(t)
 
 
+def column_contract(names: list[str], cfg: IngestConfig) -> tuple[list[str], list[str]]:
+    """(missing contract fields, extra fields) of flat source columns ``names`` after renames and drops."""
+    renames = {src: dst for src, dst in cfg.field_mapping.items() if "." not in src}
+    names = [renames.get(c, c) for c in names if c not in cfg.drop_fields and c != EXTRA_JSON_COLUMN]
+    allowed = set(cfg.required) | set(cfg.metadata)
+    return [f for f in cfg.required if f not in names], sorted(c for c in names if c not in allowed)
+
+
 def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, source_file: str,
-                    raw_of: Callable[[int], str], header_line: int = 1) -> tuple[pa.Table, list[Reject]]:
+                    raw_of: Callable[[int], str], header_line: int = 1,
+                    extras: ExtraFieldCounter | None = None) -> tuple[pa.Table, list[Reject]]:
     """Vectorised structure check of a flat table whose column names are source field names.
 
-    Missing or extra *columns* are a file-level contract error (``IngestError``); bad *values*
-    (null, nested, wrong type) quarantine the row.
+    Missing contract *columns* (and, with ``extra_fields: error``, extra ones) are a file-level contract
+    error (``IngestError``); bad *values* (null, nested, wrong type) quarantine the row. Extra columns
+    follow ``cfg.extra_fields``; a ready ``EXTRA_JSON_COLUMN`` (JSONL fast path) is taken as is.
     """
     renames = {src: dst for src, dst in cfg.field_mapping.items() if "." not in src}
-    table = table.drop_columns([c for c in table.column_names if c in cfg.drop_fields])
+    prebuilt = table.column(EXTRA_JSON_COLUMN) if EXTRA_JSON_COLUMN in table.column_names else None
+    table = table.drop_columns([c for c in table.column_names if c in cfg.drop_fields or c == EXTRA_JSON_COLUMN])
+    missing, extra = column_contract(table.column_names, cfg)
     table = table.rename_columns([renames.get(c, c) for c in table.column_names])
-    allowed = set(cfg.required) | set(cfg.metadata)
-    missing = [f for f in cfg.required if f not in table.column_names]
-    extra = sorted(c for c in table.column_names if c not in allowed)
-    if missing or extra:
+    if missing or (extra and cfg.extra_fields == "error"):
         raise IngestError(source_file, header_line, "columns do not match the contract", missing, extra)
     n = table.num_rows
     reason = np.full(n, None, dtype=object)
@@ -227,10 +295,20 @@ def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, sourc
         hit = mask & (reason == None)  # noqa: E711 (element-wise)
         reason[hit], detail[hit] = code, text
 
-    out = {}
+    out = {"extra": prebuilt if prebuilt is not None else pa.nulls(n, pa.string())}
+    if extra:
+        present = {c: table.column(c).is_valid().to_numpy(zero_copy_only=False) for c in extra}
+        (extras or ExtraFieldCounter()).add({c: int(m.sum()) for c, m in present.items() if m.any()})
+        if cfg.extra_fields == "quarantine":
+            for i in np.flatnonzero(np.logical_or.reduce(list(present.values()))):
+                if reason[i] is None:
+                    reason[i] = "extra_field"
+                    detail[i] = "extra fields: " + ", ".join(c for c in extra if present[c][i])
+        elif cfg.extra_fields == "keep":
+            out["extra"] = extra_json_column(table.select(extra))
     for f in ARROW_SCHEMAS[cfg.kind]:
         name = f.name
-        if name in ("source_file", "source_line"):
+        if name in ("source_file", "source_line", "extra"):
             continue
         if name not in table.column_names:
             out[name] = pa.nulls(n, f.type)

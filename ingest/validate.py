@@ -325,19 +325,26 @@ def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None,
     other. Otherwise only ``out_dir/{preferences|scored,quarantine}.parquet``: one quarantine holds the
     rows of both stages and the second report accounts for every input row.
     """
-    from batchrl.ingest.clean import clean_logs
+    from batchrl.ingest.clean import clean_files
+    from batchrl.ingest.faults import with_file_policy
 
     cfg = cfg or IngestConfig()
     name = "preferences.parquet" if cfg.kind == "preference" else "scored.parquet"
     stage = "validate_preferences" if cfg.kind == "preference" else "validate_scored"
-    contract = ContractStage(join(out_dir, "validated") if keep_cleaned else out_dir, cfg, cfg.kind, name, stage)
-    try:
-        cleaned = clean_logs(inputs, join(out_dir, "cleaned") if keep_cleaned else None, cfg,
-                             on_batch=contract.feed, then=contract.check)
-        validated = contract.close()
-    except BaseException:
-        contract.abort()
-        raise
+
+    def attempt(bad: dict[str, str]) -> tuple[StageReport, StageReport]:
+        contract = ContractStage(join(out_dir, "validated") if keep_cleaned else out_dir, cfg, cfg.kind, name,
+                                 stage)
+        try:
+            cleaned = clean_files(inputs, bad, join(out_dir, "cleaned") if keep_cleaned else None, cfg,
+                                  on_batch=contract.feed, then=contract.check)
+            return cleaned, contract.close()
+        except BaseException:
+            contract.abort()
+            raise
+
+    cleaned, validated = with_file_policy(inputs, cfg, attempt)
+    validated.extra.update(extra_fields=cleaned.extra["extra_fields"], bad_files=cleaned.extra["bad_files"])
     if keep_cleaned:
         validated.bytes_in = cleaned.bytes_out
         validated.extra["inputs"] = [cleaned.outputs["cleaned"]]

@@ -1,17 +1,37 @@
-"""Where in-process model work runs (evaluation, reward-model scoring): the CPU, or the accelerator.
-
-Swapped per environment like every resource: ``local`` keeps float32 on the CPU, ``gpu`` puts the
-same code on CUDA in bfloat16. Stages that train run in subprocesses (the trainer launcher) instead.
+"""Where model inference of the non-training stages runs (reward-model scoring, evaluation): on the CPU
+in the Dagster process, or on the accelerator in a Pipes subprocess (its memory is gone when the stage
+ends). Swapped per environment like every resource: ``local`` keeps float32 on the CPU in process,
+``gpu`` runs the same tasks on CUDA in bfloat16 in a subprocess. Training stages always run as jobs.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import dagster as dg
+from pydantic import Field
 
 
 class ComputeResource(dg.ConfigurableResource):
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "float32"  # weights' dtype for inference: float32 | bfloat16 | float16
-    batch_size: int = 32  # sequences per forward pass (evaluation, reward-model scoring)
+    device: str = Field("cpu", description='"cpu" | "cuda" | "cuda:N"')
+    dtype: str = Field("float32", description="weights' dtype for inference: float32 | bfloat16 | float16")
+    batch_size: int = Field(32, description="sequences per forward pass (evaluation, reward-model scoring)")
+    generation_engine: str = Field("transformers", description="evaluation's greedy decoding: transformers | "
+                                   "static (static KV cache + CUDA graphs, Llama-family models)")
+    in_subprocess: bool = Field(False, description="run the tasks in a Pipes subprocess instead of in process")
+
+    def run(self, context: dg.AssetExecutionContext, launcher, task: str, config: dict, workdir: str) -> dict:
+        """Run an inference task (``batchrl.training.jobs.inference.TASKS``) here or as a job; its result."""
+        from batchrl.training.jobs.inference import run_task
+
+        config = {**config, "task": task, "result_json": os.path.join(workdir, f"{task}_result.json")}
+        if self.in_subprocess:
+            launcher.run_job(context, "inference", config, workdir)
+            with open(config["result_json"]) as f:
+                return json.load(f)
+        result = run_task(config)
+        self.release()
+        return result
 
     def release(self) -> None:
         release_accelerator_memory(self.device)

@@ -24,7 +24,13 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         config_path = os.path.join(workdir, f"{job}.json")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        env = {**os.environ, **self.env, "BATCHRL_NUM_GPUS": str(self.num_gpus)}
-        client = dg.PipesSubprocessClient(env=env, cwd=workdir)
+        client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
         invocation = client.run(context=context, command=job_command(job, config_path))
         return invocation.get_materialize_result()
+
+    def job_env(self) -> dict[str, str]:
+        """The children's environment: ours, NVLink multicast off with several GPUs, then ``env``."""
+        from batchrl.training.jobs import MULTI_GPU_ENV
+
+        return {**os.environ, **(MULTI_GPU_ENV if self.num_gpus > 1 else {}), **self.env,
+                "BATCHRL_NUM_GPUS": str(self.num_gpus)}

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
@@ -33,6 +34,21 @@ class ArtifactRef:
         return asdict(self)
 
 
+def _move_into_place(fill, dest: str) -> None:
+    """``fill(tmp)`` builds a folder next to ``dest``, then one rename makes it visible whole. Another
+    process may publish the same content at the same time: its folder wins, ours is dropped (the content
+    is the same: the name is its hash). A killed process leaves only a ``.tmp-`` sibling behind."""
+    tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fill(tmp)
+        os.replace(tmp, dest)
+    except OSError:
+        if not os.path.isdir(dest):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 class StorageResource(dg.ConfigurableResource):
     """Where artifacts live. ``root`` is a local folder or ``s3://bucket/prefix``."""
 
@@ -51,7 +67,7 @@ class StorageResource(dg.ConfigurableResource):
         """A fresh local folder to build an artifact in; removed afterwards."""
         base = os.path.abspath(os.path.join(self.cache_dir, "_staging"))
         os.makedirs(base, exist_ok=True)
-        path = tempfile.mkdtemp(prefix=f"{asset}-", dir=base)
+        path = tempfile.mkdtemp(prefix=f"{fsutil.safe_name(asset, 'asset name')}-", dir=base)
         try:
             yield path
         finally:
@@ -63,6 +79,9 @@ class StorageResource(dg.ConfigurableResource):
 
         The hash covers the data files only: ``lineage.json`` and the ``sidecars`` (JSON reports with
         timings and paths) are written after hashing, so the same data gives the same version."""
+        fsutil.safe_name(asset, "asset name")
+        for name in sidecars or {}:
+            fsutil.safe_name(name, "sidecar name")
         local_fs = fsutil.filesystem_for(local_dir)[0]
         data_version = fsutil.sha256_tree(local_fs, os.path.abspath(local_dir))[:16]
         for name, content in (sidecars or {}).items():
@@ -71,14 +90,12 @@ class StorageResource(dg.ConfigurableResource):
         with open(os.path.join(local_dir, LINEAGE_FILE), "w") as f:
             json.dump({**lineage, "asset": asset, "data_version": data_version}, f, indent=2, sort_keys=True)
         fs, root = self._fs()
-        dest = fsutil.join(root, asset, data_version)
+        dest = fsutil.join(root, fsutil.safe_name(asset, "asset name"), fsutil.safe_name(data_version, "data version"))
         if self.is_local():
             uri = dest = os.path.abspath(dest)
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                tmp = f"{dest}.tmp-{os.getpid()}"
-                shutil.copytree(local_dir, tmp)
-                os.replace(tmp, dest)
+                _move_into_place(lambda tmp: shutil.copytree(local_dir, tmp), dest)
         else:
             uri = f"{self.root.split('://')[0]}://{dest}"
             if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
@@ -92,15 +109,22 @@ class StorageResource(dg.ConfigurableResource):
     def localize(self, ref: ArtifactRef | dict) -> str:
         """A local folder holding the artifact (downloaded once into the cache for S3 roots)."""
         ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
+        fsutil.safe_name(ref.asset, "asset name")  # refs travel through Dagster and JSON: check, then trust
+        fsutil.safe_name(ref.data_version, "data version")
         if self.is_local():
-            return ref.uri
+            return self._inside_root(ref.uri)
         local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
         if not os.path.exists(local):
             fs, _ = self._fs()
-            tmp = f"{local}.tmp-{os.getpid()}"
-            fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True)
-            os.replace(tmp, local)
+            _move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)
         return local
+
+    def _inside_root(self, uri: str) -> str:
+        root = os.path.realpath(self.root)
+        path = os.path.realpath(uri)
+        if os.path.commonpath([root, path]) != root:
+            raise ValueError(f"artifact {uri!r} is outside the storage root {self.root!r}")
+        return uri
 
     def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
         with open(os.path.join(self.localize(ref), LINEAGE_FILE)) as f:

@@ -3,7 +3,8 @@
 Preference rows: ``prompt``, ``chosen``, ``rejected`` — flat strings, non-empty after cleaning,
 ``chosen != rejected``. Scored interaction logs: ``prompt``, ``response`` (non-empty strings) and
 ``score`` (finite float64). Both keep optional metadata ``id``, ``category``, ``source``,
-``timestamp`` (nullable strings) plus lineage ``source_file`` / ``source_line``.
+``timestamp`` (nullable strings), ``extra`` (the record's other non-null fields as one JSON object, null
+when it had none; ``IngestConfig.extra_fields``) plus lineage ``source_file`` / ``source_line``.
 
 Check names are the quarantine reason codes, so a pandera failure maps straight to a reason.
 pandera runs on whole batches (pyarrow-backed pandas columns, vectorised checks).
@@ -18,7 +19,8 @@ import pyarrow
 TEXT = pd.ArrowDtype(pyarrow.string())
 
 _LINEAGE = [("source_file", pyarrow.string()), ("source_line", pyarrow.int64())]
-_META = [("category", pyarrow.string()), ("source", pyarrow.string()), ("timestamp", pyarrow.string())]
+_META = [("category", pyarrow.string()), ("source", pyarrow.string()), ("timestamp", pyarrow.string()),
+         ("extra", pyarrow.string())]
 
 PREFERENCE_ARROW = pyarrow.schema(
     [("id", pyarrow.string()), ("prompt", pyarrow.string()), ("chosen", pyarrow.string()),
@@ -43,7 +45,7 @@ def _text(nullable: bool = False, checks: list | None = None) -> pa.Column:
 
 _META_COLUMNS = {
     "category": _text(nullable=True), "source": _text(nullable=True), "timestamp": _text(nullable=True),
-    "source_file": _text(), "source_line": pa.Column("int64"),
+    "extra": _text(nullable=True), "source_file": _text(), "source_line": pa.Column("int64"),
 }
 
 PreferenceSchema = pa.DataFrameSchema(

@@ -80,9 +80,13 @@ def test_evaluate_policy_metrics(model_path, pairs):
 
 
 def test_evaluate_policy_with_reward_model(model_path, pairs, tmp_path):
-    from batchrl.training.reward_model import train_reward_model
+    from batchrl.training.trainer.config import RewardModelConfig
+    from batchrl.training.trainer.reward import train_reward_model
 
-    rm = train_reward_model(pairs, model_path, str(tmp_path / "rm"), epochs=1, batch_size=6)
-    result = evaluate_policy(model_path, arith_eval=load_rows("eval.jsonl")[:4], reward_model_path=rm["path"], max_new_tokens=4)
+    pairs.to_parquet(tmp_path / "pairs.parquet")
+    rm = train_reward_model(RewardModelConfig(epochs=1, micro_batch_size=6), pairs_parquet=str(tmp_path / "pairs.parquet"),
+                            model_path=model_path, out_dir=str(tmp_path / "rm"))
+    result = evaluate_policy(model_path, arith_eval=load_rows("eval.jsonl")[:4], reward_model_path=rm["model_dir"],
+                             max_new_tokens=4)
     assert isinstance(result["rm_mean_score"], float)
     assert "preference_accuracy" not in result

@@ -39,7 +39,8 @@ def sample_run(tmp_path_factory):
 
 def test_sample_data_reason_codes_and_invariant(sample_run):
     out, cleaned, valid = sample_run
-    assert cleaned.reasons == {"extra_field": 1, "invalid_json": 1, "missing_field": 1, "nested_value": 2,
+    # extra_fields=keep (default): the record that only has other names is missing the contract fields
+    assert cleaned.reasons == {"invalid_json": 1, "missing_field": 2, "nested_value": 2,
                                "not_object": 1, "undecodable": 1, "wrong_type": 1}
     assert valid.reasons == {"chosen_equals_rejected": 1, "duplicate": 2, "empty_field": 2}
     for report in (cleaned, valid):
@@ -55,6 +56,16 @@ def test_sample_data_reason_codes_and_invariant(sample_run):
     offset = int(undecodable["detail"].split("byte offset ")[1].split(" ")[0])
     assert data[offset] == 0xE9 and data[:offset].count(b"\n") + 1 == undecodable["source_line"]
     assert "\\xe9" in undecodable["raw"]
+    other_names = next(q for q in quarantine if "best_response" in q["raw"])
+    assert other_names["reason"] == "missing_field"
+    assert "best_response" in other_names["detail"] and "field_mapping" in other_names["detail"]
+
+
+def test_strict_extra_fields_keeps_the_old_contract(tmp_path):
+    cleaned, _ = run(SAMPLE, tmp_path, IngestConfig(extra_fields="error"))
+    assert cleaned.reasons == {"extra_field": 1, "invalid_json": 1, "missing_field": 1, "nested_value": 2,
+                               "not_object": 1, "undecodable": 1, "wrong_type": 1}
+    quarantine = pq.read_table(cleaned.outputs["quarantine"]).to_pylist()
     extra = next(q for q in quarantine if q["reason"] == "extra_field")
     assert "best_response" in extra["detail"] and "instruction" in extra["detail"]
 
@@ -105,7 +116,9 @@ def test_field_mapping_with_json_paths(tmp_path):
     got = pq.read_table(valid.outputs["preferences"]).to_pylist()
     assert [(r["prompt"], r["chosen"], r["category"], r["timestamp"]) for r in got][:1] == [
         ("q0", "good", "t", "1700000000")]
-    assert cleaned.reasons == {"extra_field": 1} and valid.valid == 3
+    assert cleaned.reasons == {} and valid.valid == 4  # extra_fields=keep
+    assert [r["extra"] for r in got] == [None, None, None, '{"oops": 1}']
+    assert cleaned.extra["extra_fields"] == {"oops": 1}
 
 
 def test_flat_mapping_uses_fast_path_and_drop_fields(tmp_path):

@@ -59,15 +59,19 @@ def _digests(report):
     return {k: hashlib.sha256(open(v, "rb").read()).hexdigest() for k, v in report.outputs.items()}
 
 
-@pytest.mark.parametrize("engine", ["arrow", "duckdb"])
+@pytest.mark.parametrize("engine,extra_fields", [("arrow", "keep"), ("duckdb", "keep"), ("arrow", "error"),
+                                                 ("arrow", "drop"), ("duckdb", "quarantine")])
 @pytest.mark.parametrize("block_bytes", [1 << 20, 4096])
-def test_fast_and_reference_paths_agree(tmp_path, block_bytes, engine):
+def test_fast_and_reference_paths_agree(tmp_path, block_bytes, engine, extra_fields):
     src = tmp_path / "tricky.jsonl"
     src.write_bytes(tricky_lines())
     files = discover_inputs(str(src))
-    fast = clean_logs(files, str(tmp_path / "fast"), IngestConfig(block_bytes=block_bytes, engine=engine))
-    ref = clean_logs(files, str(tmp_path / "ref"), IngestConfig(fast_json=False))
-    assert fast.reasons == ref.reasons and len(fast.reasons) == 5
+    fast = clean_logs(files, str(tmp_path / "fast"), IngestConfig(block_bytes=block_bytes, engine=engine,
+                                                                  extra_fields=extra_fields))
+    ref = clean_logs(files, str(tmp_path / "ref"), IngestConfig(fast_json=False, extra_fields=extra_fields))
+    rejects_extras = extra_fields in ("quarantine", "error")
+    assert fast.reasons == ref.reasons and len(fast.reasons) == 4 + rejects_extras
+    assert fast.extra["extra_fields"] == ref.extra["extra_fields"] == {"extra": 65}
     assert _digests(fast) == _digests(ref)
     assert fast.invariant_holds and fast.rows_in == 3000 - sum(1 for l in tricky_lines().split(b"\n")[:-1]
                                                                if not l.strip())

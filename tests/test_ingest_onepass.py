@@ -68,7 +68,7 @@ def test_arrow_checks_agree_with_pandera(kind):
     n = 400
     cols = {name: [rng.choice(texts) for _ in range(n)] for name in ("prompt", "chosen", "rejected", "response")}
     data = {"id": [f"r{i}" for i in range(n)], "category": [None] * n, "source": [None] * n,
-            "timestamp": [None] * n, "source_file": ["f"] * n, "source_line": list(range(n)),
+            "timestamp": [None] * n, "extra": [None] * n, "source_file": ["f"] * n, "source_line": list(range(n)),
             "score": [rng.choice([1.0, float("nan"), float("inf"), None, -2.5]) for _ in range(n)], **cols}
     table = pa.table({f.name: pa.array(data[f.name], f.type) for f in ARROW_SCHEMAS[kind]}, schema=ARROW_SCHEMAS[kind])
     arrow: dict[int, str] = {}

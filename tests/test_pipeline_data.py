@@ -119,5 +119,7 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     # CUDA, in a Pipes subprocess; locally sampling stays in the Dagster process
     assert (gpu["rollout_engine"].kind, gpu["rollout_engine"].device) == ("static", "cuda")
     assert gpu["rollout_engine"].in_subprocess and not local["rollout_engine"].in_subprocess
+    assert gpu["compute"].in_subprocess and gpu["compute"].generation_engine == "static"
+    assert not local["compute"].in_subprocess and local["compute"].generation_engine == "transformers"
     assert (gpu["compute"].device, local["compute"].device) == ("cuda", "cpu")
     assert (local["rollout_engine"].kind, local["trainer"].num_gpus) == ("transformers", 0)

@@ -172,21 +172,27 @@ def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
     assert "descends from another base model" in message and "base_model" in message
 
 
-def test_rollouts_in_a_pipes_subprocess_equal_in_process(pipeline):
-    """The GPU environment's shape on CPU: the static-cache engine sampling in a Pipes subprocess gives the
-    same rows (same data version) as in the Dagster process."""
-    from batchrl.resources import RolloutEngineResource
+def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
+    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring and evaluation
+    (greedy decoding with the static-cache engine) in Pipes subprocesses give the same artifacts (same data
+    versions) as in the Dagster process with plain generate."""
+    from batchrl.resources import ComputeResource, RolloutEngineResource
 
     _, instance, root = pipeline
-    config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}}}}
+    config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}},
+                      "evaluation": {"config": {"max_eval_prompts": 8}}}}
+    selection = ["rollouts", "rewards", "evaluation"]
     versions = []
     for in_subprocess in (False, True):
-        engine = RolloutEngineResource(kind="static", batch_size=8, in_subprocess=in_subprocess)
-        result = run_assets(local_resources(root, rollout_engine=engine), instance, ["rollouts"], config)
+        resources = local_resources(
+            root, rollout_engine=RolloutEngineResource(kind="static", batch_size=8, in_subprocess=in_subprocess),
+            compute=ComputeResource(in_subprocess=in_subprocess,
+                                    generation_engine="static" if in_subprocess else "transformers"))
+        result = run_assets(resources, instance, selection, config)
         assert result.success
-        meta = latest_metadata(instance, "rollouts")
-        assert meta["samples"] == 12 and meta["generate_s"] > 0
-        versions.append(meta["data_version"])
+        assert latest_metadata(instance, "rollouts")["samples"] == 12
+        versions.append([latest_metadata(instance, asset)["data_version"] for asset in selection])
     assert versions[0] == versions[1]
-    piped = [e for e in instance.all_logs(result.run_id) if "sampling 6 prompts x 2 with static" in (e.user_message or "")]
-    assert piped, "the subprocess reported through Pipes"
+    messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
+    for reported in ("sampling 6 prompts x 2 with static", "inference task rewards", "inference task evaluation"):
+        assert any(reported in m for m in messages), f"no Pipes report {reported!r}"

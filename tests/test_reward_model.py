@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from batchrl.training.reward_model import train_reward_model
 from batchrl.training.rewards import RewardConfig, compute_rewards, score_with_reward_model
 from batchrl.training.tiny_model import build_tiny_model
+from batchrl.training.trainer.config import RewardModelConfig
+from batchrl.training.trainer.reward import train_reward_model
 
 ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 WORDS = [("yes", "no"), ("good", "bad"), ("right", "wrong"), ("correct", "incorrect")]
@@ -26,6 +27,14 @@ def toy_pairs(n=32):
     )
 
 
+def train_on(pairs: pd.DataFrame, base: str, out: Path, **config) -> dict:
+    """Train through the DeepSpeed trainer stage (CPU, gloo), as the reward_model asset's job does."""
+    out.mkdir(parents=True, exist_ok=True)
+    pairs.to_parquet(out / "pairs.parquet")
+    cfg = RewardModelConfig(**{"epochs": 2, "micro_batch_size": 8, "seed": 0, **config})
+    return train_reward_model(cfg, pairs_parquet=str(out / "pairs.parquet"), model_path=base, out_dir=str(out))
+
+
 @pytest.fixture(scope="module")
 def base_path(tmp_path_factory):
     rows = [json.loads(line) for line in (ARITH / "train.jsonl").read_text().splitlines()]
@@ -37,34 +46,43 @@ def base_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(base_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm") / "rm"
-    return train_reward_model(toy_pairs(), base_path, str(out), epochs=2, batch_size=8, seed=0)
+    return train_on(toy_pairs(), base_path, out)
 
 
 def test_training_raises_train_accuracy(trained):
     assert trained["train_accuracy_after"] == 1.0
     assert trained["train_accuracy_after"] > trained["train_accuracy_before"]
     assert trained["train_loss_after"] < trained["train_loss_before"] - 0.3
-    assert trained["steps"] == 8 and len(trained["step_losses"]) == 8
+    assert trained["global_step"] == 8 and len(trained["loss_curve"]) == 8
 
 
 def test_saved_folder_is_hf_sequence_classifier(trained):
-    model = AutoModelForSequenceClassification.from_pretrained(trained["path"])
+    model = AutoModelForSequenceClassification.from_pretrained(trained["model_dir"])
     assert type(model).__name__ == "Qwen2ForSequenceClassification"
     assert model.config.num_labels == 1 and model.config.pad_token_id is not None
-    assert (Path(trained["path"]) / "model.safetensors").exists() and (Path(trained["path"]) / "tokenizer.json").exists()
+    assert (Path(trained["model_dir"]) / "model.safetensors").exists() and (Path(trained["model_dir"]) / "tokenizer.json").exists()
 
 
 def test_deterministic_for_seed(trained, base_path, tmp_path):
-    again = train_reward_model(toy_pairs(), base_path, str(tmp_path / "again"), epochs=2, batch_size=8, seed=0)
+    again = train_on(toy_pairs(), base_path, tmp_path / "again")
     digest = lambda p: hashlib.sha256((Path(p) / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
-    assert digest(again["path"]) == digest(trained["path"])
-    assert again["step_losses"] == trained["step_losses"]
+    assert digest(again["model_dir"]) == digest(trained["model_dir"])
+    assert again["loss_curve"] == trained["loss_curve"]
+
+
+def test_resumes_exactly_and_caps_pairs(trained, base_path, tmp_path):
+    train_on(toy_pairs(), base_path, tmp_path / "cut", stop_after_steps=3)
+    resumed = train_on(toy_pairs(), base_path, tmp_path / "cut")
+    assert resumed["resumed_from_step"] == 3
+    np.testing.assert_allclose(resumed["loss_curve"], trained["loss_curve"], atol=1e-6)
+    capped = train_on(toy_pairs(), base_path, tmp_path / "capped", max_pairs=16, epochs=1)
+    assert capped["num_pairs"] == 16 and capped["global_step"] == 2
 
 
 def test_rm_scores_and_reward_mix(trained):
     pairs = toy_pairs()
-    chosen = score_with_reward_model(trained["path"], pairs["prompt"].tolist(), pairs["chosen"].tolist(), batch_size=5)
-    rejected = score_with_reward_model(trained["path"], pairs["prompt"].tolist(), pairs["rejected"].tolist())
+    chosen = score_with_reward_model(trained["model_dir"], pairs["prompt"].tolist(), pairs["chosen"].tolist(), batch_size=5)
+    rejected = score_with_reward_model(trained["model_dir"], pairs["prompt"].tolist(), pairs["rejected"].tolist())
     assert chosen.shape == (32,) and chosen.dtype == np.float32
     assert (chosen > rejected).all()
     rows = [
@@ -72,12 +90,12 @@ def test_rm_scores_and_reward_mix(trained):
         {"prompt": "Say something", "response": "no 5", "answer": None, "category": "chat"},
     ]
     routing = {"arith": {"rule": 1.0}, "chat": {"reward_model": 1.0}}
-    out = compute_rewards(rows, RewardConfig(rule="arith_exact", routing=routing), reward_model_path=trained["path"])
-    rm = score_with_reward_model(trained["path"], [r["prompt"] for r in rows], [r["response"] for r in rows])
+    out = compute_rewards(rows, RewardConfig(rule="arith_exact", routing=routing), reward_model_path=trained["model_dir"])
+    rm = score_with_reward_model(trained["model_dir"], [r["prompt"] for r in rows], [r["response"] for r in rows])
     np.testing.assert_allclose(out["reward_model"], rm, atol=1e-6)
     np.testing.assert_allclose(out["reward"], [1.0, rm[1]], atol=1e-6)
 
 
 def test_empty_pairs_rejected(base_path, tmp_path):
     with pytest.raises(ValueError, match="no preference pairs"):
-        train_reward_model(toy_pairs().iloc[:0], base_path, str(tmp_path / "x"))
+        train_on(toy_pairs().iloc[:0], base_path, tmp_path / "x")

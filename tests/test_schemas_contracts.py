@@ -44,7 +44,7 @@ def test_scored_contract_finite_score():
 def test_contract_is_strict_about_columns_and_types():
     df = frame(PREFERENCE_ARROW, prompt=["p"], chosen=["a"], rejected=["b"])
     with pytest.raises((pa.errors.SchemaError, pa.errors.SchemaErrors)):
-        PreferenceSchema.validate(df.assign(extra=["x"]))
+        PreferenceSchema.validate(df.assign(unknown=["x"]))
     with pytest.raises((pa.errors.SchemaError, pa.errors.SchemaErrors)):
         PreferenceSchema.validate(df.assign(chosen=pd.Series([{"nested": 1}], dtype=object)))
     assert PreferenceSchema.validate(df) is not None

@@ -63,6 +63,31 @@ def test_job_command_single_and_multi_gpu(monkeypatch):
     assert "--nproc_per_node=4" in job_command("train_dpo", "/c.json")
     with pytest.raises(ValueError):
         job_command("rm_rf", "/c.json")
+    # inference and sampling jobs stay one process: only trainers are data-parallel
+    assert job_command("rollouts", "/c.json") == [sys.executable, "-m", "batchrl.training.jobs.rollouts", "/c.json"]
+    assert "--nproc_per_node=4" in job_command("train_reward_model", "/c.json")
+
+
+def test_global_batch_size_sets_accumulation_per_rank_count(monkeypatch):
+    cfg = DPOConfig(micro_batch_size=4, global_batch_size=16)
+    assert fit_batch(cfg, 1000).grad_accum == 4
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert fit_batch(cfg, 1000).grad_accum == 2
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="not a multiple of micro_batch_size 4 x 3 ranks"):
+        fit_batch(cfg, 1000)
+    with pytest.raises(ValidationError, match="global_batch_size 10 is not a multiple of micro_batch_size 4"):
+        DPOConfig(micro_batch_size=4, global_batch_size=10)
+
+
+def test_launcher_turns_nvlink_multicast_off_for_multi_gpu_jobs(monkeypatch):
+    from batchrl.resources import TrainerLauncherResource
+
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    two = TrainerLauncherResource(num_gpus=2).job_env()
+    assert (two["NCCL_NVLS_ENABLE"], two["TORCH_SYMM_MEM_DISABLE_MULTICAST"], two["BATCHRL_NUM_GPUS"]) == ("0", "1", "2")
+    assert "NCCL_NVLS_ENABLE" not in TrainerLauncherResource(num_gpus=1).job_env()
+    assert TrainerLauncherResource(num_gpus=2, env={"NCCL_NVLS_ENABLE": "1"}).job_env()["NCCL_NVLS_ENABLE"] == "1"
 
 
 def test_padding_layout_positions_ignore_padding():

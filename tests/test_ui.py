@@ -45,7 +45,8 @@ def dagster_dev(tmp_path_factory):
     env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": str(tmp_path_factory.mktemp("storage"))}
     dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
     log = open(home / "dagster_dev.log", "w")
-    proc = subprocess.Popen([dagster, "dev", "-h", "127.0.0.1", "-p", str(port)], cwd=REPO, env=env,
+    # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)
+    proc = subprocess.Popen([dagster, "dev", "-p", str(port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 180
@@ -65,6 +66,26 @@ def dagster_dev(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A = LISTEN
+                    found.append(address)
+    return found
+
+
+def test_webserver_listens_on_loopback_only(dagster_dev):
+    """Started as the README says (no host given), the UI is reachable from this machine only."""
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 (kernel byte order)
+    addresses = _listening(dagster_dev)
+    assert addresses and set(addresses) <= loopback, addresses
 
 
 def test_ui_shows_every_asset_sensor_and_schedule(dagster_dev):

@@ -25,7 +25,7 @@ import torch
 from batchrl.training.algos import token_logprobs_from_logits
 from batchrl.training.reward_model import right_padded_batch
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
-from batchrl.training.rollout import TransformersRolloutEngine
+from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.text import encode_prompt_completion
 
 
@@ -94,12 +94,14 @@ def evaluate_policy(
     reward: str = "arith_exact",
     device: str = "cpu",
     dtype: str = "float32",
+    engine: str = "transformers",
 ) -> dict[str, Any]:
     """Evaluate the causal LM in ``model_path`` (greedy decoding on ``device``); see the module doc.
     ``reference`` (rows aligned with ``pairs``) holds ``ref_chosen_logp`` and ``ref_rejected_logp``.
     ``examples`` holds up to ``num_examples`` answers per category."""
-    engine = TransformersRolloutEngine(model_path, max_new_tokens=max_new_tokens, temperature=0.0,
-                                       batch_size=batch_size, device=device, dtype=dtype)
+    # greedy decoding with the named engine ("static" on GPUs: no per-step logits kept, CUDA graphs)
+    engine = make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
+                                 batch_size=batch_size, device=device, dtype=dtype)
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:

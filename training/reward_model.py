@@ -3,12 +3,12 @@
 The RM is ``AutoModelForSequenceClassification(num_labels=1)`` initialised from the base model folder
 (``Qwen2ForSequenceClassification`` for the embedded default); its score for ``(prompt, response)``
 is the head's output at the last non-pad token of ``render(prompt) + response + eos``
-(``encode_prompt_completion``). Training minimises ``-log sigmoid(r_chosen - r_rejected)``
-(``bradley_terry_loss``). The result is an ordinary HF folder (safetensors + tokenizer).
+(``encode_prompt_completion``). Training (``batchrl.training.trainer.reward``, on the DeepSpeed engine
+like the other trainers) minimises ``-log sigmoid(r_chosen - r_rejected)`` (``bradley_terry_loss``).
+The result is an ordinary HF folder (safetensors + tokenizer).
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,6 @@ def reward_scores(model: Any, tokenizer: Any, prompts: list[str], responses: lis
 
 
 @torch.no_grad()
-@torch.no_grad()
 def score_texts(
     model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256
 ) -> np.ndarray:
@@ -64,73 +63,10 @@ def score_texts(
     return torch.cat(scores).cpu().numpy().astype(np.float32) if scores else np.zeros(0, dtype=np.float32)
 
 
-def _pair_accuracy(model, tokenizer, pairs: pd.DataFrame, batch_size: int, max_length: int) -> tuple[float, float]:
+def pair_accuracy(model, tokenizer, pairs: pd.DataFrame, *, batch_size: int, max_length: int) -> tuple[float, float]:
     """(accuracy = P[r_chosen > r_rejected], mean Bradley-Terry loss) over all pairs."""
     prompts = pairs["prompt"].tolist()
     chosen = score_texts(model, tokenizer, prompts, pairs["chosen"].tolist(), batch_size=batch_size, max_length=max_length)
     rejected = score_texts(model, tokenizer, prompts, pairs["rejected"].tolist(), batch_size=batch_size, max_length=max_length)
     diff = torch.from_numpy(chosen - rejected).double()
     return float((diff > 0).double().mean()), float(-torch.nn.functional.logsigmoid(diff).mean())
-
-
-def train_reward_model(
-    pairs: pd.DataFrame,
-    base_model_path: str,
-    out_dir: str,
-    *,
-    epochs: int = 2,
-    lr: float = 1e-3,
-    batch_size: int = 16,
-    max_length: int = 256,
-    seed: int = 0,
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """Train a Bradley-Terry RM on ``pairs`` (columns prompt/chosen/rejected), save it to ``out_dir``.
-
-    Deterministic on CPU for a fixed seed: the head init and the per-epoch shuffles come from ``seed``.
-    Returns metrics: train accuracy/loss before and after, steps, per-step losses.
-    """
-    from batchrl.training.algos import bradley_terry_loss
-
-    if len(pairs) == 0:
-        raise ValueError("no preference pairs to train the reward model on")
-    torch.manual_seed(seed)  # the new scalar head is initialised from torch's RNG
-    model, tokenizer = load_reward_model(base_model_path, device=device)
-    accuracy_before, loss_before = _pair_accuracy(model, tokenizer, pairs, batch_size, max_length)
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    order_rng = torch.Generator().manual_seed(seed)
-    prompts, chosen, rejected = (pairs[c].tolist() for c in ("prompt", "chosen", "rejected"))
-    step_losses, step_accuracies = [], []
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(len(pairs), generator=order_rng).tolist()
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            batch_prompts = [prompts[i] for i in idx] * 2
-            responses = [chosen[i] for i in idx] + [rejected[i] for i in idx]
-            scores = reward_scores(model, tokenizer, batch_prompts, responses, max_length=max_length)
-            loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx) :])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step_losses.append(float(loss.detach()))
-            step_accuracies.append(float(metrics["accuracy"]))
-    model.eval()
-    accuracy_after, loss_after = _pair_accuracy(model, tokenizer, pairs, batch_size, max_length)
-
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return {
-        "num_pairs": len(pairs),
-        "epochs": epochs,
-        "steps": len(step_losses),
-        "train_accuracy_before": accuracy_before,
-        "train_accuracy_after": accuracy_after,
-        "train_loss_before": loss_before,
-        "train_loss_after": loss_after,
-        "step_losses": step_losses,
-        "step_accuracies": step_accuracies,
-        "path": out_dir,
-    }

@@ -119,14 +119,23 @@ def save_checkpoint(engine: Any, ckpt_dir: str, step: int, trainer_state: dict[s
     return final
 
 
-def load_checkpoint(engine: Any, ckpt_dir: str) -> dict[str, Any] | None:
+def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0) -> dict[str, Any] | None:
     """Restore engine (model, optimizer, scheduler) and RNG from ``latest``; return trainer_state.
 
-    Returns None when there is no complete checkpoint (fresh start).
+    Returns None when there is no complete checkpoint (fresh start). Without ZeRO a run may resume on
+    another number of ranks (the optimiser state is whole in every checkpoint); ZeRO 1-3 partition it
+    per rank, so that is refused with the way out named.
     """
     tag = latest_tag(ckpt_dir)
     if tag is None:
         return None
+    with open(os.path.join(ckpt_dir, tag, "trainer_state.json")) as f:
+        saved_world = json.load(f).get("world_size")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if zero_stage > 0 and saved_world not in (None, ranks):
+        raise ValueError(f"{ckpt_dir}/{tag} was saved by {saved_world} ranks with ZeRO stage {zero_stage}, whose "
+                         f"optimiser state is partitioned per rank: resume it on {saved_world} ranks, or train "
+                         "with zero_stage=0 to resume on any number")
     path, _client = engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True,
                                            load_lr_scheduler_states=True)
     if path is None:
@@ -134,6 +143,8 @@ def load_checkpoint(engine: Any, ckpt_dir: str) -> dict[str, Any] | None:
     with open(os.path.join(ckpt_dir, tag, "trainer_state.json")) as f:
         state = json.load(f)
     rng_path = os.path.join(ckpt_dir, tag, f"rng_rank{_rank()}.pt")
+    if not os.path.exists(rng_path):  # resumed on more ranks than saved it: continue rank 0's stream
+        rng_path = os.path.join(ckpt_dir, tag, "rng_rank0.pt")
     set_rng_state(torch.load(rng_path, weights_only=False))
     return state
 

@@ -1,7 +1,7 @@
 """Typed trainer configs (pydantic, JSON round-trip). Defaults train the embedded tiny CPU model.
 
-``TrainerConfig`` holds what every DeepSpeed stage shares; ``DPOConfig`` and ``PolicyConfig`` add the
-algorithm knobs (names follow TRL for DPO and verl for PPO/GRPO so numbers compare with the field).
+``TrainerConfig`` holds what every DeepSpeed stage shares; ``DPOConfig``, ``RewardModelConfig`` and
+``PolicyConfig`` add the algorithm knobs (names follow TRL for DPO and verl for PPO/GRPO so numbers compare with the field).
 """
 from __future__ import annotations
 
@@ -28,7 +28,14 @@ class TrainerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1)
     grad_accum: int = Field(1, ge=1)
+    global_batch_size: int | None = Field(
+        None, ge=1, description="examples per optimiser step over all ranks; when set, grad_accum = "
+        "global_batch_size / (micro_batch_size x ranks), so the update is the same on 1 or N GPUs")
     max_length: int = Field(256, ge=8)
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, "
+                                         "~1/3 more compute")
+    fused_optimizer: bool | None = Field(None, description="fused AdamW kernel; None = fused on GPUs, the "
+                                         "per-parameter loop on CPU (bitwise-stable resume)")
     # reproducibility / engine
     seed: int = 0
     zero_stage: Literal[0, 1, 2, 3] = 0
@@ -39,6 +46,13 @@ class TrainerConfig(BaseModel):
     keep_last: int = Field(2, ge=1)
     resume: bool = True  # continue from out_dir/checkpoints/latest when present
     stop_after_steps: int | None = Field(None, ge=1)  # stop early (as if killed) after N total steps
+
+    @model_validator(mode="after")
+    def _global_batch_divides(self):
+        if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size "
+                             f"{self.micro_batch_size}")
+        return self
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
@@ -64,6 +78,16 @@ class DPOConfig(TrainerConfig):
     epochs: int = Field(3, ge=1)
     lr: float = Field(5e-4, gt=0)
     micro_batch_size: int = Field(8, ge=1)
+
+
+class RewardModelConfig(TrainerConfig):
+    """Bradley-Terry reward model: a scalar head on the base model, ``-log σ(r_chosen − r_rejected)``.
+    ``max_pairs`` trains on a seeded sample of that many pairs (smoke-size runs); None = all."""
+
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    micro_batch_size: int = Field(16, ge=1)  # pairs per micro-batch (2x sequences per forward pass)
+    max_pairs: int | None = Field(None, ge=1)
 
 
 class PolicyConfig(TrainerConfig):

@@ -33,7 +33,9 @@ RESUMABLE_FIELDS = {"resume", "stop_after_steps", "save_every", "keep_last"}
 
 def run_key(cfg: TrainerConfig, model_path: str, inputs: dict[str, str]) -> str:
     """Identity of a training run: config (minus resumable settings), start model, input file hashes."""
-    h = hashlib.sha256(cfg.model_dump_json(exclude=RESUMABLE_FIELDS).encode())
+    # with a global batch, grad_accum follows the number of ranks: a run may resume on another N
+    exclude = RESUMABLE_FIELDS | ({"grad_accum"} if cfg.global_batch_size else set())
+    h = hashlib.sha256(cfg.model_dump_json(exclude=exclude).encode())
     h.update(os.path.abspath(model_path).encode())
     for name, path in sorted(inputs.items()):
         with open(path, "rb") as f:
@@ -41,9 +43,22 @@ def run_key(cfg: TrainerConfig, model_path: str, inputs: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+def with_global_batch(cfg: TrainerConfig) -> TrainerConfig:
+    """``grad_accum`` from ``global_batch_size`` and the number of ranks (unchanged when it is unset)."""
+    if cfg.global_batch_size is None:
+        return cfg
+    ranks = world()[1]
+    per_pass = cfg.micro_batch_size * ranks
+    if cfg.global_batch_size % per_pass:
+        raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
+                         f"{cfg.micro_batch_size} x {ranks} ranks")
+    return cfg.model_copy(update={"grad_accum": cfg.global_batch_size // per_pass})
+
+
 def fit_batch(cfg: TrainerConfig, n: int) -> TrainerConfig:
-    """Shrink micro-batch / accumulation so one optimiser step (over all ranks) fits in ``n``
-    examples (DeepSpeed steps only after exactly ``grad_accum`` backward passes)."""
+    """Resolve ``global_batch_size``, then shrink micro-batch / accumulation so one optimiser step (over
+    all ranks) fits in ``n`` examples (DeepSpeed steps only after exactly ``grad_accum`` backward passes)."""
+    cfg = with_global_batch(cfg)
     n = n // world()[1]
     if n >= cfg.micro_batch_size * cfg.grad_accum:
         return cfg
@@ -61,23 +76,26 @@ class TrainLoop:
     """
 
     def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
-                 inputs: dict[str, str] | None = None, report: Report | None = None):
+                 inputs: dict[str, str] | None = None, report: Report | None = None,
+                 load_model: Callable[[str], tuple[Any, Any]] = load_trainable):
         self.cfg, self.out_dir, self.total_steps = cfg, out_dir, total_steps
         self.run_key = run_key(cfg, model_path, inputs or {})
         self.report = report or (lambda metrics, step: None)
         self.ckpt_dir = os.path.join(out_dir, "checkpoints")
         os.makedirs(self.ckpt_dir, exist_ok=True)
         seed_everything(cfg.seed)
-        model, self.tokenizer = load_trainable(model_path)
+        model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = make_optimizer(model, cfg)
         scheduler = make_scheduler(optimizer, cfg, total_steps)
         self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
         self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [],
-                                      "run_key": self.run_key}
+                                      "run_key": self.run_key, "world_size": world()[1]}
         self.resumed_from: int | None = None
         self._lr, self._grad_norm = float("nan"), None
         if cfg.resume:
-            restored = load_checkpoint(self.engine, self.ckpt_dir)
+            restored = load_checkpoint(self.engine, self.ckpt_dir, zero_stage=cfg.zero_stage)
             if restored is not None:
                 if restored.get("run_key") != self.run_key:
                     raise ValueError(f"{self.ckpt_dir} holds checkpoints of another run (config or inputs "

@@ -1,0 +1,68 @@
+"""Job: model inference of a stage that does not train — reward scoring, evaluation — so that on a GPU
+host it runs in its own process (through Pipes) and its memory is gone when the stage ends.
+
+Config JSON: ``{"task": name, "result_json": path, **the task's fields}``. Tasks, by name only (no code
+comes from the config):
+
+- ``rewards``: ``rollouts_parquet``, ``reward_config`` (RewardConfig fields), ``reward_model_path``,
+  ``device``, ``out_parquet`` — ``compute_rewards`` over the rollouts, written to ``out_parquet``;
+- ``evaluation``: ``models`` ({name: HF folder}), ``eval_prompts_parquet``, ``pairs_parquet``,
+  ``reference_parquet``, ``options`` (``evaluate_policy`` keywords) — results per model.
+
+``run_task`` is also what the asset calls when the stage runs in the Dagster process (CPU).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import pandas as pd
+
+from batchrl.training.jobs._runtime import Reporter, run_job
+
+
+def score_rewards(config: dict) -> dict:
+    from batchrl.training.rewards import RewardConfig, compute_rewards
+
+    table = pd.read_parquet(config["rollouts_parquet"])
+    scored = compute_rewards(table, RewardConfig(**config["reward_config"]),
+                             reward_model_path=config.get("reward_model_path"), device=config.get("device", "cpu"))
+    scored.to_parquet(config["out_parquet"], index=False)
+    return {"samples": len(scored), "mean_reward": float(scored["reward"].mean()) if len(scored) else 0.0}
+
+
+def evaluate_models(config: dict) -> dict:
+    from batchrl.training.evaluate import evaluate_policy
+
+    prompts = pd.read_parquet(config["eval_prompts_parquet"]).to_dict("records")
+    pairs = pd.read_parquet(config["pairs_parquet"])
+    reference = pd.read_parquet(config["reference_parquet"])
+    return {name: evaluate_policy(path, arith_eval=prompts, pairs=pairs, reference=reference, **config["options"])
+            for name, path in config["models"].items()}
+
+
+TASKS: dict[str, Callable[[dict], dict]] = {"rewards": score_rewards, "evaluation": evaluate_models}
+
+
+def run_task(config: dict) -> dict[str, Any]:
+    """Run the named task; its result (JSON-able) is also written to ``result_json``."""
+    try:
+        task = TASKS[config["task"]]
+    except KeyError:
+        raise ValueError(f"unknown inference task {config.get('task')!r}; known: {sorted(TASKS)}") from None
+    result = task(config)
+    with open(config["result_json"], "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True, default=str)
+    return result
+
+
+def work(config: dict, rep: Reporter):
+    rep.log(f"inference task {config['task']}")
+    result = run_task(config)
+    summary = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
+    return summary, None
+
+
+if __name__ == "__main__":
+    sys.exit(run_job(work))

@@ -1,0 +1,81 @@
+"""Bradley-Terry reward-model training on the DeepSpeed engine (the same loop, launcher, precision,
+ZeRO stages, checkpoints and resume as DPO and the policy update).
+
+The model is ``load_reward_model(base)``: the base model with a fresh scalar head (seeded by ``seed``).
+Per micro-batch of pairs, one forward pass scores chosen and rejected responses together; the loss is
+``bradley_terry_loss`` = ``-log σ(r_chosen − r_rejected)``. Accuracy and loss over all pairs are measured
+before the first and after the last update; the exported folder is an HF sequence classifier.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import torch
+
+from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
+from batchrl.training.trainer.config import RewardModelConfig
+from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+
+
+def load_pairs(pairs_parquet: str, cfg: RewardModelConfig) -> pd.DataFrame:
+    pairs = pd.read_parquet(pairs_parquet, columns=["prompt", "chosen", "rejected"])
+    if len(pairs) == 0:
+        raise ValueError(f"{pairs_parquet}: no preference pairs to train the reward model on")
+    if cfg.max_pairs and len(pairs) > cfg.max_pairs:
+        pairs = pairs.sample(cfg.max_pairs, random_state=cfg.seed)
+    return pairs.reset_index(drop=True)
+
+
+def _trainable_reward_model(path: str):
+    from batchrl.training.reward_model import load_reward_model
+
+    model, tokenizer = load_reward_model(path)
+    model.config.use_cache = False
+    return model.train(), tokenizer
+
+
+def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path: str, out_dir: str,
+                       report: Report | None = None) -> dict[str, Any]:
+    """Train a Bradley-Terry RM from ``model_path`` on ``pairs_parquet`` (prompt/chosen/rejected);
+    checkpoints in ``out_dir/checkpoints``, the HF classifier in ``out_dir/model``."""
+    from batchrl.training.algos import bradley_terry_loss
+    from batchrl.training.reward_model import pair_accuracy, reward_scores
+
+    pairs = load_pairs(pairs_parquet, cfg)
+    cfg = fit_batch(cfg, len(pairs))
+    n_steps = steps_per_epoch(len(pairs), cfg.micro_batch_size, cfg.grad_accum)
+    loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
+                     inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model)
+    tokenizer, engine = loop.tokenizer, loop.engine
+    prompts, chosen, rejected = (pairs[c].tolist() for c in ("prompt", "chosen", "rejected"))
+    measure = dict(batch_size=2 * cfg.micro_batch_size, max_length=cfg.max_length)
+    if "before" not in loop.state:  # measured once, before any update (kept across resumes)
+        loop.state["before"] = pair_accuracy(engine.module, tokenizer, pairs, **measure)
+
+    for epoch in range(loop.state["epoch"], cfg.epochs):
+        order = epoch_order(len(pairs), cfg.seed, epoch)
+        for step in range(loop.state["step_in_epoch"], n_steps):
+            if loop.finished():
+                break
+            sums: dict[str, float] = {}
+            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum):
+                both = [prompts[i] for i in idx] * 2
+                responses = [chosen[i] for i in idx] + [rejected[i] for i in idx]
+                scores = reward_scores(engine, tokenizer, both, responses, max_length=cfg.max_length)
+                loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
+                loop.backward(loss)
+                for k, v in {"loss": loss.detach(), **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) / cfg.grad_accum
+            loop.end_step({**sums, **loop.step_stats(), "epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
+        if loop.finished():
+            break
+        loop.next_epoch(epoch)
+
+    result = loop.summary()
+    if not result["stopped_early"]:
+        before, after = loop.state["before"], pair_accuracy(engine.module, tokenizer, pairs, **measure)
+        result.update(num_pairs=len(pairs), train_accuracy_before=before[0], train_loss_before=before[1],
+                      train_accuracy_after=after[0], train_loss_after=after[1])
+        result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
+    return result
