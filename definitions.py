@@ -110,8 +110,12 @@ def selected_job(defs: dg.Definitions, selection: list[str] | None = None) -> dg
 
 def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,
                    run_config: dict | None = None, **execute_kwargs) -> dg.ExecuteInProcessResult:
-    """Materialise ``selection`` (default: every asset, with its checks) in this process
-    (``execute_kwargs``: ``run_id``, ``tags`` of ``execute_in_process``)."""
+    """Materialise ``selection`` (default: every asset, with its checks) in this process, after the
+    whole-run config checks (``assets.rl_config``: an impossible combination fails before anything runs;
+    ``execute_kwargs``: ``run_id``, ``tags`` of ``execute_in_process``)."""
+    from batchrl.assets.rl_config import check_rl_run_config
+
+    check_rl_run_config(run_config, selection)
     return selected_job(defs, selection).execute_in_process(instance=instance, run_config=run_config or {},
                                                             raise_on_error=False, **execute_kwargs)
 

@@ -38,9 +38,11 @@ def publish(
     input_files: list[dict[str, Any]] | None = None,
     metadata: dict[str, Any] | None = None,
     sidecars: dict[str, dict] | None = None,
+    asset: str | None = None,
 ) -> dg.Output:
-    """Publish ``staging`` as this asset's new immutable version and return the Dagster output."""
-    asset = context.asset_key.to_user_string()
+    """Publish ``staging`` as this asset's new immutable version and return the Dagster output.
+    ``asset`` names a companion artifact published by the same step (default: the asset itself)."""
+    asset = asset or context.asset_key.to_user_string()
     code = context.assets_def.code_versions_by_key.get(context.asset_key) or ""
     lineage = redact(lineage_record(context, storage, code_version=code, config=config or {}, seed=seed,
                                     inputs={name: as_ref(ref) for name, ref in (inputs or {}).items()},
@@ -99,8 +101,13 @@ def work_dir(storage: StorageResource, asset: str, key: dict) -> str:
 
 
 def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
-                      catalog: CatalogResource, launcher: TrainerLauncherResource) -> dg.Output:
-    """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model."""
+                      catalog: CatalogResource, launcher: TrainerLauncherResource,
+                      companions: dict[str, tuple[str, dict]] | None = None) -> dg.Output:
+    """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model.
+
+    ``companions``: ``{artifact: (work-dir subfolder, lineage inputs)}``, other models the job
+    exported (e.g. the critic), each published as its own versioned artifact with its own lineage;
+    the main artifact names them in ``companions.json`` and in ``<artifact>_data_version`` metadata."""
     workdir = work_dir(storage, context.asset_key.to_user_string(),
                        {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
     job_config = {**job_config, "out_dir": workdir}
@@ -108,9 +115,19 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     result = launcher.run_job(context, job, job_config, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
     metrics["job_wall_s"] = time.perf_counter() - started  # subprocess start, model loads and training
+    published = {}
+    for name, (subdir, companion_inputs) in (companions or {}).items():
+        with storage.staging_dir(name) as staging:
+            shutil.copytree(os.path.join(workdir, subdir), staging, dirs_exist_ok=True)
+            ref = publish(context, storage, catalog, staging, asset=name, seed=seed, inputs=companion_inputs,
+                          config={k: v for k, v in job_config.items() if k != "out_dir"}).value
+        published[name] = ref
+        metrics.update({f"{name}_uri": ref["uri"], f"{name}_data_version": ref["data_version"]})
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
         shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
         sidecars = {"train_metrics.json": metrics}
+        if published:
+            sidecars["companions.json"] = published
         record = os.path.join(staging, "batchrl_train.json")
         if os.path.exists(record):  # holds wall-clock times: kept, but out of the weights' version
             with open(record) as f:

@@ -14,6 +14,12 @@ for arg in "$@"; do
   esac
 done
 cd "$(dirname "$0")/.."
+# bubblewrap isolates the code-execution reward (training/sandbox.py); without it (not root, no apt)
+# the sandbox falls back to weaker isolation and says so.
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } ||
+    echo "bootstrap.sh: could not install bubblewrap; code rewards use the weaker sandbox" >&2
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then

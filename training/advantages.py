@@ -2,20 +2,53 @@
 
 Outcome rewards (one float per response) are placed on each response's last token as
 ``token_level_rewards`` (verl convention); responses are grouped by prompt for the group-relative
-estimators (GRPO ``(r − mean_g)/(std_g + ε)`` with unbiased std, RLOO leave-one-out, ...).
-Without a critic, GAE runs with zero values (= discounted reward-to-go).
+estimators (GRPO ``(r − mean_g)/(std_g + ε)`` with unbiased std, RLOO leave-one-out, ...). What an
+estimator needs beyond rewards comes from the table: critic ``values`` (a per-token list column),
+ReMax ``reward_baselines`` (the greedy rows, ``remax.split_baselines``). With ``kl`` the KL to the
+reference is subtracted from the token rewards first (``kl_reward.fold_kl_into_rewards``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batchrl.training.algos import get_adv_estimator
+from batchrl.training.algos import ADV_ESTIMATORS, KL_KINDS, estimator_needs, get_adv_estimator
+from batchrl.training.remax import split_baselines
 
 GROUP_COLUMNS = ("group_id", "uid", "prompt_index", "prompt_id", "prompt")
+
+
+class AdvantageSettings(BaseModel):
+    """The algorithm stage (verl ``algorithm.*``): the estimator and KL in the reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    estimator: Literal[tuple(ADV_ESTIMATORS)] = Field(  # type: ignore[valid-type]
+        "grpo", description="advantage estimator (registry name); gae needs a critic, remax greedy baselines")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std")
+    critic_init: Literal["policy", "reward_model"] = Field(
+        "policy", description="gae: where a new critic starts: the policy's weights with a zero value head, or "
+        "the reward model (its score head becomes the value head)")
+    use_kl_in_reward: bool = Field(False, description="subtract beta * KL(policy || reference) from the "
+                                   "token rewards; the policy update then needs use_kl_in_reward too")
+    kl_penalty: Literal[KL_KINDS] = Field("kl", description="KL estimator per token (k1 'kl', k2 'mse', "  # type: ignore[valid-type]
+                                          "k3 'low_var_kl', 'abs')")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="KL coefficient controller")
+    kl_coef: float = Field(0.001, ge=0, description="beta (the adaptive controller's start value)")
+    target_kl: float = Field(0.1, gt=0, description="adaptive controller: KL it steers towards")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive controller: horizon in samples")
+
+    @model_validator(mode="after")
+    def _kl_switches_agree(self):
+        if self.use_kl_in_reward and self.kl_coef == 0:
+            raise ValueError("use_kl_in_reward: true with kl_coef: 0 subtracts nothing; set kl_coef > 0")
+        return self
 
 
 def group_index(table: pd.DataFrame) -> np.ndarray:
@@ -39,17 +72,55 @@ def token_level_rewards(table: pd.DataFrame, reward_column: str = "reward") -> t
     return rewards, mask
 
 
+def _padded(column: pd.Series, width: int) -> torch.Tensor:
+    out = torch.zeros(len(column), width, dtype=torch.float32)
+    for i, seq in enumerate(column):
+        seq = np.asarray(seq, dtype=np.float32)[:width]
+        out[i, :len(seq)] = torch.from_numpy(seq)
+    return out
+
+
 def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_column: str = "reward",
-                       **kw: Any) -> pd.DataFrame:
-    """Return a copy of ``table`` with ``advantages`` and ``returns`` (float lists, one per response
-    token). ``kw`` goes to the estimator (gamma, lam, epsilon, norm_adv_by_std, values ...)."""
-    out = table.reset_index(drop=True).copy()
+                       kl: dict[str, Any] | None = None, **kw: Any) -> pd.DataFrame:
+    """Return the sampled rows of ``table`` (greedy baseline rows removed) with ``advantages`` and
+    ``returns`` (float lists, one per response token); ``out.attrs["metrics"]`` holds batch metrics.
+
+    ``kw`` goes to the estimator (gamma, lam, epsilon, norm_adv_by_std ...). ``kl``, when given:
+    ``{"ref_logprobs": [...] per row of table, "controller": ..., "kind": ...}`` (old log-probs are
+    the ``rollout_logprobs`` column). Missing inputs of the estimator are errors that say where
+    they come from."""
+    if kl is not None:
+        table = table.assign(_ref_logprobs=list(kl["ref_logprobs"]))
+    sampled, baselines = split_baselines(table.reset_index(drop=True), reward_column)
+    out = sampled.copy()
+    needs = estimator_needs(estimator)
+    if "reward_baselines" in needs and baselines is None:
+        raise ValueError(f"advantages.estimator={estimator} needs a greedy baseline per prompt: set the rollouts "
+                         "config greedy_baseline: true")
+    if "values" in needs and "values" not in out.columns:
+        raise ValueError(f"advantages.estimator={estimator} needs critic values: the batch has no 'values' column")
+    metrics: dict[str, Any] = {}
     if len(out) == 0:
-        return out.assign(advantages=[], returns=[])
+        out = out.drop(columns=["_ref_logprobs"], errors="ignore").assign(advantages=[], returns=[])
+        out.attrs["metrics"] = metrics
+        return out
     rewards, mask = token_level_rewards(out, reward_column)
+    if kl is not None:
+        from batchrl.training.kl_reward import fold_kl_into_rewards
+
+        rewards, metrics = fold_kl_into_rewards(rewards, mask, list(out["rollout_logprobs"]),
+                                                list(out["_ref_logprobs"]), kl["controller"], kl.get("kind", "kl"))
+        out = out.drop(columns=["_ref_logprobs"])
+    extra: dict[str, Any] = {}
+    if "values" in out.columns:
+        extra["values"] = _padded(out["values"], rewards.shape[1])
+    if baselines is not None:
+        extra["reward_baselines"] = torch.as_tensor(baselines, dtype=torch.float32)
+        metrics["mean_greedy_reward"] = float(np.mean(baselines))
     adv, ret = get_adv_estimator(estimator)(token_level_rewards=rewards, response_mask=mask,
-                                            index=group_index(out), **kw)
+                                            index=group_index(out), **{**kw, **extra})
     lengths = mask.sum(-1).long().tolist()
     out["advantages"] = [adv[i, :n].tolist() for i, n in enumerate(lengths)]
     out["returns"] = [ret[i, :n].tolist() for i, n in enumerate(lengths)]
+    out.attrs["metrics"] = metrics
     return out

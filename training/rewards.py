@@ -3,7 +3,8 @@
 A reward function is ``fn(prompt: str, response: str, meta: dict) -> float``; ``meta`` is the whole
 row (``answer``, ``category``, ...). ``compute_rewards`` evaluates every component per row and mixes
 them: ``reward = sum_k w_k(category) * component_k`` where the weights come from
-``RewardConfig.routing[category]`` when the row's category is routed, else ``RewardConfig.weights``
+``RewardConfig.routing[category]`` when the row's category (or the field named by ``route_by``, e.g.
+``data_source``) is routed, else ``RewardConfig.weights``
 (the category-routed reward idea: e.g. arithmetic judged by the rule, chat by the RM).
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ from pydantic import BaseModel, Field
 
 RewardFn = Callable[[str, str, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+# What each registered reward reads from a row besides prompt/response (e.g. "answer", "tests"),
+# so a run config can be checked against the prompt set before anything runs.
+REWARD_NEEDS: dict[str, tuple[str, ...]] = {}
 RULE, REWARD_MODEL = "rule", "reward_model"
 
 _INTEGER = re.compile(r"[-+]?\d+")
@@ -27,9 +31,15 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _FINAL_MARK = "####"
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, needs: tuple[str, ...] = ()) -> Callable[[RewardFn], RewardFn]:
+    """Register ``fn`` under ``name``; ``needs`` lists the row fields it reads (documentation and
+    config checks)."""
     def decorate(fn: RewardFn) -> RewardFn:
+        known = REWARD_FUNCTIONS.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"reward {name!r} is already registered")
         REWARD_FUNCTIONS[name] = fn
+        REWARD_NEEDS[name] = tuple(needs)
         return fn
 
     return decorate
@@ -62,7 +72,7 @@ def _gold(meta: Mapping[str, Any]) -> int | None:
     return None if text is None else first_integer(text)
 
 
-@register_reward("arith_exact")
+@register_reward("arith_exact", needs=("answer",))
 def arith_exact(prompt: str, response: str, meta: dict) -> float:
     """1.0 iff the first integer in the response equals ``meta["answer"]``; 0.0 otherwise (also when
     the row has no answer). "7", " 7.", "It is 7" score 1 for answer 7; "17", "3 then 7" score 0."""
@@ -70,7 +80,7 @@ def arith_exact(prompt: str, response: str, meta: dict) -> float:
     return float(gold is not None and first_integer(response) == gold)
 
 
-@register_reward("arith_partial")
+@register_reward("arith_partial", needs=("answer",))
 def arith_partial(prompt: str, response: str, meta: dict) -> float:
     """Shaped arithmetic reward: 0.2 for writing any integer, +0.8 if it is the right one (max 1.0).
 
@@ -80,7 +90,7 @@ def arith_partial(prompt: str, response: str, meta: dict) -> float:
     return (0.2 if first_integer(response) is not None else 0.0) + 0.8 * arith_exact(prompt, response, meta)
 
 
-@register_reward("final_answer")
+@register_reward("final_answer", needs=("answer",))
 def final_answer(prompt: str, response: str, meta: dict) -> float:
     """1.0 iff the response's final number (``final_number``: after the last ``####``, else the last
     number) equals ``meta["answer"]`` (|Δ| < 1e-6); 0.0 otherwise. Credits worked solutions:
@@ -175,6 +185,8 @@ class RewardConfig(BaseModel):
     custom: dict[str, str] = Field(default_factory=dict)
     weights: dict[str, float] = Field(default_factory=lambda: {RULE: 1.0, REWARD_MODEL: 0.0})
     routing: dict[str, dict[str, float]] | None = None
+    route_by: str = Field("category", description="row field whose value picks the routing entry "
+                          "(category, or data_source as verl's reward manager does)")
     reward_model_path: str | None = None
     rm_batch_size: int = 32
     rm_max_length: int = 256
@@ -209,10 +221,15 @@ def compute_rewards(
         ).astype(np.float64)
     elif _uses(cfg, REWARD_MODEL):
         raise ValueError("the reward mix weights the reward model but no reward_model_path is set")
-    categories = [c if isinstance(c, str) else None for c in frame["category"]] if "category" in frame else None
+    key = cfg.route_by
+    categories = [c if isinstance(c, str) else None for c in frame[key]] if key in frame else None
     reward = mix_rewards(components, cfg.weights, category=categories, routing=cfg.routing)
     out = frame.copy()
     for name, values in components.items():
         out[name] = values
     out["reward"] = reward
     return out
+
+
+# Built-in reward families register themselves on import (they import the helpers above).
+from batchrl.training import reward_code, reward_math  # noqa: E402,F401

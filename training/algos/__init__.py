@@ -14,7 +14,7 @@ from .advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
-from .kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_loss, kl_penalty
+from .kl import KL_KINDS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_loss, kl_penalty
 from .logprobs import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 from .policy_loss import compute_policy_loss, compute_policy_loss_gspo, compute_rollout_is_weights, compute_value_loss
 from .preference import (
@@ -24,11 +24,14 @@ from .preference import (
     get_preference_loss,
     preference_metrics,
 )
-from .registry import ADV_ESTIMATORS, POLICY_LOSSES, get_adv_estimator, get_policy_loss
+from .registry import (ADV_ESTIMATOR_NEEDS, ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs, get_adv_estimator,
+                       get_policy_loss, register_adv_estimator, register_policy_loss)
 from .utils import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "ADV_ESTIMATOR_NEEDS",
+    "KL_KINDS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
@@ -50,6 +53,7 @@ __all__ = [
     "compute_value_loss",
     "dpo_loss",
     "entropy_from_logits",
+    "estimator_needs",
     "get_adv_estimator",
     "get_policy_loss",
     "get_preference_loss",
@@ -59,6 +63,8 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "preference_metrics",
+    "register_adv_estimator",
+    "register_policy_loss",
     "token_logprobs_from_hidden",
     "token_logprobs_from_logits",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .registry import register_adv_estimator
 from .utils import as_float, group_ids, group_mean_std, masked_sum, masked_whiten
 
 
@@ -35,6 +36,7 @@ def _broadcast(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return seq_values.unsqueeze(-1) * mask.to(seq_values.dtype)
 
 
+@register_adv_estimator("gae", needs=("values",))
 @torch.no_grad()
 def compute_gae_advantage_return(*, token_level_rewards, response_mask, values=None, gamma=1.0, lam=1.0, **unused):
     """Generalised Advantage Estimation with masked carry-through (verl ``compute_gae_advantage_return``).
@@ -67,6 +69,7 @@ def compute_gae_advantage_return(*, token_level_rewards, response_mask, values=N
     return advantages, returns
 
 
+@register_adv_estimator("grpo", needs=("groups",))
 @torch.no_grad()
 def compute_grpo_outcome_advantage(
     *, token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std=True, **unused
@@ -84,6 +87,7 @@ def compute_grpo_outcome_advantage(
     return adv, adv
 
 
+@register_adv_estimator("drgrpo", needs=("groups",))
 @torch.no_grad()
 def compute_drgrpo_outcome_advantage(*, token_level_rewards, response_mask, index, **unused):
     """Dr.GRPO (arXiv:2503.20783): A_i = s_i - mean_g, no std division (verl: GRPO with
@@ -94,6 +98,7 @@ def compute_drgrpo_outcome_advantage(*, token_level_rewards, response_mask, inde
     )
 
 
+@register_adv_estimator("rloo", needs=("groups",))
 @torch.no_grad()
 def compute_rloo_outcome_advantage(*, token_level_rewards, response_mask, index, **unused):
     """RLOO leave-one-out baseline (arXiv:2402.14740, verl ``compute_rloo_outcome_advantage``).
@@ -112,6 +117,7 @@ def compute_rloo_outcome_advantage(*, token_level_rewards, response_mask, index,
     return adv, adv
 
 
+@register_adv_estimator("reinforce_plus_plus", needs=())
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(*, token_level_rewards, response_mask, gamma=1.0, **unused):
     """REINFORCE++ (arXiv:2501.03262, verl ``compute_reinforce_plus_plus_outcome_advantage``).
@@ -133,6 +139,7 @@ def compute_reinforce_plus_plus_outcome_advantage(*, token_level_rewards, respon
     return advantages, returns
 
 
+@register_adv_estimator("reinforce_plus_plus_baseline", needs=("groups",))
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(*, token_level_rewards, response_mask, index, **unused):
     """REINFORCE++ with group baseline (verl ``..._baseline_outcome_advantage``).
@@ -147,6 +154,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(*, token_level_reward
     return adv, adv
 
 
+@register_adv_estimator("remax", needs=("reward_baselines",))
 @torch.no_grad()
 def compute_remax_outcome_advantage(*, token_level_rewards, response_mask, reward_baselines=None, **unused):
     """ReMax (arXiv:2310.10505, verl ``compute_remax_outcome_advantage``): greedy-decode baseline.

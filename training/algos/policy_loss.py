@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from .registry import register_policy_loss
 from .utils import agg_loss, as_float, masked_mean, masked_sum
 
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite for wildly off-policy tokens (verl)
 
 
+@register_policy_loss("vanilla")
 def compute_policy_loss(
     old_log_prob,
     log_prob,
@@ -65,6 +67,7 @@ def compute_policy_loss(
     return loss, metrics
 
 
+@register_policy_loss("gspo")
 def compute_policy_loss_gspo(
     old_log_prob,
     log_prob,

@@ -11,6 +11,9 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from batchrl.training.algos.kl import KL_KINDS
+from batchrl.training.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs
+
 T = TypeVar("T", bound="TrainerConfig")
 
 
@@ -96,13 +99,14 @@ class PolicyConfig(TrainerConfig):
     the update itself reads the per-token advantages from its input batch.
     """
 
-    adv_estimator: str = "grpo"
-    policy_loss: str = "vanilla"
+    # allowed values come from the registries: an unknown name fails when the config is written
+    adv_estimator: Literal[tuple(ADV_ESTIMATORS)] = "grpo"  # type: ignore[valid-type]
+    policy_loss: Literal[tuple(POLICY_LOSSES)] = "vanilla"  # type: ignore[valid-type]
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1)
     kl_coef: float = Field(0.01, ge=0)
-    kl_type: str = "low_var_kl"  # k3, clamped to [-10, 10]
+    kl_type: Literal[KL_KINDS] = "low_var_kl"  # type: ignore[valid-type]  # k3, clamped to [-10, 10]
     use_kl_in_reward: bool = False
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"
@@ -115,3 +119,17 @@ class PolicyConfig(TrainerConfig):
     rollout_is_threshold: float | None = Field(2.0, gt=0)
     lr: float = Field(1e-3, gt=0)
     micro_batch_size: int = Field(16, ge=1)
+    # critic (PPO with GAE): a value model trained after the policy in the same job, ppo_epochs passes
+    critic: bool = Field(False, description="train a value model on the batch's returns (clipped value loss)")
+    critic_lr: float = Field(1e-3, gt=0)
+    cliprange_value: float = Field(0.5, gt=0, description="value clip around the batch's old values")
+
+    @model_validator(mode="after")
+    def _critic_matches_estimator(self):
+        needs_values = "values" in estimator_needs(self.adv_estimator)
+        if needs_values and not self.critic:
+            raise ValueError(f"adv_estimator={self.adv_estimator} needs critic values: set critic: true")
+        if self.critic and not needs_values:
+            raise ValueError(f"critic: true but adv_estimator={self.adv_estimator} does not use values "
+                             "(use gae, or critic: false)")
+        return self

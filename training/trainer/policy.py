@@ -33,7 +33,8 @@ def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, tor
     batch = pad_prompt_completion([rows["prompt_ids"][i] for i in idx],
                                   [rows["response_ids"][i] for i in idx], pad_id)
     R = batch["responses"].shape[1]
-    batch["advantages"] = _pad_floats([rows["advantages"][i] for i in idx], R)
+    if "advantages" in rows:  # absent when only log-probs are wanted
+        batch["advantages"] = _pad_floats([rows["advantages"][i] for i in idx], R)
     return to_device(batch, device)
 
 
@@ -98,14 +99,17 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
             table["rollout_logprobs"].map(len) == table["response_ids"].map(len)).all():
         table = table.drop(columns="rollout_logprobs")  # the engine was built not to report them
     cols = ["prompt_ids", "response_ids", "advantages"] + [
-        c for c in ("rollout_logprobs", "reward") if c in table.columns]
+        c for c in ("rollout_logprobs", "reward", "values", "returns") if c in table.columns]
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
 
 
 def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_dir: str,
-                 reference_model_path: str | None = None, report: Report | None = None) -> dict[str, Any]:
+                 reference_model_path: str | None = None, critic_path: str | None = None,
+                 report: Report | None = None) -> dict[str, Any]:
     """One PPO/GRPO update of ``model_path`` on ``batch_parquet``; checkpoints in
-    ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns last-step metrics + curve."""
+    ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns last-step metrics + curve.
+    With ``cfg.critic`` the critic at ``critic_path`` (default: a fresh one from ``model_path``)
+    is then trained on the batch's returns and exported to ``out_dir/critic`` (``trainer.critic``)."""
     rows = load_batch(batch_parquet)
     if cfg.old_logprobs == "rollout" and "rollout_logprobs" not in rows:
         raise ValueError(f"old_logprobs='rollout' but the rollouts in {batch_parquet} carry no sampled-token "
@@ -170,4 +174,8 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
         result["batch_mean_reward"] = float(np.mean(rows["reward"]))
     if not result["stopped_early"]:
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
+        if cfg.critic:
+            from batchrl.training.trainer.critic import train_critic
+
+            result.update(train_critic(cfg, rows, critic_path=critic_path or model_path, out_dir=out_dir))
     return result

@@ -1,0 +1,122 @@
+"""What the RL assets need from the Dagster instance and lineage for KL in the reward: the
+reference log-probs, the KL controller's state carried over from the previous iteration, and the
+agreement of the advantages stage and the policy update on where the KL term lives."""
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+import pandas as pd
+
+from batchrl.assets.common import as_ref
+from batchrl.resources import ArtifactRef, ComputeResource, StorageResource
+from batchrl.training.advantages import AdvantageSettings
+
+_CONTROLLER_FIELDS = ("kl_ctrl", "target_kl", "kl_horizon", "kl_penalty")
+
+
+def _previous_kl_state(context: dg.AssetExecutionContext, storage: StorageResource, settings: AdvantageSettings,
+                       base_model: dict) -> tuple[float | None, ArtifactRef | None]:
+    """The adaptive controller's value after the last advantages batch of the same chain (same
+    reference model and controller settings), and that batch's ref; (None, None) when none."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("advantages"))
+    if settings.kl_ctrl != "adaptive" or event is None or event.asset_materialization is None:
+        return None, None
+    meta = event.asset_materialization.metadata
+    previous = ArtifactRef("advantages", meta["uri"].value, meta["data_version"].value)
+    lineage = storage.read_lineage(previous)
+    config, state = lineage.get("config", {}), lineage.get("config", {}).get("kl_ctrl_state")
+    same_reference = lineage.get("inputs", {}).get("reference", {}).get("data_version") == as_ref(base_model).data_version
+    same_controller = all(config.get(k) == getattr(settings, k) for k in _CONTROLLER_FIELDS)
+    if state is None or not same_reference or not same_controller:
+        return None, None
+    return float(state["kl_coef_next"]), previous
+
+
+def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResource, compute: ComputeResource,
+                        settings: AdvantageSettings, table: pd.DataFrame,
+                        base_model: dict) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """``compute_advantages``'s ``kl`` argument and the extra lineage inputs (reference model, the
+    batch the controller state came from); ``(None, {})`` without ``use_kl_in_reward``."""
+    if not settings.use_kl_in_reward:
+        return None, {}
+    from batchrl.training.kl_reward import make_kl_controller, reference_token_logprobs
+
+    if "rollout_logprobs" not in table.columns:
+        raise dg.Failure("advantages: use_kl_in_reward needs the rollouts' rollout_logprobs column")
+    carried, previous = _previous_kl_state(context, storage, settings, base_model)
+    controller = make_kl_controller(settings.kl_ctrl, settings.kl_coef if carried is None else carried,
+                                    target_kl=settings.target_kl, horizon=settings.kl_horizon)
+    ref_logprobs = reference_token_logprobs(storage.localize(base_model), table, device=compute.device)
+    compute.release()
+    inputs: dict[str, Any] = {"reference": base_model}
+    if previous is not None:
+        inputs["kl_ctrl_from"] = previous
+        context.log.info(f"advantages: adaptive KL coefficient {carried:.6g} carried over from "
+                         f"advantages {previous.data_version}")
+    return {"ref_logprobs": ref_logprobs, "controller": controller, "kind": settings.kl_penalty}, inputs
+
+
+def check_kl_in_reward(storage: StorageResource, advantages: dict, policy_use_kl_in_reward: bool,
+                       policy_kl_coef: float) -> None:
+    """The policy update and the advantages it reads must agree on where the KL term is."""
+    applied = bool(storage.read_lineage(as_ref(advantages)).get("config", {}).get("use_kl_in_reward", False))
+    if policy_use_kl_in_reward and not applied:
+        raise dg.Failure("policy_checkpoint: config use_kl_in_reward is true (no KL loss) but the advantages were "
+                         "computed without KL in the reward (advantages config use_kl_in_reward: false): the KL "
+                         "term would silently vanish; set advantages use_kl_in_reward: true")
+    if applied and not policy_use_kl_in_reward and policy_kl_coef > 0:
+        raise dg.Failure("policy_checkpoint: the advantages already carry the KL penalty in their rewards "
+                         "(advantages config use_kl_in_reward: true) and config use_kl_in_reward is false, so the "
+                         "KL loss would count it twice; set policy_checkpoint use_kl_in_reward: true or kl_coef: 0")
+
+
+CRITIC_ASSET = "critic_checkpoint"
+
+
+def critic_for_rewards(storage: StorageResource, rewards: dict, init: str = "policy") -> ArtifactRef:
+    """The critic that values the samples behind ``rewards``: the critic exported with the policy
+    that sampled them (its ``companions.json``), else a new one from that policy (``init="policy"``)
+    or from the reward model the rewards used (``"reward_model"``; ``trainer.critic.load_value_model``)."""
+    import json
+    import os
+
+    inputs = storage.read_lineage(as_ref(rewards))["inputs"]
+    rollouts = inputs["rollouts"]
+    policy = as_ref(storage.read_lineage(as_ref(rollouts))["inputs"]["policy"])
+    companions = os.path.join(storage.localize(policy), "companions.json")
+    if os.path.exists(companions):
+        with open(companions) as f:
+            critic = json.load(f).get(CRITIC_ASSET)
+        if critic is not None:
+            return as_ref(critic)
+    return as_ref(inputs["reward_model"]) if init == "reward_model" else policy
+
+
+def with_critic_values(storage: StorageResource, compute: ComputeResource, settings: AdvantageSettings,
+                       table: pd.DataFrame, rewards: dict) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """``table`` with the critic's ``values`` when the estimator needs them, and the lineage input
+    naming that critic; ``(table, {})`` otherwise."""
+    from batchrl.training.algos import estimator_needs
+
+    if "values" not in estimator_needs(settings.estimator):
+        return table, {}
+    from batchrl.training.trainer.critic import predict_values
+
+    critic = critic_for_rewards(storage, rewards, settings.critic_init)
+    values = predict_values(storage.localize(critic), table, device=compute.device)
+    compute.release()
+    return table.assign(values=values), {"critic": critic}
+
+
+def critic_job_inputs(storage: StorageResource, advantages: dict, use_critic: bool) -> tuple[dict, dict]:
+    """(extra job config, companion artifacts) of the policy update: the critic the advantages were
+    valued with is trained further and published as ``critic_checkpoint``."""
+    critic = storage.read_lineage(as_ref(advantages)).get("inputs", {}).get("critic")
+    if not use_critic:
+        return {}, {}
+    if critic is None:
+        raise dg.Failure("policy_checkpoint: config critic is true but the advantages were computed without critic "
+                         "values (advantages config estimator needs no values): use estimator gae, or critic: false")
+    return ({"critic_path": storage.localize(critic)},
+            {CRITIC_ASSET: ("critic", {"advantages": advantages, "critic": critic})})

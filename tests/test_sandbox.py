@@ -1,0 +1,151 @@
+"""Code-execution reward and its sandbox: passing code scores, escape attempts score 0 and leave nothing."""
+import glob
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+
+import pytest
+
+from batchrl.training import sandbox
+from batchrl.training.reward_code import code_pass_fraction, extract_code
+from batchrl.training.rewards import REWARD_FUNCTIONS, compute_rewards
+
+ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
+GOOD = "Here is the function:\n```python\ndef add(a, b):\n    return a + b\n```\n"
+FAST = sandbox.SandboxLimits(timeout_s=2.0, memory_mb=256)
+ESCAPE = sandbox.SandboxLimits(timeout_s=1.0, memory_mb=256)  # the loops only need to outlive it
+
+# bwrap is the real isolation (installed by scripts/bootstrap.sh when run as root, as CI does); the
+# weaker levels are the documented fallbacks and must hold the same line on these cases.
+LEVELS = ["bwrap", "unshare", "rlimits"]
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, monkeypatch):
+    if not sandbox.available(request.param):
+        pytest.fail(f"sandbox level {request.param} unavailable: install bubblewrap (apt-get install bubblewrap)"
+                    if request.param == "bwrap" else f"{request.param} unavailable on this machine")
+    monkeypatch.setenv("BATCHRL_SANDBOX", request.param)
+    return request.param
+
+
+def _leftovers() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "batchrl-sandbox-*")))
+
+
+def _sandboxed_processes() -> set[int]:
+    """PIDs of sandboxed interpreters (their command line is the sandbox's) still alive."""
+    pids = set()
+    for entry in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(entry, "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:5] == [b"-I", b"-S", b"-B", b"main.py"]:
+            pids.add(int(entry.split("/")[2]))
+    return pids
+
+
+def test_extract_code_prefers_the_last_python_block():
+    text = "```\nplain\n```\nthen\n```python\nfirst\n```\n```py\nsecond\n```"
+    assert extract_code(text) == "second\n"
+    assert extract_code("```\nonly plain\n```") == "only plain\n"
+    assert extract_code("def f(): pass") == "def f(): pass"
+
+
+def test_pass_fraction_asserts_and_stdio(level):
+    assert code_pass_fraction(extract_code(GOOD), ADD_TESTS, FAST) == 1.0
+    off_by_one = "def add(a, b):\n    return a + b + (a == 2)"
+    assert code_pass_fraction(off_by_one, ADD_TESTS, FAST) == pytest.approx(2 / 3)
+    doubler = "n = int(input())\nprint(n * 2)"
+    io = {"inputs": ["2\n", "5\n", "7\n"], "outputs": ["4\n", "10", "15\n"]}
+    assert code_pass_fraction(doubler, io, FAST) == pytest.approx(2 / 3)
+    assert code_pass_fraction(doubler, json.dumps(io), FAST) == pytest.approx(2 / 3)
+    assert code_pass_fraction("", ADD_TESTS, FAST) == 0.0
+    assert code_pass_fraction(GOOD, [], FAST) == 0.0
+
+
+def test_early_exit_does_not_pass(level):
+    for cheat in ("import sys\nsys.exit(0)", "import os\nos._exit(0)"):
+        assert code_pass_fraction(cheat, ADD_TESTS, FAST) == 0.0
+
+
+ESCAPES = {
+    "read_outside": "def add(a, b):\n    return a + b\nprint(open('{secret}').read())\n",
+    "list_outside": "import os\ndef add(a, b):\n    return a + b\nos.listdir('{secret_dir}')\n",
+    "write_outside": "def add(a, b):\n    return a + b\nopen('{marker}', 'w').write('escaped')\n",
+    "open_socket": ("import socket\ndef add(a, b):\n    return a + b\n"
+                    "socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'escaped')\n"),
+    "infinite_loop": "def add(a, b):\n    return a + b\nwhile True:\n    pass\n",
+    "sleep_in_child_then_loop": ("import os, time\ndef add(a, b):\n    return a + b\n"
+                                 "if os.fork() == 0:\n    time.sleep(30)\n    open('{marker}', 'w').write('late')\n"
+                                 "while True:\n    pass\n"),
+    "memory_bomb": "def add(a, b):\n    return a + b\nx = bytearray(4 * 1024 ** 3)\n",
+}
+
+
+@pytest.mark.parametrize("attempt", sorted(ESCAPES))
+def test_escape_attempts_score_zero_and_leave_nothing(level, attempt, tmp_path, monkeypatch):
+    monkeypatch.setattr("batchrl.training.reward_code.LIMITS", ESCAPE)
+    secret_dir = tmp_path / "host"
+    secret_dir.mkdir()
+    (secret_dir / "secret.txt").write_text("host secret")
+    marker = tmp_path / "escaped.txt"
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    connections, done = [], threading.Event()
+
+    def accept():
+        while not done.is_set():
+            try:
+                connections.append(server.accept()[0].recv(64))
+            except OSError:
+                pass
+
+    listener = threading.Thread(target=accept)
+    listener.start()
+    before = _leftovers()
+    code = ESCAPES[attempt].format(secret=secret_dir / "secret.txt", secret_dir=secret_dir, marker=marker,
+                                   port=server.getsockname()[1])
+    started = time.perf_counter()
+    response = f"```python\n{code}```"
+    score = REWARD_FUNCTIONS["code_exec"]("write add", response, {"tests": ADD_TESTS})
+    elapsed = time.perf_counter() - started
+    done.set()
+    listener.join()
+    server.close()
+    assert score == 0.0
+    assert elapsed < 3 * ESCAPE.timeout_s + 1  # killed at the timeout; the three cases run in parallel
+    assert connections == [], "the sandboxed code reached a host socket"
+    assert not marker.exists()
+    assert _leftovers() <= before, "a scratch directory was left behind"
+    assert not _sandboxed_processes(), "a sandboxed process outlived its run"
+
+
+def test_stdout_leak_of_secret_is_impossible(level, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    result = sandbox.run_python(f"print(open({str(secret)!r}).read())", limits=FAST)
+    assert "host secret" not in result.stdout and result.returncode != 0
+
+
+def test_code_reward_through_compute_rewards():
+    rows = [{"prompt": "add", "response": GOOD, "tests": ADD_TESTS},
+            {"prompt": "add", "response": "```python\ndef add(a, b):\n    return a * b\n```", "tests": ADD_TESTS},
+            {"prompt": "chat", "response": "hello", "tests": None}]
+    from batchrl.training.rewards import RewardConfig
+
+    out = compute_rewards(rows, RewardConfig(rule="code_exec"))
+    assert out["reward"].tolist() == pytest.approx([1.0, 1 / 3, 0.0])
+
+
+def test_isolation_level_prefers_bwrap_and_honours_override(monkeypatch):
+    monkeypatch.delenv("BATCHRL_SANDBOX", raising=False)
+    assert sandbox.isolation_level() == "bwrap"  # the strongest level wins when it works
+    monkeypatch.setenv("BATCHRL_SANDBOX", "nonsense")
+    with pytest.raises(RuntimeError, match="BATCHRL_SANDBOX"):
+        sandbox.isolation_level()

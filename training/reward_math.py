@@ -1,0 +1,195 @@
+"""Math answer verifiers (GSM8K, MATH) and format rewards, registered in the reward registry.
+
+All share the reward signature ``fn(prompt, response, meta) -> float`` and read the gold answer
+from ``meta["answer"]`` through the one gold reader in ``rewards`` (a bare answer or a whole
+solution: GSM8K's "... #### 18", MATH's "... \\boxed{\\frac12}").
+
+Modes, as in verl's reward functions:
+
+- strict: the response must state its answer in the task's format (``#### N`` for GSM8K, the last
+  ``\\boxed{...}`` for MATH); anything else scores 0, even if the right number appears somewhere.
+- flexible: the answer is read leniently (GSM8K: after ``####`` else the last number; MATH: the last
+  boxed expression else the last LaTeX/plain expression ``math_verify`` finds).
+
+MATH equivalence uses the ``math-verify`` package (LaTeX → sympy: ``\\frac``/``\\dfrac``, radicals,
+intervals, sets, units and degrees stripped, symbolic equality). Without it (an install that lacks
+the package) ``math_equivalent`` falls back to ``_fallback_equivalent``: normalised-string equality
+or equal numeric values after ``\\frac{a}{b}``/``a/b`` evaluation — it misses radicals and symbolic
+forms, so a fallback run under-credits but never over-credits.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from fractions import Fraction
+from typing import Any, Mapping
+
+from batchrl.training.rewards import _NUMBER, _answer_text, final_number, register_reward
+
+try:  # pinned in pyproject.toml and installed by scripts/bootstrap.sh
+    import math_verify
+except ImportError:  # pragma: no cover - exercised only on installs without the package
+    math_verify = None
+
+_GSM8K_STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER.pattern + r")")
+_BOXED_COMMANDS = ("\\boxed", "\\fbox")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _to_float(number_text: str) -> float:
+    return float(number_text.replace(",", ""))
+
+
+def gsm8k_answer(text: str, mode: str = "flexible") -> float | None:
+    """The numeric answer of a GSM8K-style text. strict: the number right after the last ``####``
+    (signs, thousands separators, decimals, a ``$``); flexible: ``rewards.final_number``."""
+    if mode == "flexible":
+        return final_number(text)
+    if mode != "strict":
+        raise ValueError(f"mode must be 'strict' or 'flexible', got {mode!r}")
+    matches = _GSM8K_STRICT.findall(text)
+    return _to_float(matches[-1]) if matches else None
+
+
+def _gsm8k_score(response: str, meta: Mapping[str, Any], mode: str) -> float:
+    gold_text = _answer_text(meta)
+    gold = final_number(gold_text) if gold_text is not None else None
+    got = gsm8k_answer(response, mode)
+    return float(gold is not None and got is not None and abs(got - gold) <= 1e-6 * max(1.0, abs(gold)))
+
+
+@register_reward("gsm8k_strict", needs=("answer",))
+def gsm8k_strict(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response ends its solution with ``#### N`` and N equals the gold answer's final
+    number ("#### 1,234.0" = 1234; "-5" ≠ "5"); 0.0 without ``####`` even if the number is right."""
+    return _gsm8k_score(response, meta, "strict")
+
+
+@register_reward("gsm8k_flexible", needs=("answer",))
+def gsm8k_flexible(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response's final number (after ``####``, else its last number) equals the gold
+    answer's final number; 0.0 otherwise. "So she has 18 eggs." scores 1 for gold "... #### 18"."""
+    return _gsm8k_score(response, meta, "flexible")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces matched), or of a
+    brace-less ``\\boxed 5``; None when there is none or its braces never close."""
+    cmd, start = max(((c, text.rfind(c)) for c in _BOXED_COMMANDS), key=lambda pair: pair[1])
+    if start < 0:
+        return None
+    rest = text[start + len(cmd):]
+    if not rest.lstrip().startswith("{"):
+        token = rest.split()[:1] if rest[:1].isspace() else []
+        return token[0].rstrip("$.") or None if token else None
+    depth, body = 0, rest.lstrip()
+    for i, char in enumerate(body):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth == 0:
+            return body[1:i].strip()
+    return None
+
+
+def _timeout() -> int | None:
+    # math_verify times out with SIGALRM, which only the main thread may set.
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def math_equivalent(gold: str, predicted: str) -> bool:
+    """Whether two answer expressions (LaTeX or plain) are mathematically equal."""
+    if math_verify is None:
+        return _fallback_equivalent(gold, predicted)
+    timeout = _timeout()
+    gold_parsed = math_verify.parse(f"${gold}$", parsing_timeout=timeout)
+    pred_parsed = math_verify.parse(f"${predicted}$", parsing_timeout=timeout)
+    if not gold_parsed or not pred_parsed:
+        return _normalise(gold) == _normalise(predicted)
+    return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+def _normalise(expr: str) -> str:
+    expr = re.sub(r"\\text\{[^}]*\}|\\left|\\right|\\!|\\,|\\;|\\ |\$|\s", "", expr)
+    expr = expr.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("^\\circ", "")
+    expr = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", expr)  # \frac12 shorthand
+    return expr.rstrip(".")
+
+
+def _value(expr: str) -> Fraction | None:
+    expr = _normalise(expr).replace(",", "")
+    match = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}|(-?\d+)/(-?\d+)|(-?\d+(?:\.\d+)?)", expr)
+    if not match:
+        return None
+    sign, num, den, num2, den2, plain = match.groups()
+    if plain is not None:
+        return Fraction(plain)
+    top, bottom = (num, den) if num is not None else (num2, den2)
+    if int(bottom) == 0:
+        return None
+    value = Fraction(int(top), int(bottom))
+    return -value if sign else value
+
+
+def _fallback_equivalent(gold: str, predicted: str) -> bool:
+    """Without math_verify: equal after normalisation, or equal rational values."""
+    if _normalise(gold) == _normalise(predicted):
+        return True
+    a, b = _value(gold), _value(predicted)
+    return a is not None and a == b
+
+
+def gold_math_answer(meta: Mapping[str, Any]) -> str | None:
+    """The gold MATH answer: the last boxed expression of a solution, else the whole answer text."""
+    text = _answer_text(meta)
+    if text is None:
+        return None
+    boxed = last_boxed(text)
+    return boxed if boxed is not None else text.strip()
+
+
+def _flexible_prediction(response: str) -> str | None:
+    if last_boxed(response) is not None:
+        return last_boxed(response)
+    tagged = _ANSWER_TAG.findall(response)
+    if tagged:
+        return tagged[-1].strip()
+    if math_verify is not None:
+        parsed = math_verify.parse(response, parsing_timeout=_timeout())
+        return parsed[-1] if parsed and isinstance(parsed[-1], str) else None
+    numbers = _NUMBER.findall(response)
+    return numbers[-1] if numbers else None
+
+
+@register_reward("math_strict", needs=("answer",))
+def math_strict(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response's last ``\\boxed{...}`` is equivalent to the gold answer
+    (``math_equivalent``: "\\dfrac12" = "\\frac{1}{2}" = "0.5"; "\\sqrt8" = "2\\sqrt2"); 0.0 when
+    nothing is boxed or it differs."""
+    gold, got = gold_math_answer(meta), last_boxed(response)
+    return float(gold is not None and got is not None and math_equivalent(gold, got))
+
+
+@register_reward("math_flexible", needs=("answer",))
+def math_flexible(prompt: str, response: str, meta: dict) -> float:
+    """Like ``math_strict`` but the answer may also be in ``<answer>...</answer>`` or be the last
+    expression of the text ("... so x = 1/2")."""
+    gold, got = gold_math_answer(meta), _flexible_prediction(response)
+    return float(gold is not None and got is not None and math_equivalent(gold, got))
+
+
+@register_reward("format_boxed")
+def format_boxed(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response contains a closed, non-empty ``\\boxed{...}``; the answer is not checked."""
+    return float(bool(last_boxed(response)))
+
+
+@register_reward("format_answer_tag")
+def format_answer_tag(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response contains exactly one non-empty ``<answer>...</answer>`` block."""
+    tagged = _ANSWER_TAG.findall(response)
+    return float(len(tagged) == 1 and bool(tagged[0].strip()))
+
+
+@register_reward("format_final_mark")
+def format_final_mark(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response states a GSM8K final answer ``#### N`` (the strict format)."""
+    return float(gsm8k_answer(response, "strict") is not None)
