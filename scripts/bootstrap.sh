@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 # bubblewrap isolates the code-execution reward (training/sandbox.py); without it (not root, no apt)
 # the sandbox falls back to weaker isolation and says so.
 if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } ||
+  { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq bubblewrap >/dev/null; } ||
     echo "bootstrap.sh: could not install bubblewrap; code rewards use the weaker sandbox" >&2
 fi
 PY=${PYTHON:-python3.11}
