@@ -215,8 +215,10 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
     batching = tmp_path / "batchrl" / "training" / "trainer" / "batching.py"
     batching.write_text(batching.read_text() + "\n\ndef padded_length(n: int, multiple: int = 8) -> int:\n"
                         "    return -(-n // multiple) * multiple\n")
-    # every stage that trains through the trainer loop (reward model, DPO, policy) or batches pairs (reference)
-    assert code_stale_in_copy() == {"reward_model", "reference_logprobs", "dpo_checkpoint", "policy_checkpoint"}
+    # every stage that trains through the trainer loop (reward model, DPO, policy), batches pairs (reference) or
+    # computes log-probs with the trainer's batching (advantages: KL in the reward, critic values)
+    assert code_stale_in_copy() == {"reward_model", "reference_logprobs", "dpo_checkpoint", "policy_checkpoint",
+                                    "advantages"}
 
 
 def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):

@@ -174,6 +174,8 @@ ALLOWED = {
         "RNG states of our own checkpoints (numpy/python RNG tuples need full unpickling)",
     ("training/trainer/policy.py", "torch.load without weights_only=True"):
         "fixed log-prob cache the trainer wrote in its work dir",
+    ("training/reward_code.py", "eval/exec"):
+        "the code reward's harness text: it execs the response inside the sandboxed child (training/sandbox.py)",
 }
 
 
