@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import uuid
 
 import dagster as dg
 
 from batchrl.assets import automation, data, dpo, evaluation, models, rl
+from batchrl.assets.data import DROP_CONTENT_TAG
+from batchrl.assets.drops import landing_drops
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -109,15 +112,65 @@ def selected_job(defs: dg.Definitions, selection: list[str] | None = None) -> dg
 
 
 def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection: list[str] | None = None,
-                   run_config: dict | None = None, **execute_kwargs) -> dg.ExecuteInProcessResult:
+                   run_config: dict | None = None, on_run=None, **execute_kwargs) -> dg.ExecuteInProcessResult:
     """Materialise ``selection`` (default: every asset, with its checks) in this process, after the
     whole-run config checks (``assets.rl_config``: an impossible combination fails before anything runs;
-    ``execute_kwargs``: ``run_id``, ``tags`` of ``execute_in_process``)."""
+    ``execute_kwargs``: ``run_id``, ``tags`` of ``execute_in_process``).
+
+    The per-drop data assets run first, one run per log drop that is new or changed (``assets.drops``:
+    the drops are registered as partitions; a drop already ingested with the same content is not run
+    again), then the rest in the run named by ``run_id``. ``on_run(run_id)`` is called before each run
+    starts. Returns the first failed run's result, else the last run's."""
     from batchrl.assets.rl_config import check_rl_run_config
 
     check_rl_run_config(run_config, selection)
-    return selected_job(defs, selection).execute_in_process(instance=instance, run_config=run_config or {},
-                                                            raise_on_error=False, **execute_kwargs)
+    job = selected_job(defs, selection)
+    graph = defs.resolve_asset_graph()
+    keys = set(job.asset_layer.executable_asset_keys)
+    per_drop = {k for k in keys if graph.get(k).partitions_def is not None}
+    rest = keys - per_drop
+    run_config, result = run_config or {}, None
+    if per_drop:
+        drop_job = selected_job(defs, [k.to_user_string() for k in graph.get(next(iter(per_drop))).execution_set_asset_keys])
+        drop_config = {"ops": {op: c for op, c in run_config.get("ops", {}).items() if op == "log_drop"}}
+        for drop, content in drops_to_ingest(defs, instance).items():
+            run_id = str(uuid.uuid4())
+            if on_run:
+                on_run(run_id)
+            tags = {**execute_kwargs.get("tags", {}), DROP_CONTENT_TAG: content}
+            result = drop_job.execute_in_process(instance=instance, run_config=drop_config, partition_key=drop,
+                                                 raise_on_error=False, run_id=run_id, tags=tags)
+            if not result.success:
+                return result
+    if rest or result is None:
+        if on_run:
+            on_run(execute_kwargs.setdefault("run_id", str(uuid.uuid4())))
+        rest_config = dict(run_config, ops={op: c for op, c in run_config.get("ops", {}).items() if op != "log_drop"}) \
+            if per_drop and "ops" in run_config else run_config
+        result = (job.get_subset(asset_selection=rest) if per_drop else job).execute_in_process(
+            instance=instance, run_config=rest_config, raise_on_error=False, **execute_kwargs)
+    return result
+
+
+def drops_to_ingest(defs: dg.Definitions, instance: dg.DagsterInstance) -> dict[str, str]:
+    """The landing's log drops (drop -> content key) not yet ingested with that content; every landed
+    drop is registered as a ``log_drops`` partition (in landing order), a drop gone from the landing removed."""
+    from batchrl.assets.automation import landing_state, register_drops
+
+    landing = defs.resources["landing"]
+    drops = landing_drops(landing, landing_state(landing))
+    register_drops(instance, list(drops))
+    return {drop: content for drop, content in drops.items() if ingested_content(instance, drop) != content}
+
+
+def ingested_content(instance: dg.DagsterInstance, drop: str) -> str | None:
+    """The content key the latest ``raw_logs`` of ``drop`` recorded (None: never ingested)."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("raw_logs"), asset_partitions=[drop]), limit=1).records
+    if not records:
+        return None
+    value = records[0].asset_materialization.metadata.get("drop_content")
+    return getattr(value, "value", value)
 
 
 defs = build_definitions()

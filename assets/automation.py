@@ -1,4 +1,4 @@
-"""Jobs, the new-logs sensor and the nightly retrain schedule."""
+"""Jobs, the new-logs sensor (log drops as partitions) and the nightly retrain schedule."""
 
 import hashlib
 import json
@@ -7,11 +7,15 @@ import os
 import dagster as dg
 
 from batchrl import fsutil
+from batchrl.assets.data import DROP_CONTENT_TAG
+from batchrl.assets.drops import LOG_DROPS, landing_drops
 from batchrl.resources import LandingResource
 
-retrain_job = dg.define_asset_job("retrain", selection=dg.AssetSelection.all(), description="Every asset, end to end")
-ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.groups("data"),
-                                 description="Landing logs to validated pairs only")
+PER_DROP = [dg.AssetKey(name) for name in ("raw_logs", "cleaned_logs", "validated_preferences")]
+retrain_job = dg.define_asset_job("retrain", selection=dg.AssetSelection.all(), partitions_def=LOG_DROPS,
+                                  description="Every asset, end to end (per-drop assets for the run's log drop)")
+ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.groups("data"), partitions_def=LOG_DROPS,
+                                 description="Landing logs to validated pairs and the training window")
 
 
 def _listing(landing: LandingResource) -> dict[str, tuple[dict, object, str]]:
@@ -57,23 +61,73 @@ def _read_cursor(cursor: str | None) -> dict:
         return {"content": cursor}
 
 
+def register_drops(instance: dg.DagsterInstance, drops: list[str]) -> None:
+    """Make the landed drops the ``log_drops`` partitions: new ones added (in the order given), drops
+    gone from the landing removed (their artifacts stay; the training window no longer reads them)."""
+    known = instance.get_dynamic_partitions(LOG_DROPS.name)
+    if [d for d in drops if d not in known]:
+        instance.add_dynamic_partitions(LOG_DROPS.name, [d for d in drops if d not in known])
+    for drop in (d for d in known if d not in drops):
+        instance.delete_dynamic_partition(LOG_DROPS.name, drop)
+
+
+def _training_keys() -> list[dg.AssetKey]:
+    """Every asset that is not per drop: what a retrain without a new drop materialises."""
+    from batchrl.assets import data, dpo, evaluation, models, rl
+
+    assets = dg.load_assets_from_modules([data, models, rl, dpo, evaluation])
+    return sorted((key for a in assets if a.partitions_def is None for key in a.keys), key=str)
+
+
 @dg.sensor(job=retrain_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.STOPPED)
 def new_logs_sensor(context: dg.SensorEvaluationContext, landing: LandingResource):
-    """Retrain when the landing's *content* changes: run key = content hash (the same content never
+    """Retrain when the landing's *content* changes (run key = content hash: the same content never
     retrains twice, a touched but unchanged file not at all); the cursor keeps each file's size, stamp and
-    sha256 so only changed files are hashed again. Works on local folders and s3:// prefixes alike."""
+    sha256 so only changed files are hashed again. Each new or changed log drop becomes a ``log_drops``
+    partition and is ingested once (run key = the drop's content); the last one's run retrains too, so
+    old drops are never recomputed. Local folders and s3:// prefixes alike."""
     previous = _read_cursor(context.cursor)
     state = landing_state(landing, previous.get("files"))
-    key = content_key(state)
-    context.update_cursor(json.dumps({"content": key, "files": state}, sort_keys=True))
+    key, drops = content_key(state), landing_drops(landing, state)
+    cursor = json.dumps({"content": key, "files": state, "drops": drops}, sort_keys=True)
     if key == previous.get("content"):
-        return dg.SkipReason(f"landing content unchanged ({key})")
+        return dg.SensorResult(skip_reason=f"landing content unchanged ({key})", cursor=cursor)
     before = previous.get("files", {})
     changed = [uri for uri, entry in state.items() if before.get(uri, {}).get("sha256") != entry["sha256"]]
     names = ", ".join(f"{os.path.basename(uri)}@{state[uri]['sha256'][:12]}" for uri in changed)
-    return dg.RunRequest(run_key=key, tags={"batchrl/landing_content": key,
-                                            "batchrl/changed_files": names[:1000] or "(files removed)"})
+    new = [drop for drop, content in drops.items() if previous.get("drops", {}).get(drop) != content]
+    requests = [dg.RunRequest(run_key=f"{drop}@{drops[drop]}", partition_key=drop, asset_selection=list(PER_DROP),
+                              tags={DROP_CONTENT_TAG: drops[drop]}) for drop in new[:-1]]
+    tags = {"batchrl/landing_content": key, "batchrl/changed_files": names[:1000] or "(files removed)"}
+    if new:  # the newest drop and everything downstream of the drops in one run
+        requests.append(dg.RunRequest(run_key=key, partition_key=new[-1], tags={**tags, DROP_CONTENT_TAG: drops[new[-1]]}))
+    else:  # scored logs or prompts changed, or a drop was removed: retrain on the drops there are
+        requests.append(dg.RunRequest(run_key=key, asset_selection=_training_keys(), tags=tags))
+    known = set(context.instance.get_dynamic_partitions(LOG_DROPS.name)) if context.instance_ref else set()
+    gone = [drop for drop in previous.get("drops", {}) if drop not in drops]
+    partitions = [LOG_DROPS.build_add_request([d for d in new if d not in known])] if new else []
+    partitions += [LOG_DROPS.build_delete_request(gone)] if gone else []
+    return dg.SensorResult(run_requests=requests, cursor=cursor, dynamic_partitions_requests=partitions)
 
 
-nightly_retrain = dg.ScheduleDefinition(name="nightly_retrain", job=retrain_job, cron_schedule="0 3 * * *",
-                                        default_status=dg.DefaultScheduleStatus.STOPPED)
+def ingested_drops(instance: dg.DagsterInstance) -> list[str]:
+    """The ``log_drops`` partitions whose ``validated_preferences`` is materialised, in landing order."""
+    done = instance.get_materialized_partitions(dg.AssetKey("validated_preferences"))
+    return [drop for drop in instance.get_dynamic_partitions(LOG_DROPS.name) if drop in done]
+
+
+@dg.schedule(job=retrain_job, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED)
+def nightly_retrain(context: dg.ScheduleEvaluationContext):
+    """Retrain at 03:00 on what is new: runs the training stages when a log drop was ingested that the
+    latest ``preference_window`` did not consider (run key = the ingested drops, so once per new set)."""
+    ingested = ingested_drops(context.instance)
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("preference_window"))
+    metadata = event.asset_materialization.metadata if event else {}
+    considered = {d for name in ("drops", "drops_failing_gate", "drops_outside_window")
+                  for d in getattr(metadata.get(name), "value", None) or []}
+    new = [drop for drop in ingested if drop not in considered]
+    if not new:
+        return dg.SkipReason(f"no new log drop since the last training window ({len(ingested)} ingested)")
+    run_key = hashlib.sha256("\n".join(ingested).encode()).hexdigest()[:16]
+    return dg.RunRequest(run_key=run_key, asset_selection=_training_keys(),
+                         tags={"batchrl/new_drops": ", ".join(new)[:1000]})

@@ -42,8 +42,10 @@ def publish(
 ) -> dg.Output:
     """Publish ``staging`` as this asset's new immutable version and return the Dagster output.
     ``asset`` names a companion artifact published by the same step (default: the asset itself)."""
+    by_key = context.assets_def.code_versions_by_key
+    single = len(context.assets_def.keys) == 1  # a multi-asset step names each of its assets
     asset = asset or context.asset_key.to_user_string()
-    code = context.assets_def.code_versions_by_key.get(context.asset_key) or ""
+    code = by_key.get(dg.AssetKey(asset)) or (by_key.get(context.asset_key) if single else "") or ""
     lineage = redact(lineage_record(context, storage, code_version=code, config=config or {}, seed=seed,
                                     inputs={name: as_ref(ref) for name, ref in (inputs or {}).items()},
                                     input_files=input_files or []))
@@ -57,7 +59,8 @@ def publish(
         metadata["seed"] = seed
     with warnings.catch_warnings():  # Output(data_version=...) is flagged beta; it is the documented way
         warnings.simplefilter("ignore", dg.BetaWarning)
-        return dg.Output(ref.to_dict(), data_version=dg.DataVersion(ref.data_version), metadata=metadata)
+        return dg.Output(ref.to_dict(), data_version=dg.DataVersion(ref.data_version), metadata=metadata,
+                         output_name="result" if single else asset)
 
 
 def _dagster_type(annotation: Any) -> Any:

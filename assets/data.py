@@ -1,20 +1,24 @@
-"""Data assets: landing logs → cleaned → validated preference pairs (+ scored logs → pairs)."""
+"""Data assets: per log drop, landing logs → cleaned → validated preference pairs in one pass; the\ntraining window over the drops; scored logs → pairs."""
 
 import json
 import os
 
 import dagster as dg
+import pydantic
 
 from batchrl.assets.common import code_version, publish, run_config_for, to_library_config
+from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri
 from batchrl.ingest import (
-    IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, scored_to_pairs,
-    validate_preferences, validate_scored,
+    IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, ingest_logs, scored_to_pairs,
+    validate_scored,
 )
+from batchrl.ingest.window import combine_drops
 from batchrl.resources import CatalogResource, LandingResource, StorageResource
 
 INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
 IngestRunConfig = run_config_for(IngestConfig, "IngestRunConfig")
 REPORT_FILE = "report.json"
+DROP_CONTENT_TAG = "batchrl/drop_content"  # set by the sensor: the drop's content key it saw
 
 
 def _report(report) -> dict:
@@ -28,90 +32,114 @@ def _describe(inputs) -> list[dict]:
     return [dict(uri=f.uri, size=f.size, sha256=f.sha256, format=f.format) for f in inputs]
 
 
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"jsonl"})
-def raw_logs(context: dg.AssetExecutionContext, landing: LandingResource, storage: StorageResource,
-             catalog: CatalogResource) -> dg.Output:
-    """Manifest of the preference logs in the landing place: every file with its size and sha256."""
-    files = _describe(discover_inputs(landing.preferences, landing.storage_options))
-    if not files:
-        raise dg.Failure(f"no input logs found at {landing.preferences}")
+def _out(kinds: set[str], description: str) -> dg.AssetOut:
+    return dg.AssetOut(group_name="data", code_version=INGEST_CODE, kinds=kinds, description=description)
+
+
+@dg.multi_asset(
+    outs={"raw_logs": _out({"jsonl"}, "Manifest of the drop's landed files: uri, size, sha256, format."),
+          "cleaned_logs": _out({"parquet"}, "The cleaning stage of the drop: decoded, BOM/control-char "
+                               "stripped, NFC, field-mapped; row accounting and quarantine reasons."),
+          "validated_preferences": _out({"parquet", "pandera"}, "The drop's rows that meet the prompt/chosen/"
+                                        "rejected contract, deduplicated; the rest quarantined with reasons.")},
+    internal_asset_deps={"cleaned_logs": {dg.AssetKey("raw_logs")},
+                         "validated_preferences": {dg.AssetKey("cleaned_logs")}},
+    check_specs=[dg.AssetCheckSpec("nothing_lost", asset="validated_preferences", blocking=True, description=(
+                     "rows_in == valid + quarantined + duplicates, over cleaning and validation together")),
+                 dg.AssetCheckSpec("reject_rate_below_threshold", asset="validated_preferences", blocking=True,
+                                   description="The drop's reject rate is within IngestConfig.reject_threshold: "
+                                               "else training stops, and later windows leave the drop out")],
+    partitions_def=LOG_DROPS, pool=CATALOG_POOL, can_subset=False)
+def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing: LandingResource,
+             storage: StorageResource, catalog: CatalogResource):
+    """One log drop (a dynamic partition) in one streaming pass (``ingest_logs``): the manifest, then
+    clean + contract + dedupe; one quarantine file holds both stages' rows, each stage's accounting and
+    reasons stay on its own asset; the drop's blocking checks. A drop whose content differs from what the
+    sensor saw fails."""
+    drop = context.partition_key
+    cfg = to_library_config(config, IngestConfig).model_copy(update={"storage_options": landing.storage_options})
+    files = _describe(inputs := discover_inputs(drop_uri(landing, drop), landing.storage_options))
+    content, expected = drop_content(landing, files), context.run.tags.get(DROP_CONTENT_TAG)
+    if expected and content != expected:  # never ingest other data than the run names
+        raise dg.Failure(f"log drop {drop} changed since the sensor saw it (content {expected}, now "
+                         f"{content}): {[f['uri'] for f in files]}")
     with storage.staging_dir("raw_logs") as staging:
         with open(os.path.join(staging, "manifest.json"), "w") as f:
             json.dump(files, f, indent=2, sort_keys=True)
-        return publish(context, storage, catalog, staging, input_files=files,
-                       config={"landing": landing.preferences},
-                       metadata={"files": len(files), "bytes_in": sum(f["size"] for f in files),
-                                 "manifest": files})
-
-
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"})
-def cleaned_logs(context: dg.AssetExecutionContext, config: IngestRunConfig, raw_logs: dict,
-                 landing: LandingResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """Decoded, BOM/control-char stripped, NFC-normalised, field-mapped rows; bad rows quarantined."""
-    # the landing's credentials/endpoint reach the readers; run config keeps only the contract knobs
-    cfg = to_library_config(config, IngestConfig).model_copy(update={"storage_options": landing.storage_options})
-    with open(os.path.join(storage.localize(raw_logs), "manifest.json")) as f:
-        manifest = json.load(f)
-    inputs = discover_inputs(landing.preferences, landing.storage_options)
-    current = {f.uri: f.sha256 for f in inputs}
-    recorded = {m["uri"]: m["sha256"] for m in manifest}
-    if current != recorded:  # never train on data other than what the manifest (and so the audit) names
-        changed = sorted({uri for uri, _ in set(current.items()) ^ set(recorded.items())})
-        raise dg.Failure(f"landing changed since raw_logs was materialised: {changed}; rematerialise raw_logs")
-    with storage.staging_dir("cleaned_logs") as staging:
-        metadata = _report(clean_logs(inputs, staging, cfg))
-        return publish(context, storage, catalog, staging, inputs={"raw_logs": raw_logs},
-                       config=config.model_dump(), input_files=manifest, metadata=metadata,
-                       sidecars={REPORT_FILE: metadata})
-
-
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"})
-def validated_preferences(context: dg.AssetExecutionContext, config: IngestRunConfig, cleaned_logs: dict,
-                          storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """Rows that meet the prompt/chosen/rejected contract, deduplicated; the rest quarantined with reasons."""
-    cfg = to_library_config(config, IngestConfig)
-    cleaned_dir = storage.localize(cleaned_logs)
-    with open(os.path.join(cleaned_dir, REPORT_FILE)) as f:
-        cleaned = json.load(f)
+        raw = publish(context, storage, catalog, staging, asset="raw_logs", input_files=files,
+                      config={"landing": landing.preferences, "drop": drop},
+                      metadata={"drop_content": content, "files": len(files), "bytes_in": sum(f["size"] for f in files), "manifest": files})
     with storage.staging_dir("validated_preferences") as staging:
-        stage = _report(validate_preferences(cleaned_dir, staging, cfg))
-        # Accounting across both stages: every landed row is valid, quarantined or a duplicate.
-        totals = {
-            "rows_in": cleaned["rows_in"],
-            "valid": stage["valid"],
-            "quarantined": cleaned["quarantined"] + stage["quarantined"],
-            "duplicates": cleaned.get("duplicates", 0) + stage["duplicates"],
-        }
-        totals["reject_rate"] = totals["quarantined"] / max(totals["rows_in"], 1)
-        return publish(context, storage, catalog, staging, inputs={"cleaned_logs": cleaned_logs},
-                       config=config.model_dump(), sidecars={REPORT_FILE: stage, "totals.json": totals},
-                       metadata={**totals, "stage": stage, "reasons_clean": cleaned.get("reasons", {})})
+        clean, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)
+        stage = _report(stage)
+        clean = {k: v for k, v in clean.to_metadata().items() if k not in ("seconds", "outputs", "content_hash")}
+        clean["extra"] = {k: v for k, v in clean["extra"].items() if k != "inputs"}  # in the manifest
+        with storage.staging_dir("cleaned_logs") as clean_dir:
+            with open(os.path.join(clean_dir, REPORT_FILE), "w") as f:  # the stage's data: its accounting
+                json.dump(clean, f, indent=2, sort_keys=True)
+            cleaned = publish(context, storage, catalog, clean_dir, asset="cleaned_logs", input_files=files,
+                              inputs={"raw_logs": raw.value}, config=config.model_dump(), metadata=clean)
+        # one pass: the contract stage saw every input row; the clean stage's rejects are among its quarantined
+        totals = {"rows_in": stage["rows_in"], "valid": stage["valid"], "quarantined": stage["quarantined"],
+                  "duplicates": stage["duplicates"], "reject_rate": stage["quarantined"] / max(stage["rows_in"], 1)}
+        validated = publish(context, storage, catalog, staging, asset="validated_preferences",
+                            inputs={"cleaned_logs": cleaned.value}, config=config.model_dump(),
+                            sidecars={REPORT_FILE: stage, "totals.json": totals},
+                            metadata={**totals, "stage": stage, "reasons_clean": clean.get("reasons", {})})
+    yield from (raw, cleaned, validated)
+    accounted = totals["valid"] + totals["quarantined"] + totals["duplicates"]
+    yield dg.AssetCheckResult(check_name="nothing_lost", asset_key="validated_preferences",
+                              passed=accounted == totals["rows_in"], metadata={**totals, "accounted": accounted})
+    passed, description, threshold = _gate(totals, cfg.reject_threshold)
+    yield dg.AssetCheckResult(check_name="reject_rate_below_threshold", asset_key="validated_preferences",
+                              passed=passed, description=description,
+                              metadata={"reject_rate": totals["reject_rate"], "threshold": threshold})
 
 
-def _totals(storage: StorageResource, ref: dict) -> dict:
+def _gate(totals: dict, threshold: float) -> tuple[bool, str, float]:
+    """The reject-rate gate of one drop (clean + validate together): (passed, description, threshold)."""
+    both_stages = StageReport(stage="clean+validate", rows_in=totals["rows_in"], valid=totals["valid"],
+                              quarantined=totals["quarantined"], duplicates=totals["duplicates"])
+    return (*check_reject_rate(both_stages, threshold), threshold)
+
+
+def _drop_gate(storage: StorageResource, ref: dict) -> bool:
+    """Whether an ingested drop passed its gate (its totals and the threshold it was ingested with)."""
     with open(os.path.join(storage.localize(ref), "totals.json")) as f:
-        return json.load(f)
+        totals = json.load(f)
+    return _gate(totals, storage.read_lineage(ref)["config"].get("reject_threshold",
+                                                                  IngestConfig().reject_threshold))[0]
 
 
-@dg.asset_check(asset=validated_preferences, blocking=True)
-def nothing_lost(validated_preferences: dict, storage: StorageResource) -> dg.AssetCheckResult:
-    """rows_in == valid + quarantined + duplicates, over cleaning and validation together."""
-    t = _totals(storage, validated_preferences)
-    accounted = t["valid"] + t["quarantined"] + t["duplicates"]
-    return dg.AssetCheckResult(passed=accounted == t["rows_in"], metadata={**t, "accounted": accounted})
+class WindowConfig(dg.Config):
+    last_drops: int = pydantic.Field(0, ge=0, description=(
+        "How many of the latest log drops the training stages read: 0 = every drop (the default)."))
 
 
-@dg.asset_check(asset=validated_preferences, blocking=True)
-def reject_rate_below_threshold(validated_preferences: dict, storage: StorageResource) -> dg.AssetCheckResult:
-    """Stops downstream training when too many landed rows were rejected (threshold from IngestConfig)."""
-    t = _totals(storage, validated_preferences)
-    lineage = storage.read_lineage(validated_preferences)
-    threshold = lineage["config"].get("reject_threshold", IngestConfig().reject_threshold)
-    both_stages = StageReport(stage="clean+validate", rows_in=t["rows_in"], valid=t["valid"],
-                              quarantined=t["quarantined"], duplicates=t["duplicates"])
-    passed, description = check_reject_rate(both_stages, threshold)
-    return dg.AssetCheckResult(passed=passed, description=description,
-                               metadata={"reject_rate": t["reject_rate"], "threshold": threshold})
+@dg.asset(group_name="data", code_version=code_version("batchrl.ingest.window", config=WindowConfig),
+          kinds={"parquet"}, pool=CATALOG_POOL,
+          ins={"validated_preferences": dg.AssetIn(partition_mapping=dg.AllPartitionMapping(),
+                                                   metadata={"allow_missing_partitions": True})})
+def preference_window(context: dg.AssetExecutionContext, config: WindowConfig, validated_preferences: dict | None,
+                      storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """The validated preferences the training stages read: every log drop (or the last K), in the order
+    the drops landed, a pair seen in an earlier drop left out. Drops not yet ingested and drops that
+    fail their reject-rate gate are left out and named in the metadata."""
+    order = context.instance.get_dynamic_partitions(LOG_DROPS.name)
+    landed = [d for d in order if d in (validated_preferences or {})]
+    window = landed[-config.last_drops:] if config.last_drops else landed
+    gates = {drop: _drop_gate(storage, validated_preferences[drop]) for drop in window}
+    taken = [drop for drop in window if gates[drop]]
+    if not taken:
+        raise dg.Failure(f"no log drop to train on: drops {order}, ingested {landed}, "
+                         f"failing their gate {[d for d in window if not gates[d]]}")
+    with storage.staging_dir("preference_window") as staging:
+        report = combine_drops([(d, storage.localize(validated_preferences[d])) for d in taken], staging)
+        return publish(context, storage, catalog, staging, config=config.model_dump(),
+                       inputs={f"validated_preferences[{d}]": validated_preferences[d] for d in taken},
+                       metadata={**report, "drops": taken, "drops_not_ingested": [d for d in order if d not in landed],
+                                 "drops_failing_gate": [d for d in window if not gates[d]],
+                                 "drops_outside_window": [d for d in landed if d not in window]})
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"})

@@ -24,7 +24,7 @@ class ReferenceConfig(dg.Config):
 
 
 class DPOPairsConfig(dg.Config):
-    """Which pairs the DPO path trains on: ``logged`` (validated_preferences), ``self`` (best vs worst
+    """Which pairs the DPO path trains on: ``logged`` (preference_window), ``self`` (best vs worst
     of the policy's own scored samples, e.g. correct vs incorrect answers, through the scored-logs →
     pairs path and its contract) or ``both``. ``min_margin``: best − worst reward needed for a pair;
     ``max_logged_pairs``: cap on the logged pairs taken (a seeded sample; all when unset)."""
@@ -42,12 +42,12 @@ def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
 
 
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig), kinds={"parquet", "pandera"})
-def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, validated_preferences: dict,
+def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: dict,
               rewards: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """The preference pairs of the DPO path (one id per pair), from the configured source."""
     parts, metadata = [], {"source": config.source}
     if config.source in ("logged", "both"):
-        logged = read_parquet_in(storage, validated_preferences, "preferences.parquet")
+        logged = read_parquet_in(storage, preference_window, "preferences.parquet")
         if config.max_logged_pairs and len(logged) > config.max_logged_pairs:
             logged = logged.sample(config.max_logged_pairs, random_state=config.seed).sort_index()
         parts.append(logged)
@@ -71,7 +71,7 @@ def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, validat
         pairs = pairs.drop_duplicates("id", ignore_index=True)
         pairs.to_parquet(os.path.join(staging, "preferences.parquet"), index=False)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
-                       inputs={"validated_preferences": validated_preferences, "rewards": rewards},
+                       inputs={"preference_window": preference_window, "rewards": rewards},
                        metadata={**metadata, "pairs": len(pairs)})
 
 

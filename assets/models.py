@@ -7,6 +7,7 @@ import dagster as dg
 import pandas as pd
 
 from batchrl.assets.common import as_ref, code_version, publish, run_config_for, train_and_publish, work_dir
+from batchrl.ingest.window import first_drop
 from batchrl.resources import CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import RewardModelConfig
 
@@ -14,7 +15,10 @@ from batchrl.training.trainer.config import RewardModelConfig
 class BaseModelConfig(dg.Config):
     """The base model, from one source: ``model_path`` (an HF model folder), ``gguf_file`` (a GGUF
     file path, or ``distribution:relative/path`` inside an installed package, converted once into a
-    cached HF folder), or neither: the tiny default built offline from the data (dims below)."""
+    cached HF folder), or neither: the tiny default built offline from the data (dims below): the
+    prompts and the first log drop of the training window, so that retraining on a new drop keeps the
+    base model and continues its policy chain (with ``last_drops: K`` the base model changes, and a new
+    chain starts, when its drop leaves the window)."""
 
     model_path: str | None = None
     gguf_file: str | None = None
@@ -32,9 +36,10 @@ def read_parquet_in(storage: StorageResource, ref: dict, name: str) -> pd.DataFr
     return pd.read_parquet(os.path.join(storage.localize(ref), name))
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source", config=BaseModelConfig),
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source", "batchrl.ingest.window",
+                                                      config=BaseModelConfig),
           kinds={"pytorch"})
-def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, validated_preferences: dict,
+def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: dict,
                prompts: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder)."""
     from batchrl.training.tiny_model import build_tiny_model
@@ -54,32 +59,33 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, valid
             shutil.copytree(config.model_path, staging, dirs_exist_ok=True)
             info = {"source": config.model_path}
         else:
-            prefs = read_parquet_in(storage, validated_preferences, "preferences.parquet")
+            # the window's first drop only: a new drop rebuilds the same model (same version, same policy chain)
+            prefs = first_drop(read_parquet_in(storage, preference_window, "preferences.parquet"))
             texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"],
                      *read_parquet_in(storage, prompts, "prompts.parquet")["prompt"]]
             dims = config.model_dump(exclude={"model_path", "gguf_file"})
             info = build_tiny_model(texts, staging, **dims)
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
-                       inputs={"validated_preferences": validated_preferences, "prompts": prompts},
+                       inputs={"preference_window": preference_window, "prompts": prompts},
                        input_files=input_files, metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
 
 
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.jobs.train_reward_model", "batchrl.training.reward_model",
                                                        config=RewardModelRunConfig),
           kinds={"deepspeed"})
-def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, validated_preferences: dict,
+def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, preference_window: dict,
                  scored_pairs: dict, base_model: dict, storage: StorageResource,
                  catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Bradley-Terry reward model on the validated pairs plus pairs mined from scored logs, trained on
     DeepSpeed through Pipes like DPO and the policy update."""
-    pairs = pd.concat([read_parquet_in(storage, validated_preferences, "preferences.parquet"),
+    pairs = pd.concat([read_parquet_in(storage, preference_window, "preferences.parquet"),
                        read_parquet_in(storage, scored_pairs, "pairs.parquet")], ignore_index=True)
-    data_dir = work_dir(storage, "reward_model_pairs", {"validated_preferences": as_ref(validated_preferences).data_version,
+    data_dir = work_dir(storage, "reward_model_pairs", {"preference_window": as_ref(preference_window).data_version,
                                                         "scored_pairs": as_ref(scored_pairs).data_version})
     pairs_parquet = os.path.join(data_dir, "pairs.parquet")
     pairs[["prompt", "chosen", "rejected"]].to_parquet(pairs_parquet, index=False)
     job_config = {"trainer": config.model_dump(), "pairs_parquet": pairs_parquet,
                   "model_path": storage.localize(base_model)}
     return train_and_publish(context, "train_reward_model", job_config,
-                             {"validated_preferences": validated_preferences, "scored_pairs": scored_pairs,
+                             {"preference_window": preference_window, "scored_pairs": scored_pairs,
                               "base_model": base_model}, config.seed, storage, catalog, trainer)

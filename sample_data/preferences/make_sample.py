@@ -4,7 +4,8 @@
 
 Preferences: 240 clean rows in four categories (chosen correct/helpful/polite, rejected wrong/curt)
 plus 19 messy rows that exercise every cleaning step and reason code (11 end up quarantined, 2 as
-duplicates: under the default 5% reject threshold at both stages). Scored: 45 prompts with 1-5
+duplicates), spread over both files so that each log drop stays under the default 5% reject threshold
+(5 of 130 and 6 of 129 rows quarantined). Scored: 45 prompts with 1-5
 scored responses each.
 """
 from __future__ import annotations
@@ -139,13 +140,15 @@ def main() -> None:
     rng = random.Random(1234)
     rows = clean_rows(rng, 240, 0)
     first, second = rows[:120], rows[120:]
-    part_a = b"\xef\xbb\xbf" + b"".join(line(r) for r in first)  # a file saved with a BOM
     messy = messy_lines({k: v for k, v in second[10].items() if k != "id"} | {"id": second[10]["id"]})
-    body = [line(r) for r in second]
-    for k, m in enumerate(messy):  # spread the messy rows over the second file, never first
-        body.insert(3 + k * 6, m)
-    (HERE / "prefs_000.jsonl").write_bytes(part_a)
-    (HERE / "prefs_001.jsonl").write_bytes(b"".join(body))
+    # each file is a log drop with its own reject-rate gate: the messy rows are spread over both (never
+    # a file's first line; the duplicates stay in the file of the row they repeat)
+    for name, clean, extra in (("prefs_000.jsonl", first, messy[:10]), ("prefs_001.jsonl", second, messy[10:])):
+        body = [line(r) for r in clean]
+        for k, m in enumerate(extra):
+            body.insert(3 + k * 6, m)
+        bom = b"\xef\xbb\xbf" if name == "prefs_000.jsonl" else b""  # a file saved with a BOM
+        (HERE / name).write_bytes(bom + b"".join(body))
     SCORED.mkdir(exist_ok=True)
     (SCORED / "scored_000.jsonl").write_bytes(b"".join(line(r) for r in scored_rows(rng)))
 
