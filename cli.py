@@ -84,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from batchrl.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
-    from batchrl.definitions import build_definitions, execute_assets, selected_job
+    from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job
     from batchrl.runconfig import RunConfigError, check_op_names, config_file_tags, validate_run_config
 
     defs = build_definitions()
@@ -104,7 +104,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     with dg.DagsterInstance.get() as instance:
         with contextlib.ExitStack() as stack:
             out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
-            steps = sum(len(selected_job(defs, sel).asset_layer.executable_asset_keys) for _, sel, _ in plan)
+            drops = len(drops_to_ingest(defs, instance))  # each new log drop's run gives three lines
+            counts = [_step_count(defs, sel, drops) for _, sel, _ in plan]
+            steps = sum(counts)
             out.write(f"batchrl run: {steps} asset steps; details in {'this console' if args.verbose else log_path}\n")
             for title, selection, config in plan:
                 if title.startswith("RL iteration") and args.max_minutes and \
@@ -116,7 +118,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 run_id = str(uuid.uuid4())
                 assets = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
                 with RunProgress(instance, run_id, assets, out) as progress:
-                    result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags)
+                    progress.total = counts[plan.index((title, selection, config))]
+                    result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags,
+                                            on_run=progress.follow)
                 done += progress.done
                 if not result.success:
                     break
@@ -125,11 +129,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if result.success else 1
 
 
+def _step_count(defs, selection: list[str] | None, drops: int) -> int:
+    """Asset lines a run prints: the per-drop assets once per log drop to ingest, the others once."""
+    from batchrl.assets.drops import PER_DROP_ASSETS
+    from batchrl.definitions import selected_job
+
+    keys = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
+    per_drop = keys & set(PER_DROP_ASSETS)
+    return len(keys) - len(per_drop) + len(per_drop) * drops
+
+
 def _config_for(run_config: dict, selection: list[str] | None) -> dict:
     """Only the ops of the selected assets: Dagster refuses config for ops outside the run."""
     if not selection or "ops" not in run_config:
         return run_config
-    return {**run_config, "ops": {k: v for k, v in run_config["ops"].items() if k in selection}}
+    from batchrl.assets.drops import DROP_OP, PER_DROP_ASSETS
+
+    wanted = set(selection) | ({DROP_OP} if set(PER_DROP_ASSETS) & set(selection) else set())
+    return {**run_config, "ops": {k: v for k, v in run_config["ops"].items() if k in wanted}}
 
 
 def _catalog_path(args: argparse.Namespace) -> str:

@@ -106,6 +106,12 @@ class RunProgress:
             self.out.write("\r" + " " * 78 + "\r")
             self._live = False
 
+    def follow(self, run_id: str) -> None:
+        """Switch to the next run of the same command (one per log drop, then the rest)."""
+        with contextlib.suppress(Exception):
+            self.poll()
+        self.run_id, self._cursor = run_id, None
+
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
             with contextlib.suppress(Exception):  # the run may not have written its first event yet
@@ -132,16 +138,18 @@ class RunProgress:
             self._started[step] = entry.timestamp
         elif kind == "ASSET_MATERIALIZATION":
             mat = event.event_specific_data.materialization
-            self._metadata[step] = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
-        elif kind == "STEP_FAILURE" or (kind == "STEP_SUCCESS" and step in self.assets):
+            self._metadata.setdefault(step, {})[mat.asset_key.to_user_string()] = \
+                {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+        elif kind == "STEP_FAILURE" or (kind == "STEP_SUCCESS" and (step in self.assets or step in self._metadata)):
             ok = kind == "STEP_SUCCESS"
             error = "" if ok else _root_cause(event.event_specific_data.error)
-            item = {"asset": step, "ok": ok, "seconds": entry.timestamp - self._started.get(step, entry.timestamp),
-                    "metadata": self._metadata.get(step, {}), "error": error}
-            self.done.append(item)
-            self._clear_progress()
-            self.out.write(asset_line(len(self.done), self.total, step, item["seconds"], ok, item["metadata"],
-                                      error) + "\n")
+            seconds = entry.timestamp - self._started.get(step, entry.timestamp)
+            # a multi-asset step (a log drop: raw_logs, cleaned_logs, validated_preferences) gives a line each
+            for asset, metadata in (self._metadata.pop(step, None) or {step: {}}).items():
+                item = {"asset": asset, "ok": ok, "seconds": seconds, "metadata": metadata, "error": error}
+                self.done.append(item)
+                self._clear_progress()
+                self.out.write(asset_line(len(self.done), self.total, asset, seconds, ok, metadata, error) + "\n")
         elif kind == "ASSET_CHECK_EVALUATION":
             check = event.event_specific_data
             self._clear_progress()

@@ -13,7 +13,7 @@ import dagster as dg
 
 from batchrl.assets import automation, data, dpo, evaluation, models, rl
 from batchrl.assets.data import DROP_CONTENT_TAG
-from batchrl.assets.drops import landing_drops
+from batchrl.assets.drops import DROP_OP, landing_drops
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -132,7 +132,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     run_config, result = run_config or {}, None
     if per_drop:
         drop_job = selected_job(defs, [k.to_user_string() for k in graph.get(next(iter(per_drop))).execution_set_asset_keys])
-        drop_config = {"ops": {op: c for op, c in run_config.get("ops", {}).items() if op == "log_drop"}}
+        drop_config = {"ops": {op: c for op, c in run_config.get("ops", {}).items() if op == DROP_OP}}
         for drop, content in drops_to_ingest(defs, instance).items():
             run_id = str(uuid.uuid4())
             if on_run:
@@ -145,7 +145,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     if rest or result is None:
         if on_run:
             on_run(execute_kwargs.setdefault("run_id", str(uuid.uuid4())))
-        rest_config = dict(run_config, ops={op: c for op, c in run_config.get("ops", {}).items() if op != "log_drop"}) \
+        rest_config = dict(run_config, ops={op: c for op, c in run_config.get("ops", {}).items() if op != DROP_OP}) \
             if per_drop and "ops" in run_config else run_config
         result = (job.get_subset(asset_selection=rest) if per_drop else job).execute_in_process(
             instance=instance, run_config=rest_config, raise_on_error=False, **execute_kwargs)

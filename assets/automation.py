@@ -8,13 +8,13 @@ import dagster as dg
 
 from batchrl import fsutil
 from batchrl.assets.data import DROP_CONTENT_TAG
-from batchrl.assets.drops import LOG_DROPS, landing_drops
+from batchrl.assets.drops import LOG_DROPS, PER_DROP_ASSETS, landing_drops
 from batchrl.resources import LandingResource
 
-PER_DROP = [dg.AssetKey(name) for name in ("raw_logs", "cleaned_logs", "validated_preferences")]
-retrain_job = dg.define_asset_job("retrain", selection=dg.AssetSelection.all(), partitions_def=LOG_DROPS,
+PER_DROP = [dg.AssetKey(name) for name in PER_DROP_ASSETS]
+retrain_job = dg.define_asset_job("retrain", selection=dg.AssetSelection.all(),
                                   description="Every asset, end to end (per-drop assets for the run's log drop)")
-ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.groups("data"), partitions_def=LOG_DROPS,
+ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.groups("data"),
                                  description="Landing logs to validated pairs and the training window")
 
 

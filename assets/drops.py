@@ -16,6 +16,8 @@ from batchrl.ingest.discover import detect_format
 from batchrl.resources import LandingResource
 
 LOG_DROPS = dg.DynamicPartitionsDefinition(name="log_drops")
+PER_DROP_ASSETS = ("raw_logs", "cleaned_logs", "validated_preferences")  # materialised by one op, per drop
+DROP_OP = "log_drop"
 #: the Dagster concurrency pool of every step that writes the catalog (limit 1: see docs/PARTITIONS.md)
 CATALOG_POOL = "batchrl_catalog"
 

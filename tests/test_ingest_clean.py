@@ -50,7 +50,7 @@ def test_sample_data_reason_codes_and_invariant(sample_run):
         assert json.loads(json.dumps(meta)) == meta
     assert (cleaned.rows_in, valid.rows_in, valid.valid, valid.duplicates) == (259, 251, 246, 2)
     quarantine = pq.read_table(cleaned.outputs["quarantine"]).to_pylist()
-    assert all(q["source_file"].endswith("prefs_001.jsonl") and q["raw"] and q["detail"] for q in quarantine)
+    assert all(q["source_file"].endswith(("prefs_000.jsonl", "prefs_001.jsonl")) and q["raw"] and q["detail"] for q in quarantine)
     undecodable = next(q for q in quarantine if q["reason"] == "undecodable")
     data = open(os.path.join(SAMPLE, "prefs_001.jsonl"), "rb").read()
     offset = int(undecodable["detail"].split("byte offset ")[1].split(" ")[0])

@@ -1,4 +1,4 @@
-"""Data-stage behaviour through Dagster: the blocking gate, landing drift, S3 storage, CLI and sensor."""
+"""Data-stage behaviour through Dagster: the blocking gate per drop, a drop that changed, S3 storage, CLI."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,8 @@ import sys
 
 import dagster as dg
 from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+from batchrl.definitions import build_definitions
 
 from batchrl.assets.automation import new_logs_sensor
 from batchrl.resources import LandingResource, StorageResource
@@ -38,29 +40,20 @@ def test_blocking_reject_rate_check_stops_training(tmp_path):
         assert latest_metadata(instance, "validated_preferences")["reject_rate"] > 0.05
 
 
-def test_landing_changed_after_manifest_fails_loudly(tmp_path):
+def test_drop_changed_after_the_sensor_saw_it_fails_loudly(tmp_path):
     landing = _landing_copy(tmp_path)
-    with dg.DagsterInstance.ephemeral() as instance:
-        resources = local_resources(str(tmp_path / "s"), landing)
-        assert run_assets(resources, instance, selection=["raw_logs"]).success
-        with open(os.path.join(landing.preferences, "new_drop.jsonl"), "w") as f:
-            f.write(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
-        result = run_assets(resources, instance, selection=["cleaned_logs"])
-        assert not result.success
-        errors = [e.event_specific_data.error.to_string() for e in result.get_step_failure_events()]
-        assert any("landing changed" in text and "new_drop.jsonl" in text for text in errors)
-
-
-def test_new_logs_sensor_fires_once_per_landing_change(tmp_path):
-    landing = _landing_copy(tmp_path)
-    first = new_logs_sensor(dg.build_sensor_context(resources={"landing": landing}))
-    assert isinstance(first, dg.RunRequest)
-    again = new_logs_sensor(dg.build_sensor_context(cursor=first.run_key, resources={"landing": landing}))
-    assert isinstance(again, dg.SkipReason)
-    with open(os.path.join(landing.preferences, "drop2.jsonl"), "w") as f:
+    result = new_logs_sensor(dg.build_sensor_context(resources={"landing": landing}))
+    request = result.run_requests[0]
+    with open(os.path.join(landing.preferences, request.partition_key), "a") as f:
         f.write(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
-    new = new_logs_sensor(dg.build_sensor_context(cursor=first.run_key, resources={"landing": landing}))
-    assert isinstance(new, dg.RunRequest) and new.run_key != first.run_key
+    with dg.DagsterInstance.ephemeral() as instance:
+        instance.add_dynamic_partitions("log_drops", [request.partition_key])
+        job = build_definitions(local_resources(str(tmp_path / "s"), landing)).resolve_job_def("retrain")
+        run = job.get_subset(asset_selection=set(request.asset_selection)).execute_in_process(
+            instance=instance, partition_key=request.partition_key, tags=request.tags, raise_on_error=False)
+        assert not run.success
+        errors = [e.event_specific_data.error.to_string() for e in run.get_step_failure_events()]
+        assert any("changed since the sensor saw it" in text and request.partition_key in text for text in errors)
 
 
 def test_data_assets_on_s3_storage_and_landing(s3_server, tmp_path):
@@ -86,14 +79,18 @@ def test_data_assets_on_s3_storage_and_landing(s3_server, tmp_path):
     assert (s3_meta["valid"], s3_meta["quarantined"]) == (local_meta["valid"], local_meta["quarantined"])
 
 
-def test_dagster_cli_materialize_then_batchrl_audit(tmp_path):
+def test_batchrl_run_drops_then_dagster_cli_window_then_audit(tmp_path):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "BATCHRL_STORAGE": str(tmp_path / "storage")}
     os.makedirs(env["DAGSTER_HOME"])
     bindir = os.path.dirname(sys.executable)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # `batchrl run` registers the landed drops as partitions and ingests each; the dagster CLI then
+    # materialises the unpartitioned window over them
+    subprocess.run([os.path.join(bindir, "batchrl"), "run", "--select", ",".join(DATA)], cwd=repo, env=env,
+                   check=True, capture_output=True)
     subprocess.run([os.path.join(bindir, "dagster"), "asset", "materialize", "-m", "batchrl.definitions",
-                    "--select", ",".join(DATA)], cwd=repo, env=env, check=True, capture_output=True)
-    audit = subprocess.run([os.path.join(bindir, "batchrl"), "audit", "validated_preferences"], cwd=repo, env=env,
+                    "--select", "preference_window"], cwd=repo, env=env, check=True, capture_output=True)
+    audit = subprocess.run([os.path.join(bindir, "batchrl"), "audit", "preference_window"], cwd=repo, env=env,
                            check=True, capture_output=True, text=True).stdout
     assert "validated_preferences@" in audit and "raw_logs@" in audit
     sample = sorted(f for f in os.listdir(SAMPLES.preferences) if f.endswith(".jsonl"))[0]

@@ -1,5 +1,6 @@
 """The new-logs sensor keys runs by landing *content*: a new or changed file retrains once, a touched but
-unchanged file does not, only changed files are hashed again; local folders and s3:// prefixes alike."""
+unchanged file does not, only changed files are hashed again; each new log drop becomes a partition,
+ingested once; local folders and s3:// prefixes alike."""
 from __future__ import annotations
 
 import hashlib
@@ -9,15 +10,20 @@ import shutil
 
 import dagster as dg
 
-from batchrl.assets.automation import new_logs_sensor
+from batchrl.assets.automation import PER_DROP, new_logs_sensor
+from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.resources import LandingResource
 
 SAMPLES = LandingResource()
 
 
-def _evaluate(landing: LandingResource, cursor: str | None):
-    context = dg.build_sensor_context(cursor=cursor, resources={"landing": landing})
-    return new_logs_sensor(context), context.cursor
+def _evaluate(landing: LandingResource, cursor: str | None) -> tuple[dg.SensorResult, str]:
+    result = new_logs_sensor(dg.build_sensor_context(cursor=cursor, resources={"landing": landing}))
+    return result, result.cursor
+
+
+def _partitions(result: dg.SensorResult) -> list[tuple[str, list[str]]]:
+    return [(type(r).__name__, list(r.partition_keys)) for r in result.dynamic_partitions_requests or []]
 
 
 def _write(path, rows: int, start: int = 0) -> str:
@@ -31,24 +37,34 @@ def test_runs_are_keyed_by_content_not_by_timestamps(tmp_path):
     shutil.copytree(SAMPLES.preferences, tmp_path / "prefs")
     landing = LandingResource(preferences=str(tmp_path / "prefs"))
     first, cursor = _evaluate(landing, None)
-    assert isinstance(first, dg.RunRequest) and "prefs_000.jsonl@" in first.tags["batchrl/changed_files"]
-    assert json.loads(cursor)["content"] == first.run_key
+    ingest, retrain = first.run_requests  # each drop once: the first alone, the last with the training stages
+    assert (ingest.partition_key, retrain.partition_key) == ("prefs_000.jsonl", "prefs_001.jsonl")
+    assert ingest.asset_selection == PER_DROP and retrain.asset_selection is None
+    assert ingest.run_key == f"prefs_000.jsonl@{ingest.tags[DROP_CONTENT_TAG]}"
+    assert "prefs_000.jsonl@" in retrain.tags["batchrl/changed_files"]
+    assert json.loads(cursor)["content"] == retrain.run_key
+    assert _partitions(first) == [("AddDynamicPartitionsRequest", ["prefs_000.jsonl", "prefs_001.jsonl"])]
 
     again, cursor = _evaluate(landing, cursor)
-    assert isinstance(again, dg.SkipReason)
+    assert again.skip_reason and not again.run_requests
     os.utime(tmp_path / "prefs" / "prefs_000.jsonl", (1, 1))  # touched, same bytes
     touched, touched_cursor = _evaluate(landing, cursor)
-    assert isinstance(touched, dg.SkipReason)
+    assert touched.skip_reason and not touched.run_requests
     assert json.loads(touched_cursor)["files"] != json.loads(cursor)["files"]  # new stamp remembered
 
     digest = _write(tmp_path / "prefs" / "drop_002.jsonl", 5)
     new, cursor = _evaluate(landing, touched_cursor)
-    assert isinstance(new, dg.RunRequest) and new.run_key != first.run_key
-    assert new.tags["batchrl/changed_files"] == f"drop_002.jsonl@{digest[:12]}"  # only the new file
+    (request,) = new.run_requests  # only the new drop, the old ones are not ingested again
+    assert request.partition_key == "drop_002.jsonl" and request.run_key not in (ingest.run_key, retrain.run_key)
+    assert request.tags["batchrl/changed_files"] == f"drop_002.jsonl@{digest[:12]}"  # only the new file
+    assert _partitions(new) == [("AddDynamicPartitionsRequest", ["drop_002.jsonl"])]
 
     os.remove(tmp_path / "prefs" / "drop_002.jsonl")
     back, _ = _evaluate(landing, cursor)
-    assert isinstance(back, dg.RunRequest) and back.run_key == first.run_key  # same content as the first run
+    (request,) = back.run_requests  # same content as the first run: the same run key (Dagster skips it)
+    assert request.run_key == retrain.run_key and request.partition_key is None
+    assert dg.AssetKey("preference_window") in request.asset_selection and PER_DROP[0] not in request.asset_selection
+    assert _partitions(back) == [("DeleteDynamicPartitionsRequest", ["drop_002.jsonl"])]
 
 
 def test_s3_landing_prefixes(s3_options, tmp_path):
@@ -63,10 +79,15 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
                               scored="s3://sensor-bucket/landing/scored",
                               prompts="s3://sensor-bucket/landing/train.jsonl", storage_options=s3_options)
     first, cursor = _evaluate(landing, None)
-    assert isinstance(first, dg.RunRequest)
+    assert [r.partition_key for r in first.run_requests] == ["prefs_000.jsonl", "prefs_001.jsonl"]
     assert all(uri.startswith("s3://sensor-bucket/landing/") for uri in json.loads(cursor)["files"])
-    assert isinstance(_evaluate(landing, cursor)[0], dg.SkipReason)
+    assert _evaluate(landing, cursor)[0].skip_reason
     digest = _write(tmp_path / "drop.jsonl", 3)
     fs.put(str(tmp_path / "drop.jsonl"), "sensor-bucket/landing/preferences/drop_003.jsonl")
     new, _ = _evaluate(landing, cursor)
-    assert isinstance(new, dg.RunRequest) and new.tags["batchrl/changed_files"] == f"drop_003.jsonl@{digest[:12]}"
+    (request,) = new.run_requests
+    assert request.partition_key == "drop_003.jsonl" and request.tags["batchrl/changed_files"] == f"drop_003.jsonl@{digest[:12]}"
+    for part in ("part-0", "part-1"):  # a folder of objects under the landing is one drop (an object batch)
+        fs.put(str(tmp_path / "drop.jsonl"), f"sensor-bucket/landing/preferences/batch_004/{part}.jsonl")
+    batch, _ = _evaluate(landing, _)
+    assert [r.partition_key for r in batch.run_requests] == ["batch_004"]
