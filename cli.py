@@ -10,7 +10,9 @@ import os
 import sys
 import time
 
-DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\n"
+# concurrency pools: one step of the `batchrl_catalog` pool at a time (two log drops never write the
+# catalog at once; docs/PARTITIONS.md)
+DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\nconcurrency:\n  pools:\n    default_limit: 1\n"
 
 
 def ensure_dagster_home() -> str:

@@ -95,6 +95,8 @@ class PinnedInputs(dg.IOManager):
 
     def load_input(self, context: dg.InputContext) -> dict:
         asset = context.asset_key.to_user_string()
+        if (asset, "partitions") in self.pinned:  # the training window: {drop: ref} of the recorded drops
+            return self.pinned[(asset, "partitions")]
         if asset in self.outputs:  # an asset check reading the asset of its own run
             return self.outputs[asset]
         if asset not in self.pinned:
@@ -114,6 +116,23 @@ def _resources(root: str, recorded: dict[str, dict], io_manager: PinnedInputs) -
                  for key, cls in classes.items()}
     return {**resources, "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
             "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")), "io_manager": io_manager}
+
+
+def _execute(defs: dg.Definitions, instance: dg.DagsterInstance, node: Node, run_config: dict,
+             partition: str | None, drops: dict[str, dict]) -> dg.ExecuteInProcessResult:
+    """One asset again: a log drop's step for its recorded partition; the window over the recorded drops
+    (registered in the order it read them); anything else as ``batchrl run`` does."""
+    from batchrl.assets.drops import LOG_DROPS
+    from batchrl.definitions import execute_assets, selected_job
+
+    order = node.lineage.get("config", {}).get("drops") or sorted(drops)
+    if partition is not None or order and drops:
+        instance.add_dynamic_partitions(LOG_DROPS.name, [partition] if partition is not None else order)
+    if partition is None:
+        return execute_assets(defs, instance, [node.asset], run_config)
+    step = defs.resolve_asset_graph().get(dg.AssetKey(node.asset)).execution_set_asset_keys
+    return selected_job(defs, [k.to_user_string() for k in step]).execute_in_process(instance=instance, run_config=run_config,
+                                                              partition_key=partition, raise_on_error=False)
 
 
 def lineage_differences(recorded: dict, reproduced: dict) -> list[str]:
@@ -147,7 +166,7 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
 
     Returns ``{"equal": bool, "assets": [{asset, recorded, reproduced, equal}], "first_difference":
     {asset, recorded, reproduced, lineage_differences} | None, "root": new_root}``."""
-    from batchrl.definitions import build_definitions, execute_assets
+    from batchrl.definitions import build_definitions
 
     nodes = lineage_graph(uri, storage_options)
     by_key = {(n.asset, n.data_version): n for n in nodes}
@@ -158,6 +177,7 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
     os.makedirs(new_root, exist_ok=True)
     new_root = os.path.abspath(new_root)
     reproduced: dict[tuple[str, str], dict] = {}
+    per_drop_runs: dict[str, dict[str, dict]] = {}  # one run of a log drop's step gives its three assets
     rows, first = [], None
     for index, node in enumerate(nodes, 1):
         io_manager = PinnedInputs()
@@ -167,21 +187,30 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
             found = _nearest(by_key, node, parent.to_user_string())
             if found is not None:
                 io_manager.pinned[parent.to_user_string()] = reproduced[found]
-        run_config = {"ops": {node.asset: {"config": node.lineage["run_config"]}}} if node.lineage["run_config"] else {}
-        with tempfile.TemporaryDirectory(prefix="batchrl-reproduce-home-") as home, \
-                dg.DagsterInstance.local_temp(home) as instance:
-            policy = node.inputs.get("policy")
-            if node.asset == "rollouts" and policy and policy[0] == "policy_checkpoint":
-                # rollouts sample from the instance's latest policy_checkpoint: make it the recorded one
-                ref = reproduced[policy]
-                instance.report_runless_asset_event(dg.AssetMaterialization(
-                    "policy_checkpoint", metadata={"uri": ref["uri"], "data_version": ref["data_version"]}))
-            result = execute_assets(defs, instance, [node.asset], run_config)
-        if not result.success:
-            errors = [str(e.event_specific_data.error.message).strip().splitlines()[-1]
-                      for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-            raise ReproduceError(f"re-materialising {node.asset}@{node.data_version} failed: {errors}")
-        new_ref = io_manager.outputs[node.asset]
+        drops = {name[name.index("[") + 1:-1]: reproduced[key] for name, key in node.inputs.items() if "[" in name}
+        if drops:  # the window's drops, pinned to their reproduced versions
+            io_manager.pinned[("validated_preferences", "partitions")] = drops
+        op = graph.get(dg.AssetKey(node.asset)).assets_def.node_def.name
+        run_config = {"ops": {op: {"config": node.lineage["run_config"]}}} if node.lineage["run_config"] else {}
+        partition = node.lineage.get("partition")
+        run_key = json.dumps([op, partition, run_config], sort_keys=True)
+        if partition is None or run_key not in per_drop_runs:
+            with tempfile.TemporaryDirectory(prefix="batchrl-reproduce-home-") as home, \
+                    dg.DagsterInstance.local_temp(home) as instance:
+                policy = node.inputs.get("policy")
+                if node.asset == "rollouts" and policy and policy[0] == "policy_checkpoint":
+                    # rollouts sample from the instance's latest policy_checkpoint: make it the recorded one
+                    ref = reproduced[policy]
+                    instance.report_runless_asset_event(dg.AssetMaterialization(
+                        "policy_checkpoint", metadata={"uri": ref["uri"], "data_version": ref["data_version"]}))
+                result = _execute(defs, instance, node, run_config, partition, drops)
+            if not result.success:
+                errors = [str(e.event_specific_data.error.message).strip().splitlines()[-1]
+                          for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+                raise ReproduceError(f"re-materialising {node.asset}@{node.data_version} failed: {errors}")
+            if partition is not None:
+                per_drop_runs[run_key] = dict(io_manager.outputs)
+        new_ref = (per_drop_runs[run_key] if partition is not None else io_manager.outputs)[node.asset]
         reproduced[(node.asset, node.data_version)] = new_ref
         equal = new_ref["data_version"] == node.data_version
         rows.append({"asset": node.asset, "recorded": node.data_version, "reproduced": new_ref["data_version"],

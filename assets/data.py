@@ -135,7 +135,7 @@ def preference_window(context: dg.AssetExecutionContext, config: WindowConfig, v
                          f"failing their gate {[d for d in window if not gates[d]]}")
     with storage.staging_dir("preference_window") as staging:
         report = combine_drops([(d, storage.localize(validated_preferences[d])) for d in taken], staging)
-        return publish(context, storage, catalog, staging, config=config.model_dump(),
+        return publish(context, storage, catalog, staging, config={**config.model_dump(), "drops": taken},
                        inputs={f"validated_preferences[{d}]": validated_preferences[d] for d in taken},
                        metadata={**report, "drops": taken, "drops_not_ingested": [d for d in order if d not in landed],
                                  "drops_failing_gate": [d for d in window if not gates[d]],

@@ -19,8 +19,8 @@ import dagster as dg
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from pipeline_helpers import latest_metadata, local_resources, run_assets  # noqa: E402
 
-ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
-          "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
+ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs",
+          "prompts", "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
           "reference_logprobs", "dpo_checkpoint", "evaluation"]
 SMALL = {"ops": {"base_model": {"config": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2}},
                  "rollouts": {"config": {"samples_per_prompt": 4, "max_prompts": 32}},

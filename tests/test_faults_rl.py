@@ -27,8 +27,8 @@ SMALL = {"ops": {
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 16}},
     "reward_model": {"config": {"epochs": 1, "max_pairs": 32, "max_length": 64}},
 }}
-UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
-            "base_model", "reward_model"]
+UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs",
+            "prompts", "base_model", "reward_model"]
 STAGES = [("rollouts", True), ("rewards", True), ("advantages", True), ("dpo_pairs", False),
           ("reference_logprobs", True)]  # (stage, killed before its complete run)
 

@@ -20,6 +20,7 @@ from batchrl.lineage import code_version, module_closure
 from batchrl.resources import LandingResource
 
 DATA = ["raw_logs", "cleaned_logs", "validated_preferences"]
+WINDOW = DATA + ["preference_window"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -47,26 +48,29 @@ def test_code_version_includes_the_config_schema():
 
 @pytest.fixture(scope="module")
 def two_drops(tmp_path_factory):
-    """Data assets twice: the shipped landing, then the same plus a new file and another reject threshold."""
+    """The data assets and the training window twice: the shipped landing (two log drops), then a new
+    drop ingested with another reject threshold (the old drops are not ingested again)."""
     tmp = tmp_path_factory.mktemp("drops")
     prefs = tmp / "landing" / "preferences"
     shutil.copytree(LandingResource().preferences, prefs)
     root = str(tmp / "storage")
     landing = LandingResource(preferences=str(prefs))
     with dg.DagsterInstance.ephemeral() as instance:
-        assert run_assets(local_resources(root, landing), instance, selection=DATA).success
-        first = latest_metadata(instance, "validated_preferences")
+        assert run_assets(local_resources(root, landing), instance, selection=WINDOW).success
+        first = latest_metadata(instance, "preference_window")
+        old_drop = latest_metadata(instance, "validated_preferences")
         new_file = prefs / "drop_002.jsonl"
         new_file.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
                                                 "rejected": str(i + 2)}) + "\n" for i in range(20)))
-        config = {"ops": {name: {"config": {"reject_threshold": 0.2}} for name in ("cleaned_logs", "validated_preferences")}}
-        assert run_assets(local_resources(root, landing), instance, selection=DATA, run_config=config).success
-        second = latest_metadata(instance, "validated_preferences")
-    return root, first, second, str(new_file)
+        config = {"ops": {"log_drop": {"config": {"reject_threshold": 0.2}}}}
+        assert run_assets(local_resources(root, landing), instance, selection=WINDOW, run_config=config).success
+        second = latest_metadata(instance, "preference_window")
+        new_drop = latest_metadata(instance, "validated_preferences")
+    return root, first, second, str(new_file), old_drop, new_drop
 
 
 def test_lineage_records_environment_run_config_and_relative_inputs(two_drops):
-    root, _, second, _ = two_drops
+    root, _, _, _, _, second = two_drops
     with open(os.path.join(second["uri"], "lineage.json")) as f:
         lineage = json.load(f)
     env = lineage["environment"]
@@ -74,26 +78,27 @@ def test_lineage_records_environment_run_config_and_relative_inputs(two_drops):
     assert env["python"] == sys.version.split()[0] and env["torch"]["devices"]
     if os.path.isdir(os.path.join(REPO, ".git")) or os.path.isfile(os.path.join(REPO, ".git")):
         assert re.fullmatch(r"[0-9a-f]{40}", env["git"]["commit"]) and isinstance(env["git"]["dirty"], bool)
-    assert lineage["run_config"]["reject_threshold"] == 0.2
+    assert lineage["run_config"]["reject_threshold"] == 0.2 and lineage["partition"] == "drop_002.jsonl"
     assert lineage["inputs"]["cleaned_logs"]["uri"] == f"cleaned_logs/{lineage['inputs']['cleaned_logs']['data_version']}"
     assert root not in json.dumps(lineage)  # nothing points into the machine's storage root
 
 
 def test_a_copied_storage_root_still_audits(two_drops, tmp_path):
-    root, _, second, _ = two_drops
+    root, _, second, _, _, _ = two_drops
     moved = tmp_path / "moved"
     shutil.copytree(root, moved)
     shutil.rmtree(root + "_gone", ignore_errors=True)
-    tree = lineage_tree(str(moved / "validated_preferences" / second["data_version"]))
-    assert tree["inputs"]["cleaned_logs"]["inputs"]["raw_logs"]["uri"].startswith(str(moved))
+    tree = lineage_tree(str(moved / "preference_window" / second["data_version"]))
+    drop = tree["inputs"]["validated_preferences[drop_002.jsonl]"]
+    assert drop["inputs"]["cleaned_logs"]["inputs"]["raw_logs"]["uri"].startswith(str(moved))
 
 
 def test_which_artifacts_used_a_file(two_drops):
-    root, first, second, new_file = two_drops
+    root, first, second, new_file, _, new_drop = two_drops
     catalog = os.path.join(root, "catalog.duckdb")
     by_name = artifacts_using_file(catalog, os.path.basename(new_file), assets=None)
-    assert {(r["asset"], r["data_version"]) for r in by_name if r["asset"] == "validated_preferences"} == {
-        ("validated_preferences", second["data_version"])}  # the first drop's pairs did not use it
+    assert {(r["asset"], r["data_version"]) for r in by_name if r["asset"] in ("validated_preferences", "preference_window")} \
+        == {("validated_preferences", new_drop["data_version"]), ("preference_window", second["data_version"])}
     with open(new_file, "rb") as f:
         import hashlib
 
@@ -106,15 +111,18 @@ def test_which_artifacts_used_a_file(two_drops):
 
 
 def test_what_changed_between_two_artifacts(two_drops):
-    root, first, second, new_file = two_drops
+    root, first, second, new_file, old_drop, new_drop = two_drops
     catalog = os.path.join(root, "catalog.duckdb")
-    report = diff_artifacts(catalog, first["data_version"], f"validated_preferences/{second['data_version']}")
+    report = diff_artifacts(catalog, first["data_version"], f"preference_window/{second['data_version']}")
     assert [uri for uri, _ in report["files_only_in_b"]] == [new_file] and report["files_only_in_a"] == []
-    assert report["assets"]["validated_preferences"]["config"] == {"reject_threshold": [0.05, 0.2]}
-    assert "code_versions" not in report["assets"]["validated_preferences"]
-    assert set(report["assets"]) == {"raw_logs", "cleaned_logs", "validated_preferences"}
+    assert set(report["assets"]) == {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window"}
+    before, after = report["assets"]["validated_preferences"]["data_versions"]
+    assert set(after) - set(before) == {new_drop["data_version"]}  # the old drops' versions are kept
     text = format_diff(report)
-    assert f"+ file {new_file}" in text and "config reject_threshold: 0.05 -> 0.2" in text
+    assert f"+ file {new_file}" in text
+    drops = diff_artifacts(catalog, old_drop["data_version"], f"validated_preferences/{new_drop['data_version']}")
+    assert drops["assets"]["validated_preferences"]["config"] == {"reject_threshold": [0.05, 0.2]}
+    assert "config reject_threshold: 0.05 -> 0.2" in format_diff(drops)
 
 
 def _cli(*args: str, cwd, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -137,12 +145,12 @@ def test_run_config_is_checked_before_anything_runs(tmp_path):
 
 def test_run_prints_one_line_per_asset_and_echoes_config_files(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("ops:\n  validated_preferences:\n    config:\n      reject_threshold: 0.1\n")
+    config.write_text("ops:\n  log_drop:\n    config:\n      reject_threshold: 0.1\n")
     out = _cli("run", "--select", ",".join(DATA), "-c", str(config), cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    progress = [line for line in lines if re.match(r"\[ ?\d+/3\] ok ", line)]
-    assert [line.split()[3] for line in progress] == DATA
+    progress = [line for line in lines if re.match(r"\[ ?\d+/6\] ok ", line)]
+    assert [line.split()[3] for line in progress] == DATA * 2  # one step per log drop, three assets each
     assert "SUCCESS" in out.stdout and len(lines) < 20
     assert "DEBUG" not in out.stdout + out.stderr and "Warning" not in out.stdout + out.stderr
     log = re.search(r"details in (\S+)", out.stdout).group(1)
@@ -166,19 +174,20 @@ def test_help_names_only_commands_that_exist():
 
 
 def test_reproduce_names_the_first_asset_that_differs_and_why(two_drops, tmp_path):
-    """The landing gained a file since the first drop's pairs were made: raw_logs differs first, by that file."""
+    """Each drop is re-ingested for its partition and the window over the recorded drops: equal; a drop
+    whose file changed afterwards differs first at its raw_logs, by that file."""
     from batchrl.reproduce import reproduce
 
-    root, first, second, new_file = two_drops
+    root, first, second, new_file, _, _ = two_drops
     lines = []
-    report = reproduce(first["uri"], str(tmp_path / "fresh"), log=lines.append)
-    assert not report["equal"] and len(lines) == 3
+    again = reproduce(second["uri"], str(tmp_path / "fresh"), log=lines.append)
+    assert again["equal"] and [row["asset"] for row in again["assets"]] == DATA * 3 + ["preference_window"]
+    with open(new_file, "a") as f:
+        f.write(json.dumps({"prompt": "late", "chosen": "a", "rejected": "b"}) + "\n")
+    report = reproduce(second["uri"], str(tmp_path / "fresh2"), log=lambda line: None)
     difference = report["first_difference"]
-    assert difference["asset"] == "raw_logs"
-    assert any(line.startswith(f"file {new_file}: sha256 None -> ") for line in difference["lineage_differences"])
-    # the second drop's pairs are reproduced exactly (same landing, config and code)
-    again = reproduce(second["uri"], str(tmp_path / "fresh2"), log=lambda line: None)
-    assert again["equal"] and [row["asset"] for row in again["assets"]] == DATA
+    assert not report["equal"] and difference["asset"] == "raw_logs"
+    assert any(line.startswith(f"file {new_file}: sha256 ") for line in difference["lineage_differences"])
 
 
 def test_policy_chain_follows_parent_checkpoints_to_the_base_model():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import dagster as dg
 import pandas as pd
@@ -12,7 +13,7 @@ from pipeline_helpers import latest_metadata, local_resources, run_assets
 from batchrl.audit import artifact_files, lineage_tree
 from batchrl.resources import LandingResource
 
-ALL_ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
+ALL_ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
               "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
               "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation"]
 
@@ -26,12 +27,26 @@ FAST_RUN_CONFIG = {"ops": {
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def landing(tmp_path_factory) -> LandingResource:
+    """The shipped landing with the preferences in a folder of their own (a later test drops a file)."""
+    prefs = tmp_path_factory.mktemp("landing") / "preferences"
+    shutil.copytree(LandingResource().preferences, prefs)
+    return LandingResource(preferences=str(prefs))
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, landing):
     root = str(tmp_path_factory.mktemp("storage"))
     home = str(tmp_path_factory.mktemp("dagster_home"))
     with dg.DagsterInstance.local_temp(home) as instance:
-        result = run_assets(local_resources(root), instance, run_config=FAST_RUN_CONFIG)
+        result = run_assets(local_resources(root, landing), instance, run_config=FAST_RUN_CONFIG)
         yield result, instance, root
+
+
+def _events(instance, kind: str) -> list:
+    """Events of every run so far (the data assets run once per log drop, in runs of their own)."""
+    return [e.dagster_event for run in instance.get_runs() for e in instance.all_logs(run.run_id)
+            if e.dagster_event and e.dagster_event.event_type_value == kind]
 
 
 def test_every_asset_materialises_and_checks_pass(pipeline):
@@ -39,9 +54,9 @@ def test_every_asset_materialises_and_checks_pass(pipeline):
     assert result.success, [e.message for e in result.all_events if e.is_failure]
     for asset in ALL_ASSETS:
         latest_metadata(instance, asset)
-    checks = [e for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
-    assert {c.event_specific_data.check_name for c in checks} == {"nothing_lost", "reject_rate_below_threshold"}
-    assert all(c.event_specific_data.passed for c in checks)
+    checks = _events(instance, "ASSET_CHECK_EVALUATION")
+    assert sorted(c.event_specific_data.check_name for c in checks) == ["nothing_lost", "reject_rate_below_threshold"] * 2
+    assert all(c.event_specific_data.passed for c in checks)  # per log drop
 
 
 @pytest.mark.parametrize("asset", ["policy_checkpoint", "dpo_checkpoint"])
@@ -62,22 +77,21 @@ def test_quarantine_accounts_for_every_row(pipeline):
     meta = latest_metadata(instance, "validated_preferences")
     assert meta["rows_in"] == meta["valid"] + meta["quarantined"] + meta["duplicates"]
     assert meta["quarantined"] > 0 and meta["duplicates"] > 0  # the sample data has messy rows and a dup
-    cleaned = latest_metadata(instance, "cleaned_logs")["uri"]
-    validated = meta["uri"]
-    quarantine = pd.concat([pd.read_parquet(os.path.join(d, "quarantine.parquet")) for d in (cleaned, validated)])
+    # one pass: one quarantine file holds the rows of both stages
+    quarantine = pd.read_parquet(os.path.join(meta["uri"], "quarantine.parquet"))
+    assert set(meta["reasons_clean"]) <= set(quarantine["reason"])
     # duplicates are kept in the quarantine file too (reason "duplicate"), so nothing disappears
     assert (quarantine["reason"] == "duplicate").sum() == meta["duplicates"]
     assert (quarantine["reason"] != "duplicate").sum() == meta["quarantined"]
     assert quarantine["reason"].notna().all() and quarantine["source_file"].notna().all()
 
 
-def test_audit_traces_checkpoint_to_files_code_config_and_seed(pipeline):
+def test_audit_traces_checkpoint_to_files_code_config_and_seed(pipeline, landing):
     _, instance, _ = pipeline
     tree = lineage_tree(latest_metadata(instance, "policy_checkpoint")["uri"])
     assert tree["asset"] == "policy_checkpoint" and tree["code_version"] and tree["seed"] == 0
     assert {"advantages", "policy", "reference"} <= set(tree["inputs"])
     files = artifact_files(tree)
-    landing = LandingResource()
     assert landing.prompts in files
     assert any(f.startswith(landing.preferences) for f in files)
 
@@ -89,13 +103,13 @@ def test_audit_traces_checkpoint_to_files_code_config_and_seed(pipeline):
     assert set(statuses(tree)) == {"ok"}
 
 
-def test_data_assets_are_deterministic(pipeline, tmp_path):
+def test_data_assets_are_deterministic(pipeline, landing, tmp_path):
     _, instance, root = pipeline
     first = {a: latest_metadata(instance, a)["data_version"]
              for a in ("raw_logs", "cleaned_logs", "validated_preferences", "prompts")}
     (tmp_path / "home").mkdir()
     with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as other:
-        rerun = run_assets(local_resources(str(tmp_path / "storage")), other, selection=list(first))
+        rerun = run_assets(local_resources(str(tmp_path / "storage"), landing), other, selection=list(first))
         assert rerun.success
         assert {a: latest_metadata(other, a)["data_version"] for a in first} == first
 
@@ -284,3 +298,65 @@ def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
     assert {"raw_logs", "base_model", "reward_model", "policy_checkpoint"} <= set(assets)
     assert all(row["recorded"] == row["reproduced"] for row in report["assets"])
     assert os.path.isdir(tmp_path / "fresh" / "rollouts" / target["data_version"])
+
+
+def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, landing):
+    """The issue's end-to-end test (~N s): a second log file lands, the sensor asks for one run (the new
+    drop as a partition, then the training stages), and after it: the earlier drops were not ingested
+    again, the new checkpoint continues the earlier one's chain, and its audit names the new file's hash."""
+    import hashlib
+
+    from batchrl.catalog_queries import artifacts_using_file
+    from batchrl.definitions import build_definitions
+
+    _, instance, root = pipeline
+    before = _sensor(landing, None).cursor  # what the sensor saw when the earlier drops were ingested
+    old = {asset: latest_metadata(instance, asset) for asset in ("base_model", "policy_checkpoint")}
+    data_runs = len(_events(instance, "ASSET_CHECK_EVALUATION"))
+    new_file = os.path.join(landing.preferences, "prefs_002.jsonl")
+    with open(new_file, "w") as f:
+        f.write("".join(json.dumps({"prompt": f"What is {i} + {i}?", "chosen": f"{i} + {i} = {2 * i}.",
+                                    "rejected": f"{i} + {i} = {2 * i + 1}."}) + "\n" for i in range(30)))
+    digest = hashlib.sha256(open(new_file, "rb").read()).hexdigest()
+
+    tick = _sensor(landing, before)
+    (request,) = tick.run_requests
+    assert request.partition_key == "prefs_002.jsonl" and request.asset_selection is None  # drop + training
+    for partitions in tick.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(partitions.partitions_def_name, list(partitions.partition_keys))
+    job = build_definitions(local_resources(root, landing)).resolve_job_def("retrain")
+    run = job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags,
+                                 run_config=FAST_RUN_CONFIG, raise_on_error=False)
+    assert run.success, [e.message for e in run.all_events if e.is_failure]
+
+    for drop in ("prefs_000.jsonl", "prefs_001.jsonl"):  # the earlier drops: one ingestion each, ever
+        records = instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey("validated_preferences"), asset_partitions=[drop]), limit=10).records
+        assert len(records) == 1 and records[0].run_id != run.run_id
+    assert len(_events(instance, "ASSET_CHECK_EVALUATION")) == data_runs + 2  # the new drop's two checks
+    window = latest_metadata(instance, "preference_window")
+    assert window["drops"] == ["prefs_000.jsonl", "prefs_001.jsonl", "prefs_002.jsonl"]
+
+    # the base model is built from the window's first drop: the same version, so the chain continues
+    assert latest_metadata(instance, "base_model")["data_version"] == old["base_model"]["data_version"]
+    new = latest_metadata(instance, "policy_checkpoint")
+    assert new["data_version"] != old["policy_checkpoint"]["data_version"]
+    tree = lineage_tree(new["uri"])
+    assert tree["inputs"]["policy"]["data_version"] == old["policy_checkpoint"]["data_version"]  # its parent
+    files = {f["uri"]: f["sha256"] for f in _input_files(tree)}
+    assert files[new_file] == digest  # the audit names the new file with its hash
+    used = artifacts_using_file(os.path.join(root, "catalog.duckdb"), digest[:16])
+    assert new["data_version"] in {r["data_version"] for r in used if r["asset"] == "policy_checkpoint"}
+    assert old["policy_checkpoint"]["data_version"] not in {r["data_version"] for r in used}
+
+
+def _sensor(landing, cursor):
+    from batchrl.assets.automation import new_logs_sensor
+
+    return new_logs_sensor(dg.build_sensor_context(cursor=cursor, resources={"landing": landing}))
+
+
+def _input_files(node: dict):
+    yield from node.get("input_files", [])
+    for child in node.get("inputs", {}).values():
+        yield from _input_files(child)

@@ -12,8 +12,8 @@ from batchrl.assets.rl_config import RunConfigError, check_rl_run_config
 from batchrl.resources import StorageResource
 from batchrl.training.algos import ADV_ESTIMATOR_NEEDS, ADV_ESTIMATORS
 
-UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
-            "base_model", "reward_model"]
+UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs",
+            "prompts", "base_model", "reward_model"]
 RL = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 BASE = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
         "reward_model": {"config": {"epochs": 1}}}

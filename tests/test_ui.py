@@ -1,5 +1,6 @@
 """The real Dagster UI stack: `dagster dev` (webserver + daemon) from the repo root reads workspace.yaml,
-shows every asset, and the daemon dequeues and runs a job launched through the webserver's GraphQL API."""
+shows every asset, and the daemon runs a backfill over two log drops launched through the webserver's
+GraphQL API (one run per drop, kept apart by the catalog's concurrency pool)."""
 from __future__ import annotations
 
 import json
@@ -16,9 +17,18 @@ import pytest
 from batchrl.cli import DAGSTER_YAML
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "scored_logs", "scored_pairs", "prompts",
+EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
             "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
             "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation"}
+
+
+class Port(int):
+    """The webserver's port, with the DAGSTER_HOME it runs on."""
+
+    def __new__(cls, port: int, home: str):
+        value = super().__new__(cls, port)
+        value.home = home
+        return value
 
 
 def _free_port() -> int:
@@ -58,7 +68,7 @@ def dagster_dev(tmp_path_factory):
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"dagster dev did not start: {(home / 'dagster_dev.log').read_text()[-3000:]}")
                 time.sleep(1)
-        yield port
+        yield Port(port, str(home))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -98,24 +108,37 @@ def test_ui_shows_every_asset_sensor_and_schedule(dagster_dev):
     assert {"retrain", "ingest"} <= {j["name"] for j in repo["jobs"]}
 
 
-def test_daemon_runs_a_job_launched_from_the_webserver(dagster_dev):
-    repo = _graphql(dagster_dev, """{ repositoriesOrError { ... on RepositoryConnection { nodes {
-        name location { name } } } } }""")["repositoriesOrError"]["nodes"][0]
-    launched = _graphql(dagster_dev, """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
-        __typename ... on LaunchRunSuccess { run { runId status } } ... on PythonError { message } } }""",
-                        {"p": {"selector": {"repositoryLocationName": repo["location"]["name"],
-                                            "repositoryName": repo["name"], "jobName": "ingest"}}})["launchRun"]
-    assert launched["__typename"] == "LaunchRunSuccess", launched
-    run_id = launched["run"]["runId"]
-    deadline = time.time() + 240
-    status = launched["run"]["status"]
-    while status not in ("SUCCESS", "FAILURE", "CANCELED") and time.time() < deadline:
+def test_backfill_of_two_log_drops_from_the_webserver(dagster_dev):
+    """Two log drops registered in the instance, a backfill launched through the webserver's GraphQL API
+    (what the UI's "Materialize" over partitions does): the daemon runs one run per drop, both drops'
+    per-drop assets are materialised, and the catalog pool (limit 1) kept the two steps apart."""
+    import dagster as dg
+
+    home = dagster_dev.home
+    drops = ["prefs_000.jsonl", "prefs_001.jsonl"]
+    with dg.DagsterInstance.from_config(home) as instance:
+        instance.add_dynamic_partitions("log_drops", drops)
+    launched = _graphql(dagster_dev, """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(
+        backfillParams: $p) { __typename ... on LaunchBackfillSuccess { backfillId } ... on PythonError { message } } }""",
+                        {"p": {"partitionNames": drops, "assetSelection": [
+                            {"path": [name]} for name in ("raw_logs", "cleaned_logs", "validated_preferences")]}})
+    launched = launched["launchPartitionBackfill"]
+    assert launched["__typename"] == "LaunchBackfillSuccess", launched
+    deadline, status = time.time() + 300, "REQUESTED"
+    while status in ("REQUESTED", "CANCELING", "FAILING") and time.time() < deadline:
         time.sleep(2)
-        status = _graphql(dagster_dev, "query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }",
-                          {"id": run_id})["runOrError"]["status"]
-    assert status == "SUCCESS"
-    checks = _graphql(dagster_dev, """{ assetNodes(assetKeys: [{path: ["validated_preferences"]}]) {
-        assetMaterializations(limit: 1) { runId metadataEntries { label } } } }""")["assetNodes"][0]
-    materialization = checks["assetMaterializations"][0]
-    assert materialization["runId"] == run_id
-    assert {"rows_in", "valid", "quarantined", "duplicates"} <= {m["label"] for m in materialization["metadataEntries"]}
+        status = _graphql(dagster_dev, "query($id: String!) { partitionBackfillOrError(backfillId: $id) { "
+                          "... on PartitionBackfill { status } } }", {"id": launched["backfillId"]}
+                          )["partitionBackfillOrError"]["status"]
+    assert status in ("COMPLETED", "COMPLETED_SUCCESS"), status
+    with dg.DagsterInstance.from_config(home) as instance:
+        done = instance.get_materialized_partitions(dg.AssetKey("validated_preferences"))
+        assert done == set(drops)
+        steps = []
+        for run in instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": launched["backfillId"]})):
+            times = {e.dagster_event.event_type_value: e.timestamp for e in instance.all_logs(run.run_id)
+                     if e.dagster_event and e.dagster_event.step_key == "log_drop"
+                     and e.dagster_event.event_type_value in ("STEP_START", "STEP_SUCCESS")}
+            steps.append((times["STEP_START"], times["STEP_SUCCESS"]))
+    (a_start, a_end), (b_start, b_end) = sorted(steps)
+    assert a_end <= b_start  # never two drops writing the catalog at once
