@@ -23,12 +23,19 @@ def _library_model(assets_def: dg.AssetsDefinition):
 
 
 def check_op_names(defs: dg.Definitions, run_config: dict, source: str = "") -> None:
-    """Every op named in ``run_config`` is an asset (a typo would otherwise be dropped silently)."""
-    known = {key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()}
+    """Every op named in ``run_config`` is an asset's step (a typo would otherwise be dropped silently)."""
+    known = set(_steps(defs))
     unknown = sorted(set(run_config.get("ops") or {}) - known)
     if unknown:
         where = f" in {source}" if source else ""
         raise RunConfigError(f"run config{where}: no asset named {unknown}; assets: {sorted(known)}")
+
+
+def _steps(defs: dg.Definitions) -> dict[str, dg.AssetsDefinition]:
+    """Op name -> its assets: an asset's own name, or a multi-asset step's (``log_drop``: the per-drop assets)."""
+    graph = defs.resolve_asset_graph()
+    return {graph.get(key).assets_def.node_def.name: graph.get(key).assets_def for key in graph.get_all_asset_keys()
+            if graph.get(key).is_executable}
 
 
 def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config: dict, source: str = "") -> dict:
@@ -40,11 +47,11 @@ def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config:
         resolved = dg.validate_run_config(job, run_config)
     except dg.DagsterInvalidConfigError as error:
         raise RunConfigError(f"run config{where}:\n  " + "\n  ".join(e.message for e in error.errors)) from None
-    graph = defs.resolve_asset_graph()
+    steps = _steps(defs)
     for op, body in (resolved.get("ops") or {}).items():
-        if not graph.has(dg.AssetKey(op)):
+        if op not in steps:
             continue  # an asset check's op
-        model = _library_model(graph.get(dg.AssetKey(op)).assets_def)
+        model = _library_model(steps[op])
         if model is None:
             continue
         try:

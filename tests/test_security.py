@@ -144,7 +144,7 @@ def test_planted_credentials_reach_no_output(s3_server, tmp_path, monkeypatch):
         data = fs.cat(path)
         assert secret.encode() not in data and key_id.encode() not in data, path
     outputs = [p for p in pickles.rglob("*") if p.is_file()]
-    assert len(outputs) == 3
+    assert len(outputs) == 6  # three assets per log drop
     for path in outputs:
         assert path.stat().st_size < 1024
         assert set(_plain_unpickle(path.read_bytes())) == {"asset", "uri", "data_version"}
