@@ -38,6 +38,43 @@ def test_blocking_reject_rate_check_stops_training(tmp_path):
         assert checks == {"nothing_lost": True, "reject_rate_below_threshold": False}
         assert instance.get_latest_materialization_event(dg.AssetKey("base_model")) is None
         assert latest_metadata(instance, "validated_preferences")["reject_rate"] > 0.05
+        # the gate applies per drop: the training window leaves the bad drop out and names it
+        assert run_assets(local_resources(str(tmp_path / "s"), landing), instance, ["preference_window"]).success
+        window = latest_metadata(instance, "preference_window")
+        assert window["drops"] == ["prefs_000.jsonl", "prefs_001.jsonl"]
+        assert window["drops_failing_gate"] == ["zz_broken.jsonl"] and window["rows"] == 246
+
+
+def test_window_of_the_last_drops_and_the_schedule_retrains_on_what_is_new(tmp_path):
+    """~4 s. The nightly schedule asks for training only when a drop was ingested that the latest window
+    did not consider; ``last_drops: 1`` reads the newest drop only."""
+    from batchrl.assets.automation import nightly_retrain
+
+    landing = _landing_copy(tmp_path)
+    resources = local_resources(str(tmp_path / "s"), landing)
+
+    def tick(instance):
+        return nightly_retrain(dg.build_schedule_context(instance=instance))
+
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        assert isinstance(tick(instance), dg.SkipReason)  # nothing ingested yet
+        assert run_assets(resources, instance, DATA).success
+        request = tick(instance)
+        assert request.tags["batchrl/new_drops"] == "prefs_000.jsonl, prefs_001.jsonl"
+        assert dg.AssetKey("preference_window") in request.asset_selection
+        assert dg.AssetKey("raw_logs") not in request.asset_selection  # old drops are not ingested again
+        last = {"ops": {"preference_window": {"config": {"last_drops": 1}}}}
+        assert run_assets(resources, instance, ["preference_window"], last).success
+        window = latest_metadata(instance, "preference_window")
+        assert window["drops"] == ["prefs_001.jsonl"] and window["drops_outside_window"] == ["prefs_000.jsonl"]
+        assert isinstance(tick(instance), dg.SkipReason)  # both drops considered
+        with open(os.path.join(landing.preferences, "prefs_002.jsonl"), "w") as f:
+            f.write(json.dumps({"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}) + "\n")
+        assert run_assets(resources, instance, DATA).success
+        assert tick(instance).tags["batchrl/new_drops"] == "prefs_002.jsonl"
+        runs = instance.get_runs(dg.RunsFilter(tags={"dagster/partition": "prefs_000.jsonl"}))
+        assert len(runs) == 1  # ingested once, in its own run
 
 
 def test_drop_changed_after_the_sensor_saw_it_fails_loudly(tmp_path):
