@@ -58,27 +58,24 @@ def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing
     sensor saw fails."""
     drop = context.partition_key
     cfg = to_library_config(config, IngestConfig).model_copy(update={"storage_options": landing.storage_options})
-    files = _describe(inputs := discover_inputs(drop_uri(landing, drop), landing.storage_options))
-    content, expected = drop_content(landing, files), context.run.tags.get(DROP_CONTENT_TAG)
-    if expected and content != expected:  # never ingest other data than the run names
-        raise dg.Failure(f"log drop {drop} changed since the sensor saw it (content {expected}, now "
-                         f"{content}): {[f['uri'] for f in files]}")
-    with storage.staging_dir("raw_logs") as staging:
-        with open(os.path.join(staging, "manifest.json"), "w") as f:
-            json.dump(files, f, indent=2, sort_keys=True)
-        raw = publish(context, storage, catalog, staging, asset="raw_logs", input_files=files,
-                      config={"landing": landing.preferences, "drop": drop},
-                      metadata={"drop_content": content, "files": len(files), "bytes_in": sum(f["size"] for f in files), "manifest": files})
+    inputs = discover_inputs(drop_uri(landing, drop), landing.storage_options, hash_files=False)
     with storage.staging_dir("validated_preferences") as staging:
-        clean, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)
+        clean, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)  # hashes each file as it reads it
+        hashes = {f["uri"]: f["sha256"] for f in clean.extra["inputs"]}
+        files = [{**f, "sha256": hashes[f["uri"]]} for f in _describe(inputs)]  # the bytes ingested
+        content, expected = drop_content(landing, files), context.run.tags.get(DROP_CONTENT_TAG)
+        if expected and content != expected:  # never publish other data than the run names
+            raise dg.Failure(f"log drop {drop} changed since the sensor saw it (content {expected}, now "
+                             f"{content}): {[f['uri'] for f in files]}")
+        raw = _publish_json(context, storage, catalog, "raw_logs", "manifest.json", files, input_files=files,
+                            config={"landing": landing.preferences, "drop": drop},
+                            metadata={"drop_content": content, "files": len(files),
+                                      "bytes_in": sum(f["size"] for f in files), "manifest": files})
         stage = _report(stage)
         clean = {k: v for k, v in clean.to_metadata().items() if k not in ("seconds", "outputs", "content_hash")}
         clean["extra"] = {k: v for k, v in clean["extra"].items() if k != "inputs"}  # in the manifest
-        with storage.staging_dir("cleaned_logs") as clean_dir:
-            with open(os.path.join(clean_dir, REPORT_FILE), "w") as f:  # the stage's data: its accounting
-                json.dump(clean, f, indent=2, sort_keys=True)
-            cleaned = publish(context, storage, catalog, clean_dir, asset="cleaned_logs", input_files=files,
-                              inputs={"raw_logs": raw.value}, config=config.model_dump(), metadata=clean)
+        cleaned = _publish_json(context, storage, catalog, "cleaned_logs", REPORT_FILE, clean, input_files=files,
+                                inputs={"raw_logs": raw.value}, config=config.model_dump(), metadata=clean)
         # one pass: the contract stage saw every input row; the clean stage's rejects are among its quarantined
         totals = {"rows_in": stage["rows_in"], "valid": stage["valid"], "quarantined": stage["quarantined"],
                   "duplicates": stage["duplicates"], "reject_rate": stage["quarantined"] / max(stage["rows_in"], 1)}
@@ -94,6 +91,15 @@ def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing
     yield dg.AssetCheckResult(check_name="reject_rate_below_threshold", asset_key="validated_preferences",
                               passed=passed, description=description,
                               metadata={"reject_rate": totals["reject_rate"], "threshold": threshold})
+
+
+def _publish_json(context, storage: StorageResource, catalog: CatalogResource, asset: str, name: str,
+                  content, **publish_kwargs) -> dg.Output:
+    """Publish an artifact whose data is one JSON file (a manifest, a stage's accounting)."""
+    with storage.staging_dir(asset) as staging:
+        with open(os.path.join(staging, name), "w") as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+        return publish(context, storage, catalog, staging, asset=asset, **publish_kwargs)
 
 
 def _gate(totals: dict, threshold: float) -> tuple[bool, str, float]:

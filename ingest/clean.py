@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import pyarrow as pa
 
 from batchrl.ingest.config import IngestConfig, StageReport
-from batchrl.ingest.discover import InputFile
+from batchrl.ingest.discover import InputFile, file_sha256
 from batchrl.ingest.faults import READ_ERRORS, FileFault, describe, with_file_policy
 from batchrl.ingest.readers import jsonl_reader, structured_batches
 from batchrl.ingest.records import ExtraFieldCounter, Reject, rows_to_table
@@ -44,11 +44,15 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Itera
 
 
 def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table], object] | None = None,
-                    keep_rows: bool = True, extras: ExtraFieldCounter | None = None):
+                    keep_rows: bool = True, extras: ExtraFieldCounter | None = None,
+                    digests: dict[str, str] | None = None):
     """(cleaned table, rejects, then(table)) in input order. Reading is sequential; structuring,
     cleaning and ``then`` (e.g. the contract check) run per JSONL block / columnar batch in workers.
     ``keep_rows=False``: the table comes back without columns (its row count only), so results waiting
-    in the queue hold only what ``then`` kept."""
+    in the queue hold only what ``then`` kept. A file listed without its sha256 (``discover_inputs(...,
+    hash_files=False)``) gets it into ``digests``: JSONL hashed in the same read, other formats first."""
+    if digests is not None and not file.sha256 and file.format != "jsonl":
+        digests[file.uri] = file_sha256(file, cfg.storage_options)
     columns = cleaned_text_columns(cfg)
 
     def finish(table: pa.Table, rejects: list):
@@ -62,6 +66,8 @@ def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table
                              cfg.threads)
         for results in blocks:
             yield from results
+        if digests is not None and not file.sha256:
+            digests[file.uri] = reader.sha256
     else:
         yield from ordered_map(lambda item: finish(*item), structured_batches(file, cfg, extras), cfg.threads)
 
@@ -80,9 +86,10 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
     return with_file_policy(inputs, cfg, lambda bad: clean_files(inputs, bad, out_dir, cfg, on_batch, then))
 
 
-def _batches(file: InputFile, cfg: IngestConfig, then, keep_rows: bool, extras: ExtraFieldCounter):
+def _batches(file: InputFile, cfg: IngestConfig, then, keep_rows: bool, extras: ExtraFieldCounter,
+             digests: dict[str, str]):
     """``cleaned_batches``, with a read failure turned into a ``FileFault`` naming the file."""
-    batches = cleaned_batches(file, cfg, then, keep_rows, extras)
+    batches = cleaned_batches(file, cfg, then, keep_rows, extras, digests)
     while True:
         try:
             item = next(batches)
@@ -100,6 +107,7 @@ def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | Non
     start = time.perf_counter()
     report = StageReport("clean_logs")
     extras = ExtraFieldCounter()
+    digests: dict[str, str] = {}  # sha256 of files listed without one, taken while reading them
     sink = quarantine = None
     if out_dir is not None:
         sink = ParquetSink(out_dir, "cleaned.parquet", ARROW_SCHEMAS[cfg.kind], cfg.row_group_rows,
@@ -113,7 +121,7 @@ def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | Non
                 batches = [(rows_to_table([], [], file.uri, cfg.kind), [Reject("bad_file", bad[file.uri], 0, "")],
                             None)]
             else:
-                batches = _batches(file, cfg, then, keep_rows, extras)
+                batches = _batches(file, cfg, then, keep_rows, extras, digests)
             for table, rejects, checked in batches:
                 report.rows_in += table.num_rows + len(rejects)
                 report.valid += table.num_rows
@@ -137,7 +145,8 @@ def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | Non
             quarantine.abort()
         raise
     report.seconds = time.perf_counter() - start
-    report.extra = {"inputs": [{"uri": f.uri, "sha256": f.sha256, "format": f.format} for f in inputs],
+    report.extra = {"inputs": [{"uri": f.uri, "sha256": f.sha256 or digests.get(f.uri, ""), "format": f.format}
+                               for f in inputs],
                     "kind": cfg.kind, "extra_fields": dict(sorted(extras.counts.items())),
                     "bad_files": [{"uri": uri, "cause": cause} for uri, cause in sorted(bad.items())]}
     return report

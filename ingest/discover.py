@@ -98,10 +98,40 @@ def _sha256(fs, path: str) -> str:
     return h.hexdigest()
 
 
-def open_binary(file: InputFile, storage_options: dict | None = None) -> BinaryIO:
-    """Open the file for streaming reads, decompressing .gz / .zst on the fly."""
+def file_sha256(file: InputFile, storage_options: dict | None = None) -> str:
+    """sha256 of the stored bytes (what ``discover_inputs`` records unless ``hash_files=False``)."""
+    return _sha256(*filesystem_for(file.uri, storage_options))
+
+
+class Digesting(io.RawIOBase):
+    """A read-through tap: every stored byte read (before decompression) also updates ``digest``, so a
+    file read once from start to end is hashed in the same pass (``digest`` holds its sha256 at EOF)."""
+
+    def __init__(self, raw: BinaryIO, digest):
+        self.raw, self.digest = raw, digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.raw.readinto(b)
+        if n:
+            self.digest.update(memoryview(b)[:n])  # hashlib drops the GIL on large buffers
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+def open_binary(file: InputFile, storage_options: dict | None = None, digest=None) -> BinaryIO:
+    """Open the file for streaming reads, decompressing .gz / .zst on the fly; ``digest`` (a hashlib
+    object) sees the stored bytes as they are read."""
     fs, path = filesystem_for(file.uri, storage_options)
     raw = fs.open(path, "rb")
+    if digest is not None:
+        raw = io.BufferedReader(Digesting(raw, digest), buffer_size=1 << 20) if file.compression else Digesting(raw, digest)
     if file.compression == "gzip":
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if file.compression == "zstd":

@@ -11,6 +11,7 @@ the error isolated). Blank lines are skipped and not counted as rows.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Iterator
@@ -75,6 +76,7 @@ class JsonlReader:
             fields.append(pa.field(source.get(name, name), pa.float64() if name == "score" else pa.string()))
         self.parse_schema = pa.schema(fields)
         self.first_checked = False
+        self.sha256 = file.sha256
 
     # -- block iteration ---------------------------------------------------------------------
     def batches(self) -> Iterator[tuple[pa.Table, list[Reject]]]:
@@ -82,9 +84,11 @@ class JsonlReader:
             yield from self.process(*block)
 
     def blocks(self) -> Iterator[tuple[bytes, int, int]]:
-        """(block, line number before it, byte offset) — sequential I/O; ``process`` may run in threads."""
+        """(block, line number before it, byte offset) — sequential I/O; ``process`` may run in threads.
+        A file listed without its sha256 is hashed as it is read: ``self.sha256`` once the last block is out."""
         line_base, offset_base, carry = 0, 0, b""
-        with open_binary(self.file, self.cfg.storage_options) as stream:
+        digest = None if self.file.sha256 else hashlib.sha256()
+        with open_binary(self.file, self.cfg.storage_options, digest) as stream:
             while True:
                 block = bytearray(len(carry) + self.cfg.block_bytes)  # read straight into it (no GIL)
                 block[:len(carry)] = carry
@@ -108,6 +112,8 @@ class JsonlReader:
                     offset_base += len(block)
                 if not got:
                     break
+        if digest is not None:
+            self.sha256 = digest.hexdigest()
 
     def _check_first_in(self, block: bytes, line_base: int) -> None:
         for k, line in enumerate(block.split(b"\n")):

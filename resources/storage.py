@@ -49,6 +49,15 @@ def _move_into_place(fill, dest: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _take(staging: str, tmp: str) -> None:
+    """Move a finished staging folder to ``tmp`` (one rename on the same filesystem: no copy of a
+    large artifact), else copy it. Publishing is the staging folder's last use."""
+    try:
+        os.rename(staging, tmp)
+    except OSError:  # another filesystem
+        shutil.copytree(staging, tmp)
+
+
 class StorageResource(dg.ConfigurableResource):
     """Where artifacts live. ``root`` is a local folder or ``s3://bucket/prefix``."""
 
@@ -95,7 +104,7 @@ class StorageResource(dg.ConfigurableResource):
             uri = dest = os.path.abspath(dest)
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                _move_into_place(lambda tmp: shutil.copytree(local_dir, tmp), dest)
+                _move_into_place(lambda tmp: _take(local_dir, tmp), dest)
         else:
             uri = f"{self.root.split('://')[0]}://{dest}"
             if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):

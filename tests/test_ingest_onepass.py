@@ -138,3 +138,24 @@ def test_spilled_dedupe_gives_the_same_output(tmp_path):
     assert default.duplicates > 100 and spilled.to_metadata() | {"outputs": None, "seconds": None} == \
         default.to_metadata() | {"outputs": None, "seconds": None}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("batchrl-dedupe-")]
+
+
+def test_files_listed_without_a_hash_are_hashed_in_the_same_read(tmp_path):
+    """< 1 s. ``discover_inputs(hash_files=False)``: the one pass reports each file's sha256 (of the
+    stored bytes: compressed for .gz) as discovery would have, for JSONL (read once) and Parquet."""
+    import gzip
+    import json
+
+    lines = "".join(json.dumps({"prompt": f"q{i}", "chosen": "a", "rejected": "b"}) + "\n" for i in range(3000))
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.jsonl").write_text(lines)
+    (src / "b.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    pq.write_table(pa.table({"prompt": ["p1", "p2"], "chosen": ["c", "c"], "rejected": ["r", "r"]}),
+                   src / "c.parquet")
+    cfg = IngestConfig(block_bytes=65536)  # several blocks per file
+    cleaned, _ = ingest_logs(discover_inputs(str(src), hash_files=False), str(tmp_path / "out"), cfg,
+                             keep_cleaned=False)
+    expected = {f.uri: f.sha256 for f in discover_inputs(str(src))}
+    assert {f["uri"]: f["sha256"] for f in cleaned.extra["inputs"]} == expected
+    assert expected[str(src / "a.jsonl")] == hashlib.sha256(lines.encode()).hexdigest()
