@@ -5,6 +5,7 @@ profile (``BATCHRL_PROFILE``, see ``batchrl.profiles``) overrides fields of them
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import uuid
@@ -120,7 +121,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     The per-drop data assets run first, one run per log drop that is new or changed (``assets.drops``:
     the drops are registered as partitions; a drop already ingested with the same content is not run
     again), then the rest in the run named by ``run_id``. ``on_run(run_id)`` is called before each run
-    starts. Returns the first failed run's result, else the last run's."""
+    starts. Returns the first failed run's result, else the last run's (``NothingToRun`` if none ran)."""
     from batchrl.assets.rl_config import check_rl_run_config
 
     check_rl_run_config(run_config, selection)
@@ -142,7 +143,9 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
                                                  raise_on_error=False, run_id=run_id, tags=tags)
             if not result.success:
                 return result
-    if rest or result is None:
+    if not rest and result is None:
+        return NothingToRun()
+    if rest:
         if on_run:
             on_run(execute_kwargs.setdefault("run_id", str(uuid.uuid4())))
         rest_config = dict(run_config, ops={op: c for op, c in run_config.get("ops", {}).items() if op != DROP_OP}) \
@@ -150,6 +153,18 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
         result = (job.get_subset(asset_selection=rest) if per_drop else job).execute_in_process(
             instance=instance, run_config=rest_config, raise_on_error=False, **execute_kwargs)
     return result
+
+
+@dataclasses.dataclass
+class NothingToRun:
+    """``execute_assets`` of per-drop assets only, every log drop already ingested with its content."""
+
+    success: bool = True
+    run_id: str | None = None
+    all_events: list = dataclasses.field(default_factory=list)
+
+    def get_step_failure_events(self) -> list:
+        return []
 
 
 def drops_to_ingest(defs: dg.Definitions, instance: dg.DagsterInstance) -> dict[str, str]:

@@ -75,6 +75,8 @@ def test_window_of_the_last_drops_and_the_schedule_retrains_on_what_is_new(tmp_p
         assert tick(instance).tags["batchrl/new_drops"] == "prefs_002.jsonl"
         runs = instance.get_runs(dg.RunsFilter(tags={"dagster/partition": "prefs_000.jsonl"}))
         assert len(runs) == 1  # ingested once, in its own run
+        count = len(instance.get_runs())
+        assert run_assets(resources, instance, DATA).success and len(instance.get_runs()) == count  # none new
 
 
 def test_drop_changed_after_the_sensor_saw_it_fails_loudly(tmp_path):

@@ -55,7 +55,7 @@ def test_every_asset_materialises_and_checks_pass(pipeline):
     for asset in ALL_ASSETS:
         latest_metadata(instance, asset)
     checks = _events(instance, "ASSET_CHECK_EVALUATION")
-    assert sorted(c.event_specific_data.check_name for c in checks) == ["nothing_lost", "reject_rate_below_threshold"] * 2
+    assert sorted(c.event_specific_data.check_name for c in checks) == sorted(["nothing_lost", "reject_rate_below_threshold"] * 2)
     assert all(c.event_specific_data.passed for c in checks)  # per log drop
 
 
@@ -311,7 +311,8 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
 
     _, instance, root = pipeline
     before = _sensor(landing, None).cursor  # what the sensor saw when the earlier drops were ingested
-    old = {asset: latest_metadata(instance, asset) for asset in ("base_model", "policy_checkpoint")}
+    old = latest_metadata(instance, "policy_checkpoint")
+    old_base = lineage_tree(old["uri"])["inputs"]["reference"]["data_version"]  # its chain's base model
     data_runs = len(_events(instance, "ASSET_CHECK_EVALUATION"))
     new_file = os.path.join(landing.preferences, "prefs_002.jsonl")
     with open(new_file, "w") as f:
@@ -325,8 +326,10 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     for partitions in tick.dynamic_partitions_requests:
         instance.add_dynamic_partitions(partitions.partitions_def_name, list(partitions.partition_keys))
     job = build_definitions(local_resources(root, landing)).resolve_job_def("retrain")
+    smaller = {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
+               "evaluation": {"config": {"max_eval_prompts": 8}}}
     run = job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags,
-                                 run_config=FAST_RUN_CONFIG, raise_on_error=False)
+                                 run_config={"ops": {**FAST_RUN_CONFIG["ops"], **smaller}}, raise_on_error=False)
     assert run.success, [e.message for e in run.all_events if e.is_failure]
 
     for drop in ("prefs_000.jsonl", "prefs_001.jsonl"):  # the earlier drops: one ingestion each, ever
@@ -338,16 +341,16 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     assert window["drops"] == ["prefs_000.jsonl", "prefs_001.jsonl", "prefs_002.jsonl"]
 
     # the base model is built from the window's first drop: the same version, so the chain continues
-    assert latest_metadata(instance, "base_model")["data_version"] == old["base_model"]["data_version"]
+    assert latest_metadata(instance, "base_model")["data_version"] == old_base
     new = latest_metadata(instance, "policy_checkpoint")
-    assert new["data_version"] != old["policy_checkpoint"]["data_version"]
+    assert new["data_version"] != old["data_version"]
     tree = lineage_tree(new["uri"])
-    assert tree["inputs"]["policy"]["data_version"] == old["policy_checkpoint"]["data_version"]  # its parent
+    assert tree["inputs"]["policy"]["data_version"] == old["data_version"]  # its parent: the earlier checkpoint
     files = {f["uri"]: f["sha256"] for f in _input_files(tree)}
     assert files[new_file] == digest  # the audit names the new file with its hash
     used = artifacts_using_file(os.path.join(root, "catalog.duckdb"), digest[:16])
     assert new["data_version"] in {r["data_version"] for r in used if r["asset"] == "policy_checkpoint"}
-    assert old["policy_checkpoint"]["data_version"] not in {r["data_version"] for r in used}
+    assert old["data_version"] not in {r["data_version"] for r in used}
 
 
 def _sensor(landing, cursor):
