@@ -124,18 +124,17 @@ def test_backfill_of_two_log_drops_from_the_webserver(dagster_dev):
                             {"path": [name]} for name in ("raw_logs", "cleaned_logs", "validated_preferences")]}})
     launched = launched["launchPartitionBackfill"]
     assert launched["__typename"] == "LaunchBackfillSuccess", launched
-    deadline, status = time.time() + 300, "REQUESTED"
-    while status in ("REQUESTED", "CANCELING", "FAILING") and time.time() < deadline:
-        time.sleep(2)
-        status = _graphql(dagster_dev, "query($id: String!) { partitionBackfillOrError(backfillId: $id) { "
-                          "... on PartitionBackfill { status } } }", {"id": launched["backfillId"]}
-                          )["partitionBackfillOrError"]["status"]
-    assert status in ("COMPLETED", "COMPLETED_SUCCESS"), status
-    with dg.DagsterInstance.from_config(home) as instance:
-        done = instance.get_materialized_partitions(dg.AssetKey("validated_preferences"))
-        assert done == set(drops)
+    deadline, backfill_runs = time.time() + 300, dg.RunsFilter(tags={"dagster/backfill": launched["backfillId"]})
+    with dg.DagsterInstance.from_config(home) as instance:  # the runs' ends (the daemon marks the backfill later)
+        while time.time() < deadline:
+            runs = instance.get_runs(backfill_runs)
+            if len(runs) == 2 and all(run.is_finished for run in runs):
+                break
+            time.sleep(2)
+        assert [run.status for run in runs] == [dg.DagsterRunStatus.SUCCESS] * 2
+        assert instance.get_materialized_partitions(dg.AssetKey("validated_preferences")) == set(drops)
         steps = []
-        for run in instance.get_runs(dg.RunsFilter(tags={"dagster/backfill": launched["backfillId"]})):
+        for run in runs:
             times = {e.dagster_event.event_type_value: e.timestamp for e in instance.all_logs(run.run_id)
                      if e.dagster_event and e.dagster_event.step_key == "log_drop"
                      and e.dagster_event.event_type_value in ("STEP_START", "STEP_SUCCESS")}
