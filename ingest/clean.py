@@ -1,6 +1,7 @@
 """clean_logs: inputs -> cleaned.parquet (contract columns + metadata + lineage) + quarantine.parquet."""
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -62,12 +63,14 @@ def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table
 
     if file.format == "jsonl":
         reader = jsonl_reader(file, cfg, extras)
+        if digests is not None and not file.sha256:
+            reader.digest = hashlib.sha256()  # the one read hashes the file too
         blocks = ordered_map(lambda block: [finish(t, r) for t, r in reader.process(*block)], reader.blocks(),
                              cfg.threads)
         for results in blocks:
             yield from results
-        if digests is not None and not file.sha256:
-            digests[file.uri] = reader.sha256
+        if reader.digest is not None:
+            digests[file.uri] = reader.digest.hexdigest()
     else:
         yield from ordered_map(lambda item: finish(*item), structured_batches(file, cfg, extras), cfg.threads)
 

@@ -11,7 +11,6 @@ the error isolated). Blank lines are skipped and not counted as rows.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from typing import Iterator
@@ -76,7 +75,7 @@ class JsonlReader:
             fields.append(pa.field(source.get(name, name), pa.float64() if name == "score" else pa.string()))
         self.parse_schema = pa.schema(fields)
         self.first_checked = False
-        self.sha256 = file.sha256
+        self.digest = None  # a hashlib object: sees the file's stored bytes as ``blocks`` reads them
 
     # -- block iteration ---------------------------------------------------------------------
     def batches(self) -> Iterator[tuple[pa.Table, list[Reject]]]:
@@ -84,11 +83,9 @@ class JsonlReader:
             yield from self.process(*block)
 
     def blocks(self) -> Iterator[tuple[bytes, int, int]]:
-        """(block, line number before it, byte offset) — sequential I/O; ``process`` may run in threads.
-        A file listed without its sha256 is hashed as it is read: ``self.sha256`` once the last block is out."""
+        """(block, line number before it, byte offset) — sequential I/O; ``process`` may run in threads."""
         line_base, offset_base, carry = 0, 0, b""
-        digest = None if self.file.sha256 else hashlib.sha256()
-        with open_binary(self.file, self.cfg.storage_options, digest) as stream:
+        with open_binary(self.file, self.cfg.storage_options, self.digest) as stream:
             while True:
                 block = bytearray(len(carry) + self.cfg.block_bytes)  # read straight into it (no GIL)
                 block[:len(carry)] = carry
@@ -112,8 +109,6 @@ class JsonlReader:
                     offset_base += len(block)
                 if not got:
                     break
-        if digest is not None:
-            self.sha256 = digest.hexdigest()
 
     def _check_first_in(self, block: bytes, line_base: int) -> None:
         for k, line in enumerate(block.split(b"\n")):
