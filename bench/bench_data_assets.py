@@ -4,12 +4,15 @@ call (``ingest_logs``) on the same file.
 
     .venv/bin/python bench/bench_data_assets.py               # 3 rounds, interleaved; medians
     .venv/bin/python bench/bench_data_assets.py --repeat 1 --rows 100000
+    .venv/bin/python bench/bench_data_assets.py --baseline /tmp/before   # /tmp/before/batchrl -> an older checkout
 
 Contenders, each in its own child process, one after the other:
 - ``assets``: the run a new drop's sensor request (or a backfill) launches: ``execute_in_process`` of the
   per-drop step with its partition key on a local instance and storage root (the drop registered first);
   the input is hashed for the manifest, the outputs are published (content hash, lineage, catalog row).
 - ``library``: ``ingest_logs(keep_cleaned=False)`` alone, input not hashed (bench_ingest.py's batchrl).
+- ``before`` (with ``--baseline``): the data assets of an older checkout, unpartitioned, two stages with
+  cleaned.parquet in between (``execute_assets`` of raw_logs, cleaned_logs, validated_preferences).
 Times: ``process`` (child wall time, interpreter start and imports included) and ``work`` (the run or the
 call alone, modules imported before the clock starts). MB/s = input bytes / seconds.
 """
@@ -31,20 +34,24 @@ from bench_ingest import OUT, generate, median_run  # noqa: E402
 DROP = "prefs_1m.jsonl"
 
 
-def run_assets(landing: str, out: str) -> dict:
-    import dagster as dg
-
-    from batchrl.definitions import build_definitions, selected_job
+def _resources(landing: str, out: str) -> dict:
     from batchrl.resources import (
         CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
         TrainerLauncherResource,
     )
 
-    resources = {"storage": StorageResource(root=out, cache_dir=os.path.join(out, "_cache")),
-                 "catalog": CatalogResource(path=os.path.join(out, "catalog.duckdb")),
-                 "landing": LandingResource(preferences=landing), "rollout_engine": RolloutEngineResource(),
-                 "trainer": TrainerLauncherResource(), "compute": ComputeResource()}
-    job = selected_job(build_definitions(resources), ["raw_logs", "cleaned_logs", "validated_preferences"])
+    return {"storage": StorageResource(root=out, cache_dir=os.path.join(out, "_cache")),
+            "catalog": CatalogResource(path=os.path.join(out, "catalog.duckdb")),
+            "landing": LandingResource(preferences=landing), "rollout_engine": RolloutEngineResource(),
+            "trainer": TrainerLauncherResource(), "compute": ComputeResource()}
+
+
+def run_assets(landing: str, out: str) -> dict:
+    import dagster as dg
+
+    from batchrl.definitions import build_definitions, selected_job
+
+    job = selected_job(build_definitions(_resources(landing, out)), ["raw_logs", "cleaned_logs", "validated_preferences"])
     with tempfile.TemporaryDirectory() as home, dg.DagsterInstance.local_temp(home) as instance:
         instance.add_dynamic_partitions("log_drops", [DROP])
         start = time.perf_counter()
@@ -57,6 +64,23 @@ def run_assets(landing: str, out: str) -> dict:
     return {"work_seconds": seconds, "validated": meta}
 
 
+def run_assets_before(landing: str, out: str) -> dict:
+    """The unpartitioned two-stage data assets of the code before log drops (``--baseline``)."""
+    import dagster as dg
+
+    from batchrl.definitions import build_definitions, execute_assets
+
+    with tempfile.TemporaryDirectory() as home, dg.DagsterInstance.local_temp(home) as instance:
+        defs = build_definitions(_resources(landing, out))
+        start = time.perf_counter()
+        result = execute_assets(defs, instance, ["raw_logs", "cleaned_logs", "validated_preferences"])
+        seconds = time.perf_counter() - start
+        assert result.success, [e.message for e in result.all_events if e.is_failure]
+        meta = instance.get_latest_materialization_event(dg.AssetKey("validated_preferences")).asset_materialization
+    return {"work_seconds": seconds, "validated": {k: meta.metadata[k].value for k in
+                                                  ("rows_in", "valid", "quarantined", "duplicates")}}
+
+
 def run_library(landing: str, out: str) -> dict:
     from batchrl.ingest import IngestConfig, discover_inputs, ingest_logs
 
@@ -66,16 +90,17 @@ def run_library(landing: str, out: str) -> dict:
             "validated": {k: getattr(valid, k) for k in ("rows_in", "valid", "quarantined", "duplicates")}}
 
 
-CONTENDERS = {"assets": run_assets, "library": run_library}
-PRELOAD = {"assets": ["batchrl.definitions"], "library": ["batchrl.ingest"]}
+CONTENDERS = {"assets": run_assets, "library": run_library, "before": run_assets_before}
+PRELOAD = {"assets": ["batchrl.definitions"], "library": ["batchrl.ingest"], "before": ["batchrl.definitions"]}
 
 
-def measure(name: str, landing: str, size: int) -> dict:
+def measure(name: str, landing: str, size: int, baseline: str | None) -> dict:
     out = os.path.join(OUT, f"run_{name}")
     shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, PYTHONPATH=baseline) if name == "before" else None
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", name, "--landing", landing, "--out", out],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     shutil.rmtree(out, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,6 +115,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--only", default="assets,library")
+    ap.add_argument("--baseline", help="PYTHONPATH entry holding `batchrl` as it was before log drops: adds the "
+                                       "contender `before` (its two-stage, unpartitioned data assets)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--landing")
@@ -111,10 +138,10 @@ def main() -> None:
         generate(src, args.rows)
     size = os.path.getsize(src)
     print(f"input {src}: {args.rows} rows, {size / 1e6:.0f} MB; load before: {os.getloadavg()}", flush=True)
-    runs: dict[str, list] = {name: [] for name in args.only.split(",")}
+    runs: dict[str, list] = {name: [] for name in args.only.split(",") + (["before"] if args.baseline else [])}
     for _ in range(args.repeat):
         for name in runs:
-            r = measure(name, landing, size)
+            r = measure(name, landing, size, args.baseline)
             runs[name].append(r)
             print(f"{name:8s} process {r['seconds']:6.2f}s {r['mb_s']:6.1f} MB/s | work {r['work_seconds']:6.2f}s "
                   f"{r['work_mb_s']:6.1f} MB/s | {r['validated']}", flush=True)

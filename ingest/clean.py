@@ -1,7 +1,6 @@
 """clean_logs: inputs -> cleaned.parquet (contract columns + metadata + lineage) + quarantine.parquet."""
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +9,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import pyarrow as pa
 
 from batchrl.ingest.config import IngestConfig, StageReport
-from batchrl.ingest.discover import InputFile, file_sha256
+from batchrl.ingest.discover import InputFile, OrderedDigest, file_sha256
 from batchrl.ingest.faults import READ_ERRORS, FileFault, describe, with_file_policy
 from batchrl.ingest.readers import jsonl_reader, structured_batches
 from batchrl.ingest.records import ExtraFieldCounter, Reject, rows_to_table
@@ -64,7 +63,7 @@ def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table
     if file.format == "jsonl":
         reader = jsonl_reader(file, cfg, extras)
         if digests is not None and not file.sha256:
-            reader.digest = hashlib.sha256()  # the one read hashes the file too
+            reader.digest = OrderedDigest()  # the one read hashes the file too
         blocks = ordered_map(lambda block: [finish(t, r) for t, r in reader.process(*block)], reader.blocks(),
                              cfg.threads)
         for results in blocks:

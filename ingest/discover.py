@@ -103,6 +103,26 @@ def file_sha256(file: InputFile, storage_options: dict | None = None) -> str:
     return _sha256(*filesystem_for(file.uri, storage_options))
 
 
+class OrderedDigest:
+    """sha256 of bytes fed in order, updated on a thread of its own: the reader pays one copy per
+    chunk, not the hash (hashlib drops the GIL on large buffers). ``hexdigest`` waits for the rest."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._sha, self._pool, self._pending = hashlib.sha256(), ThreadPoolExecutor(1), []
+
+    def update(self, data) -> None:
+        self._pending = [f for f in self._pending if not f.done()]
+        if len(self._pending) > 2:  # at most a few chunks in memory
+            self._pending.pop(0).result()
+        self._pending.append(self._pool.submit(self._sha.update, bytes(data)))  # one worker: in order
+
+    def hexdigest(self) -> str:
+        self._pool.shutdown(wait=True)
+        return self._sha.hexdigest()
+
+
 class Digesting(io.RawIOBase):
     """A read-through tap: every stored byte read (before decompression) also updates ``digest``, so a
     file read once from start to end is hashed in the same pass (``digest`` holds its sha256 at EOF)."""
