@@ -24,6 +24,7 @@ DPO_VARIANTS = {  # cumulative: each adds one change to the one before
     "zero0": dict(zero_stage=0),
     "bf16_amp": dict(precision="bf16_amp"),
     "compile": dict(torch_compile=True),
+    "compile_zero2_bf16": dict(zero_stage=2, precision="bf16"),
 }
 
 
@@ -129,7 +130,7 @@ def part_dpo(args, variant: str, peak_gib, reset_peak, profile: bool = False) ->
     prep = json.load(open(f"{WORK}/prepare.json"))
     cfg = DPOConfig(micro_batch_size=args.batch, grad_accum=1, lr=1e-6, max_length=args.seq, epochs=1, beta=0.1,
                     **variant_config(variant))
-    margin_s = []
+    margin_s, margin_end = [], []
     timed_margin = dpo.mean_margin
 
     def margin(*a, **kw):  # the trainer's before/after metric passes: timed, kept out of the train figure
@@ -138,9 +139,21 @@ def part_dpo(args, variant: str, peak_gib, reset_peak, profile: bool = False) ->
         result = timed_margin(*a, **kw)
         _sync()
         margin_s.append(time.perf_counter() - t)
+        margin_end.append(time.perf_counter())
         return result
 
     dpo.mean_margin = margin
+    save_s = []
+    timed_save = dpo.TrainLoop.save
+
+    def save(self):  # the final resume checkpoint (weights, fp32 master, optimizer state): timed apart
+        _sync()
+        t = time.perf_counter()
+        path = timed_save(self)
+        save_s.append(time.perf_counter() - t)
+        return path
+
+    dpo.TrainLoop.save = save
     report, stamps, prof = _clock(args, profile)
     reset_peak(args.device)
     t = time.perf_counter()
@@ -149,13 +162,16 @@ def part_dpo(args, variant: str, peak_gib, reset_peak, profile: bool = False) ->
     job_s = time.perf_counter() - t
     tokens_step = 2 * args.batch * args.seq
     steady_s, steady_tps = _steady(stamps, tokens_step)
-    train_s = result["wall_s"] - margin_s[0]
+    train_s = result["wall_s"] - margin_s[0] - sum(save_s)  # steps only, as TRL's train() with save "no"
     tokens_epoch = args.pairs * 2 * args.seq
     out = {"variant": variant, "config": variant_config(variant), "steps": result["global_step"],
            "steady_step_s": steady_s, "steady_tokens_per_s": steady_tps, "train_loop_s": train_s,
            "epoch_tokens_per_s_train_only": tokens_epoch / train_s,
            "epoch_tokens_per_s_with_ref_pass": tokens_epoch / (train_s + prep["reference_pass_bfloat16_s"]),
-           "margin_pass_s": margin_s, "job_s_incl_load_init_export": job_s, "peak_gib": peak_gib(args.device),
+           "margin_pass_s": margin_s, "checkpoint_save_s": save_s, "job_s_incl_load_init_export": job_s,
+           # [step, seconds after the loop started] of the first metrics read
+           "first_read": [stamps[0][0], stamps[0][1] - margin_end[0]] if stamps else None,
+           "peak_gib": peak_gib(args.device),
            "final_loss": result["final"].get("loss")}
     if "done" in prof:  # the profiled steps run slower: this part's timings are not the variant's figures
         out["profile"] = profile_breakdown(prof["prof"], prof["done"], os.environ.get("OUT", "/tmp"), variant)
@@ -177,7 +193,8 @@ def profile_breakdown(prof, steps: int, out_dir: str, variant: str) -> dict:
     kernels = []
     for ev in events:
         dev_us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
-        if dev_us <= 0 or ev.key.startswith("batchrl/"):
+        # kernels only (an aten op's self device time repeats its kernels'; annotations span them)
+        if dev_us <= 0 or "CUDA" not in str(ev.device_type) or ev.key.startswith(("batchrl/", "aten::")):
             continue
         name = ev.key.lower()
         cat = next((c for c, keys in cats.items() if any(k in name for k in keys)), "other")
