@@ -114,7 +114,13 @@ def _fresh(name: str) -> str:
 
 
 def _steady(stamps, tokens_per_step):
-    (s0, t0), (s1, t1) = stamps[0], stamps[-1]
+    """Seconds per step between the first and the last metrics read (one read reports several steps:
+    each read's time belongs to its last step)."""
+    last_step_at = {}
+    for step, t in stamps:
+        last_step_at[t] = max(step, last_step_at.get(t, step))
+    reads = sorted((step, t) for t, step in last_step_at.items())
+    (s0, t0), (s1, t1) = reads[0], reads[-1]
     if s1 == s0:
         return float("nan"), float("nan")
     step_s = (t1 - t0) / (s1 - s0)

@@ -220,8 +220,12 @@ def token_logprobs_from_hidden(
         raise ValueError("chunk_size must be > 0")
     if temperature <= 0:
         raise ValueError("temperature must be > 0")
-    if hidden.dtype != lm_head_weight.dtype:
+    if hidden.dtype != lm_head_weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
         raise ValueError(f"hidden is {hidden.dtype} but lm_head_weight is {lm_head_weight.dtype}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the LM head matmul in the autocast dtype, as nn.Linear would run
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, lm_head_weight = hidden.to(dtype), lm_head_weight.to(dtype)
     lead_shape = labels.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).to(torch.long)

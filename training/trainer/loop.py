@@ -141,8 +141,7 @@ class TrainLoop:
             self._grad_norm = None
             if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure it here
                 grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-                self._grad_norm = torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                self._grad_norm = torch.nn.utils.get_total_norm(grads)  # foreach kernels, no host sync
         with torch.profiler.record_function("batchrl/optimizer_step"):
             self.engine.step()
         if boundary and self._grad_norm is None:
