@@ -1,4 +1,5 @@
-"""Data assets: per log drop, landing logs → cleaned → validated preference pairs in one pass; the\ntraining window over the drops; scored logs → pairs."""
+"""Data assets: per log drop, landing logs → cleaned → validated preference pairs in one pass; the
+training window over the drops; scored logs → pairs."""
 
 import json
 import os
@@ -118,6 +119,8 @@ def _drop_gate(storage: StorageResource, ref: dict) -> bool:
 
 
 class WindowConfig(dg.Config):
+    """Which log drops the training stages read (``preference_window``)."""
+
     last_drops: int = pydantic.Field(0, ge=0, description=(
         "How many of the latest log drops the training stages read: 0 = every drop (the default)."))
 
