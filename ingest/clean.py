@@ -88,6 +88,13 @@ def clean_logs(inputs: list[InputFile], out_dir: str | None, cfg: IngestConfig |
     return with_file_policy(inputs, cfg, lambda bad: clean_files(inputs, bad, out_dir, cfg, on_batch, then))
 
 
+def _sha256_or_empty(file: InputFile, cfg: IngestConfig) -> str:
+    try:
+        return file_sha256(file, cfg.storage_options)
+    except READ_ERRORS:
+        return ""
+
+
 def _batches(file: InputFile, cfg: IngestConfig, then, keep_rows: bool, extras: ExtraFieldCounter,
              digests: dict[str, str]):
     """``cleaned_batches``, with a read failure turned into a ``FileFault`` naming the file."""
@@ -120,6 +127,8 @@ def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | Non
         for file in inputs:
             report.bytes_in += file.size
             if file.uri in bad:
+                if not file.sha256:  # recorded as one bad_file row: still named by its hash when readable
+                    digests[file.uri] = _sha256_or_empty(file, cfg)
                 batches = [(rows_to_table([], [], file.uri, cfg.kind), [Reject("bad_file", bad[file.uri], 0, "")],
                             None)]
             else:
