@@ -20,10 +20,24 @@ from batchrl.lineage import code_version  # noqa: F401  (the assets import it fr
 from batchrl.lineage_record import lineage_record
 from batchrl.redact import redact
 from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources.artifacts import FILES_KEY, Artifact
 
 
 def as_ref(value: ArtifactRef | dict) -> ArtifactRef:
+    if isinstance(value, Artifact):
+        return value.ref
     return value if isinstance(value, ArtifactRef) else ArtifactRef(**value)
+
+
+def declared_files(**roles: str) -> dict[str, dict[str, str]]:
+    """Asset metadata naming the files of the artifact it publishes (``role=file name``), once: the asset
+    writes them through :func:`output_file`, and consumers open them as ``artifact.file(role)``."""
+    return {FILES_KEY: roles}
+
+
+def output_file(context: dg.AssetExecutionContext, staging: str, role: str = "table") -> str:
+    """Where in ``staging`` this asset writes the file it declared for ``role``."""
+    return os.path.join(staging, context.assets_def.metadata_by_key[context.asset_key][FILES_KEY][role])
 
 
 def publish(
