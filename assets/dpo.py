@@ -6,6 +6,7 @@ from typing import Literal
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.ingest import IngestConfig
@@ -17,9 +18,9 @@ DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
 
 
 class ReferenceConfig(dg.Config):
-    max_length: int = 256
-    batch_size: int = 16
-    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
+    max_length: int = Field(256, description="tokens per prompt + completion")
+    batch_size: int = Field(16, description="pairs per forward pass")
+    dtype: str = Field("auto", description="auto = bfloat16 on GPU, float32 on CPU")
 
 
 class DPOPairsConfig(dg.Config):
@@ -28,10 +29,11 @@ class DPOPairsConfig(dg.Config):
     pairs path and its contract) or ``both``. ``min_margin``: best − worst reward needed for a pair;
     ``max_logged_pairs``: cap on the logged pairs taken (a seeded sample; all when unset)."""
 
-    source: Literal["logged", "self", "both"] = "logged"
-    min_margin: float = 0.5
-    max_logged_pairs: int | None = None
-    seed: int = 0
+    source: Literal["logged", "self", "both"] = Field("logged", description="logged: validated_preferences; self: "
+                                                      "best vs worst of the policy's scored samples; both")
+    min_margin: float = Field(0.5, description="self: best - worst reward needed for a pair")
+    max_logged_pairs: int | None = Field(None, description="a seeded sample of this many logged pairs (all when unset)")
+    seed: int = Field(0, description="seed of the logged-pairs sample")
 
 
 def _pair_ids(pairs: pd.DataFrame) -> pd.Series:

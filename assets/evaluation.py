@@ -4,7 +4,7 @@ import json
 import os
 
 import dagster as dg
-import pandas as pd
+from pydantic import Field
 
 from batchrl import fsutil
 from batchrl.assets.common import code_version, publish
@@ -18,11 +18,12 @@ class EvaluationConfig(dg.Config):
     """Greedy evaluation on the held-out prompts. ``reward``: what counts as correct (a registered
     reward: ``arith_exact`` = first integer, ``final_answer`` = the final number / after ``####``)."""
 
-    max_new_tokens: int = 12
-    reward: str = "arith_exact"
-    max_eval_prompts: int | None = None
-    num_examples: int = 3
-    seed: int = 0
+    max_new_tokens: int = Field(12, description="greedy decoding length per answer")
+    reward: str = Field("arith_exact", description="the registered reward that decides correct (e.g. arith_exact, "
+                        "final_answer)")
+    max_eval_prompts: int | None = Field(None, description="evaluate the first N held-out prompts (all when unset)")
+    num_examples: int = Field(3, description="sample answers per model shown in the UI")
+    seed: int = Field(0, description="seed of evaluation's sampling")
 
 
 @dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig), kinds={"pytorch"})

@@ -5,6 +5,7 @@ import shutil
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
 from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish, work_dir
 from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
@@ -16,13 +17,14 @@ class BaseModelConfig(dg.Config):
     file path, or ``distribution:relative/path`` inside an installed package, converted once into a
     cached HF folder), or neither: the tiny default built offline from the data (dims below)."""
 
-    model_path: str | None = None
-    gguf_file: str | None = None
-    vocab_size: int = 1024
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    num_layers: int = 4
-    seed: int = 0
+    model_path: str | None = Field(None, description="an HF causal-LM folder to use as the base model")
+    gguf_file: str | None = Field(None, description="a GGUF file (path or distribution:relative/path in an "
+                                  "installed package), converted once into a cached HF folder")
+    vocab_size: int = Field(1024, description="tiny default: BPE vocabulary size")
+    hidden_size: int = Field(256, description="tiny default: hidden size")
+    intermediate_size: int = Field(512, description="tiny default: MLP size")
+    num_layers: int = Field(4, description="tiny default: transformer layers")
+    seed: int = Field(0, description="tiny default: seed of the weights' initialisation")
 
 
 RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")

@@ -32,7 +32,8 @@ class PromptsConfig(dg.Config):
     """``field_mapping``: ``{source field (dotted path into nested records): prompt field}``, e.g. verl
     Parquet ``{"reward_model.ground_truth": "answer"}``, GSM8K ``{"question": "prompt"}``."""
 
-    field_mapping: dict[str, str] = Field(default_factory=dict)
+    field_mapping: dict[str, str] = Field(default_factory=dict, description="{source field (dotted path into "
+                                          "nested records): prompt field}")
 
 
 class RolloutConfig(dg.Config):
@@ -40,10 +41,11 @@ class RolloutConfig(dg.Config):
     base model itself when the chain is new); "base" always samples from the base model.
     ``max_prompts``: a sample of that many prompts drawn with ``seed`` (all prompts when unset)."""
 
-    policy: str = "latest"
-    samples_per_prompt: int = 8
-    max_prompts: int | None = None
-    seed: int = 0
+    policy: str = Field("latest", description="latest: the promoted checkpoint of this base model's chain (the base "
+                        "model on a new chain); base: always the base model")
+    samples_per_prompt: int = Field(8, description="sampled responses per prompt (a group, for GRPO/RLOO)")
+    max_prompts: int | None = Field(None, description="a seeded sample of this many prompts (all when unset)")
+    seed: int = Field(0, description="seed of the prompt sample and of sampling")
     greedy_baseline: bool = Field(False, description="also decode one greedy response per prompt; its reward "
                                   "becomes the prompt's baseline (ReMax, advantages.estimator: remax)")
 
