@@ -74,8 +74,7 @@ def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
     return [key.to_user_string() for key in keys] if keys else None
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", "batchrl.assets.policy_chain",
-                                                    config=RolloutConfig),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", config=RolloutConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN}, metadata=declared_files(table="rollouts.parquet"))
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: Artifact, base_model: Artifact,
              promoted_policy: Optional[Artifact], rollout_engine: RolloutEngineResource,
@@ -164,8 +163,7 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
                                  "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos",
-                                                    "batchrl.assets.policy_chain"),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos"),
           kinds={"deepspeed"}, ins={"promoted_policy": PROMOTED_POLICY_IN})
 def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: Artifact,
                       rollouts: Artifact, base_model: Artifact, promoted_policy: Optional[Artifact],
