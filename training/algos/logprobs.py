@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from batchrl.training.algos import triton_logprobs
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -75,9 +77,18 @@ class _ChunkedLMHeadLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy):
         ctx.set_materialize_grads(False)
         n_rows = hidden.shape[0]
-        buffers = _ChunkBuffers(hidden, weight, chunk_size, 2 if with_entropy else 1)
         valid = labels >= 0
         safe_labels = labels.clamp_min(0)
+        ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
+        ctx.triton = triton_logprobs.available(hidden)
+        if ctx.triton:
+            logprobs, lse, entropy = _triton_forward(hidden, weight, safe_labels, chunk_size, temperature, with_entropy)
+            logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
+            ctx.save_for_backward(hidden, weight, safe_labels, valid, lse, entropy)
+            if not with_entropy:
+                ctx.mark_non_differentiable(entropy)
+            return logprobs, entropy
+        buffers = _ChunkBuffers(hidden, weight, chunk_size, 2 if with_entropy else 1)
         logprobs = torch.empty(n_rows, dtype=buffers.compute_dtype, device=hidden.device)
         lse = torch.empty_like(logprobs)
         entropy = torch.empty(n_rows if with_entropy else 0, dtype=buffers.compute_dtype, device=hidden.device)
@@ -98,7 +109,6 @@ class _ChunkedLMHeadLogProbs(torch.autograd.Function):
             logprobs[rows] = target - lse[rows]
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
         ctx.save_for_backward(hidden, weight, safe_labels, valid, lse, entropy)
-        ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -113,6 +123,9 @@ class _ChunkedLMHeadLogProbs(torch.autograd.Function):
         work_dtype = lse.dtype
         grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(work_dtype)
         grad_logprobs = torch.where(valid, grad_logprobs, torch.zeros_like(lse))
+        if ctx.triton:
+            return (*_triton_backward(ctx, hidden, weight, labels, lse, entropy, grad_logprobs,
+                                      grad_entropy if use_entropy else None), None, None, None, None)
         buffers = _ChunkBuffers(hidden, weight, ctx.chunk_size, 2 if use_entropy else 1)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=work_dtype, device=weight.device) if need_weight else None
@@ -139,6 +152,54 @@ class _ChunkedLMHeadLogProbs(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def _triton_forward(hidden, weight, labels, chunk_size, temperature, with_entropy):
+    """Forward on GPUs: each chunk's logits from one cuBLAS matmul in the inputs' dtype, then one
+    Triton pass per row for log-sum-exp, the label's logit and (optionally) entropy."""
+    n_rows = hidden.shape[0]
+    lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
+    target = torch.empty_like(lse)
+    entropy = torch.empty(n_rows if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+    buffer = torch.empty((min(chunk_size, n_rows), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, n_rows, chunk_size):
+        rows = slice(start, min(start + chunk_size, n_rows))
+        logits = torch.matmul(hidden[rows], weight.t(), out=buffer[: rows.stop - start])
+        lse[rows], target[rows], ent = triton_logprobs.forward_rows(logits, labels[rows], temperature, with_entropy)
+        if with_entropy:
+            entropy[rows] = ent
+    return target - lse, lse, entropy
+
+
+def _triton_backward(ctx, hidden, weight, labels, lse, entropy, grad_logprobs, grad_entropy):
+    """Backward on GPUs: recompute each chunk's logits, overwrite them with dL/dz in one Triton pass,
+    then two cuBLAS matmuls in the inputs' dtype; the weight gradient of several chunks is summed
+    in float32."""
+    need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    n_rows, chunk = hidden.shape[0], ctx.chunk_size
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = None
+    buffer = torch.empty((min(chunk, n_rows), weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+    for start in range(0, n_rows, chunk):
+        rows = slice(start, min(start + chunk, n_rows))
+        logits = torch.matmul(hidden[rows], weight.t(), out=buffer[: rows.stop - start])
+        grad_logits = triton_logprobs.backward_rows_(
+            logits, labels[rows], lse[rows], grad_logprobs[rows], ctx.temperature,
+            entropy[rows] if grad_entropy is not None else None,
+            grad_entropy[rows] if grad_entropy is not None else None)
+        if need_hidden:
+            torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+        if need_weight:
+            part = grad_logits.t() @ hidden[rows]
+            if n_rows <= chunk:
+                grad_weight = part
+            elif grad_weight is None:
+                grad_weight = part.float()
+            else:
+                grad_weight += part
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight
 
 
 def token_logprobs_from_hidden(
