@@ -1,5 +1,5 @@
-"""GPU benchmark: batchrl's DPO step (DeepSpeed ZeRO-2 bf16) against TRL's DPOTrainer, and the
-chunked LM-head log-probs against the naive full-logits path, side by side in one run.
+"""GPU benchmark: batchrl's trainer jobs (DPO per trainer variant, reward model, policy update) against
+TRL's DPOTrainer, and the chunked LM-head log-probs against the naive full-logits path, in one run.
 
 Model: Qwen2-0.5B shape with random weights (hidden 896, 24 layers, 14/2 heads, vocab 151936, tied
 embeddings), pairs of 512 prompt + 512 completion tokens, 8 pairs (16 rows) per step, bf16.
@@ -7,11 +7,14 @@ Tokens per step = 2 x pairs x seq. Each part runs in its own subprocess (clean p
 own process group, one failure does not stop the rest); results go to $OUT/gpu_bench.json.
 
 Parts:
-  logprobs  token_logprobs_from_hidden (chunked) vs lm_head + token_logprobs_from_logits, fwd+bwd,
-            batch 16 x 1024 x 151936: peak CUDA memory above the inputs, time, max abs differences.
-  batchrl   reference pass as the reference_logprobs asset does it (fp32 model, full logits,
-            16 pairs a batch; also timed in bf16), then one DPO epoch per log-prob variant on one
-            engine from ``engine.init_deepspeed`` (ZeRO-2, bf16, torch AdamW), dpo_loss sigmoid.
+  logprobs  token_logprobs_from_hidden (chunked; Triton row kernels on GPUs) vs lm_head +
+            token_logprobs_from_logits, fwd+bwd, batch 16 x 1024 x 151936: peak memory, time, max |diff|.
+  prepare   model folder, pairs and the reference pass (bench_gpu_train.prepare; bf16 and fp32, timed).
+  dpo_<v>   batchrl's real ``train_dpo`` job per trainer variant (bench_gpu_train.DPO_VARIANTS, cumulative:
+            baseline = last session's trainer, then fused log-probs, no host syncs, ZeRO-0, bf16 autocast,
+            torch.compile), one epoch each.
+  profile_<v>  torch profile of the steady DPO step of variant v (GPU time per kernel category and phase).
+  reward_model, policy  the same trainer's RM and policy-update jobs with the fastest DPO variant.
   trl_*     TRL DPOTrainer (precompute_ref_log_probs / default; TRL's defaults include gradient
             checkpointing and its fused chunked LM head; ``_nogc``: precompute without checkpointing),
             one epoch; the constructor (which runs TRL's reference precompute) and train() are timed
@@ -37,7 +40,12 @@ import time
 import traceback
 
 VOCAB, HIDDEN = 151936, 896
-PARTS = ("logprobs", "batchrl", "trl_precompute", "trl_default", "trl_precompute_nogc")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gpu_train as train_parts  # noqa: E402  (batchrl's trainer parts)
+
+PARTS = ("logprobs", "prepare", *(f"dpo_{v}" for v in train_parts.DPO_VARIANTS), "profile_baseline",
+         "profile_best", "reward_model", "policy", "trl_precompute", "trl_precompute_nogc", "trl_default")
+DEFAULT_PARTS = tuple(p for p in PARTS if p != "trl_default")
 ANCHORS_K = {"trl_precompute_epoch": 64.7, "trl_default_epoch": 34.9, "eager_torch_dpo_step": 59.5,
              "deepspeed_zero2_sft_step": 85.8}
 
@@ -153,112 +161,6 @@ def part_logprobs(args) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------------ batchrl
-def random_items(args, vocab):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    half = args.seq // 2
-    draw = lambda: rng.integers(10, vocab, half).tolist()
-    return [{"chosen_prompt": p, "rejected_prompt": p, "chosen": draw(), "rejected": draw()}
-            for p in (draw() for _ in range(args.pairs))]
-
-
-def part_batchrl(args) -> dict:
-    import torch
-
-    from batchrl.training.algos import dpo_loss, preference_metrics, token_logprobs_from_hidden
-    from batchrl.training.trainer.batching import completion_logprobs, pair_batch, to_device
-    from batchrl.training.trainer.config import DPOConfig
-    from batchrl.training.trainer.engine import init_deepspeed
-
-    dev, B, pad_id = args.device, args.batch, 0
-    items = random_items(args, model_config(args.tiny).vocab_size)
-    tokens_epoch = args.pairs * 2 * args.seq
-    out: dict = {"pairs": args.pairs, "batch_pairs": B, "seq": args.seq}
-
-    # reference pass as reference.compute_reference_logprobs runs it: fp32 weights, 16 pairs a batch
-    ref = make_model(args).eval()
-    ref_c, ref_r = torch.empty(args.pairs), torch.empty(args.pairs)
-    for dtype_name in ("fp32", "bf16"):
-        if dtype_name == "bf16":
-            ref = ref.to(torch.bfloat16)
-        reset_peak(dev)
-        sync(dev); t = time.perf_counter()
-        with torch.no_grad():
-            for start in range(0, args.pairs, 16):
-                chunk = items[start:start + 16]
-                logps = completion_logprobs(ref, to_device(pair_batch(chunk, pad_id), dev)).sum(-1).float().cpu()
-                if dtype_name == "fp32":  # the asset's values are what DPO trains against
-                    ref_c[start:start + len(chunk)], ref_r[start:start + len(chunk)] = logps[:len(chunk)], logps[len(chunk):]
-        sync(dev)
-        out[f"reference_pass_{dtype_name}_s"] = time.perf_counter() - t
-        out[f"reference_pass_{dtype_name}_peak_gib"] = peak_gib(dev)
-        print("batchrl reference pass", dtype_name, out[f"reference_pass_{dtype_name}_s"], flush=True)
-    del ref
-    reset_peak(dev)
-
-    cfg = DPOConfig(micro_batch_size=B, grad_accum=1, zero_stage=2, precision="bf16", lr=1e-6,
-                    max_length=args.seq, epochs=1, beta=0.1, loss_type="sigmoid")
-    engine = init_deepspeed(make_model(args), cfg)
-    out["engine"] = {"class": type(engine).__name__, "zero_stage": engine.zero_optimization_stage(),
-                     "bf16": bool(engine.bfloat16_enabled()), "param_dtype": str(next(engine.module.parameters()).dtype),
-                     "optimizer": type(engine.optimizer).__name__}
-
-    def policy_logps(variant, batch):
-        if variant == "naive":  # what trainer/dpo.py runs today: full [2B, R+1, V] logits
-            return completion_logprobs(engine, batch).sum(-1)
-        chunk = int(variant.split("_")[1])
-        R = batch["responses"].shape[1]
-        hidden = engine.module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     position_ids=batch["position_ids"], use_cache=False).last_hidden_state
-        labels = batch["responses"].masked_fill(batch["response_mask"] == 0, -100)
-        return token_logprobs_from_hidden(hidden[:, -R - 1:-1], engine.module.lm_head.weight, labels,
-                                          chunk_size=chunk).sum(-1)
-
-    def step(variant, idx):
-        batch = to_device(pair_batch([items[i] for i in idx], pad_id), engine.device)
-        logps = policy_logps(variant, batch)
-        pc, pr = logps[:len(idx)], logps[len(idx):]
-        losses, rc, rr = dpo_loss(pc, pr, ref_c[idx].to(pc), ref_r[idx].to(pc), beta=cfg.beta, loss_type="sigmoid")
-        loss = losses.mean()
-        engine.backward(loss)
-        engine.step()
-        # the trainer reads these every step (host syncs included in the timing, as in training)
-        return {"loss": loss.item(), **{k: float(v) for k, v in preference_metrics(rc, rr).items()}}
-
-    variants = ["naive"] + [f"chunked_{cs}" for cs in args.chunk_sizes]
-    with torch.no_grad():  # same summed log-probs from both paths on the real (bf16) model
-        batch = to_device(pair_batch(items[:B], pad_id), engine.device)
-        naive, chunked = policy_logps("naive", batch), policy_logps(variants[-1], batch)
-        out["summed_logps_max_abs_diff_chunked_vs_naive"] = float((naive - chunked).abs().max())
-        out["summed_logps_mean_abs"] = float(naive.abs().mean())
-    steps = args.pairs // B
-    for i in range(2):  # engine warm-up (CUDA context, cuBLAS, optimizer state allocation), untimed
-        step("naive", list(range(i * B, (i + 1) * B)))
-    for variant in variants:
-        try:
-            reset_peak(dev)
-            stamps, first = [], None
-            sync(dev); t0 = time.perf_counter()
-            for s in range(steps):
-                first = step(variant, list(range(s * B, (s + 1) * B)))
-                sync(dev); stamps.append(time.perf_counter())
-            wall = stamps[-1] - t0
-            skip = min(10, steps // 2)
-            steady = (stamps[-1] - stamps[skip - 1]) / (steps - skip)
-            rec = {"epoch_train_s": wall, "steady_step_s": steady, "steady_tokens_per_s": 2 * B * args.seq / steady,
-                   "epoch_train_tokens_per_s": tokens_epoch / wall, "peak_gib": peak_gib(dev), "last_metrics": first}
-            for ref_kind in ("fp32", "bf16"):
-                rec[f"epoch_tokens_per_s_with_ref_{ref_kind}"] = tokens_epoch / (wall + out[f"reference_pass_{ref_kind}_s"])
-            out[variant] = rec
-        except Exception as e:  # record, keep the other variants
-            traceback.print_exc()
-            out[variant] = {"error": repr(e)[:500]}
-        print("batchrl", variant, out[variant], flush=True)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- TRL
 def part_trl(args, precompute: bool, checkpointing: bool = True) -> dict:
     import random
@@ -326,9 +228,18 @@ def part_trl(args, precompute: bool, checkpointing: bool = True) -> dict:
 
 # ------------------------------------------------------------------------------------------ driver
 def run_part(args) -> None:
-    fn = {"logprobs": part_logprobs, "batchrl": part_batchrl,
-          "trl_precompute": lambda a: part_trl(a, True), "trl_default": lambda a: part_trl(a, False),
-          "trl_precompute_nogc": lambda a: part_trl(a, True, checkpointing=False)}[args.part]
+    helpers = (peak_gib, reset_peak)
+    if args.part.startswith("dpo_"):
+        fn = lambda a: train_parts.part_dpo(a, args.part[4:], *helpers)
+    elif args.part.startswith("profile_"):
+        variant = args.best_variant if args.part == "profile_best" else args.part[8:]
+        fn = lambda a: train_parts.part_dpo(a, variant, *helpers, profile=True)
+    else:
+        fn = {"logprobs": part_logprobs, "prepare": lambda a: train_parts.prepare(a, model_config),
+              "reward_model": lambda a: train_parts.part_reward_model(a, *helpers),
+              "policy": lambda a: train_parts.part_policy(a, *helpers),
+              "trl_precompute": lambda a: part_trl(a, True), "trl_default": lambda a: part_trl(a, False),
+              "trl_precompute_nogc": lambda a: part_trl(a, True, checkpointing=False)}[args.part]
     try:
         result = fn(args)
     except Exception as e:
@@ -336,6 +247,13 @@ def run_part(args) -> None:
         result = {"error": repr(e)[:800]}
     with open(args.result, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def best_variant(res: dict) -> str:
+    """The DPO variant with the highest steady tokens/s so far (baseline when none ran)."""
+    scored = [(rec["steady_tokens_per_s"], name[4:]) for name, rec in res.items()
+              if name.startswith("dpo_") and isinstance(rec.get("steady_tokens_per_s"), (int, float))]
+    return max(scored)[1] if scored else "baseline"
 
 
 def environment() -> dict:
@@ -363,20 +281,20 @@ def summary(res: dict) -> str:
             lines.append(f"  {name:14s} {g(rec['fwd_bwd_peak_extra_gib'])} {rec['fwd_bwd_ms_median']:8.1f} "
                          f"{rec.get('max_abs_diff_vs_naive', 0.0):.2e}")
     lines.append("DPO: path | steady tok/s | epoch tok/s (ref pass counted) | epoch tok/s (train only) | peak GiB")
-    br = res.get("batchrl", {})
-    for name, rec in br.items():
-        if isinstance(rec, dict) and "steady_tokens_per_s" in rec:
-            lines.append(f"  batchrl {name:14s} {k(rec['steady_tokens_per_s'])} {k(rec['epoch_tokens_per_s_with_ref_fp32'])}"
-                         f" (bf16 ref {k(rec['epoch_tokens_per_s_with_ref_bf16'])}) {k(rec['epoch_train_tokens_per_s'])}"
-                         f" {g(rec['peak_gib'])}")
-    for name in PARTS[2:]:
-        rec = res.get(name, {})
-        if "steady_tokens_per_s" in rec:
+    for name, rec in res.items():
+        if name.startswith(("dpo_", "trl_")) and "steady_tokens_per_s" in rec:
             lines.append(f"  {name:22s} {k(rec['steady_tokens_per_s'])} {k(rec['epoch_tokens_per_s_with_ref_pass'])}"
-                         f"                  {k(rec['epoch_tokens_per_s_train_only'])} {g(rec['peak_gib'])}")
-    for part in PARTS:
-        if isinstance(res.get(part), dict) and "error" in res[part]:
-            lines.append(f"  {part} FAILED: {res[part]['error'][:300]}")
+                         f"  {k(rec['epoch_tokens_per_s_train_only'])} {g(rec['peak_gib'])}")
+    for name in ("reward_model", "policy"):
+        if "steady_tokens_per_s" in res.get(name, {}):
+            lines.append(f"  {name:22s} {k(res[name]['steady_tokens_per_s'])} steady, peak {g(res[name]['peak_gib'])} GiB")
+    for name, rec in res.items():
+        if name.startswith("profile_") and "profile" in rec:
+            lines.append(f"  {name}: GPU ms/step {rec['profile']['gpu_ms_per_step_total']:.1f} by category "
+                         + ", ".join(f"{c} {v:.1f}" for c, v in rec["profile"]["gpu_ms_per_step_by_category"].items()))
+    for part, rec in res.items():
+        if isinstance(rec, dict) and "error" in rec:
+            lines.append(f"  {part} FAILED: {rec['error'][:300]}")
     lines.append(f"anchors (k tokens/s): {ANCHORS_K}")
     return "\n".join(lines)
 
@@ -384,7 +302,10 @@ def summary(res: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=("all",) + PARTS, default="all")
-    p.add_argument("--parts", default=",".join(PARTS), help="with --part all: which parts, comma-separated")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS), help="with --part all: which parts, comma-separated")
+    p.add_argument("--profile-steps", type=int, default=10, help="steps inside the torch profile")
+    p.add_argument("--resume", action="store_true", help="add to the results of an earlier call on this machine")
+    p.add_argument("--best-variant", default="baseline", help=argparse.SUPPRESS)
     p.add_argument("--pairs", type=int, default=320, help="pairs per epoch (TRL anchor: 320)")
     p.add_argument("--batch", type=int, default=8, help="pairs per step (rows = 2x)")
     p.add_argument("--seq", type=int, default=1024, help="prompt + completion tokens (half each)")
@@ -405,22 +326,29 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     res: dict = {"environment": environment(), "argv": sys.argv[1:], "anchors_k_tokens_per_s": ANCHORS_K,
                  "tokens_per_step": 2 * args.batch * args.seq}
+    keep = os.path.join(train_parts.WORK, "gpu_bench.json")  # a second call on the same machine continues it
+    if args.resume and os.path.exists(keep):
+        res = {**json.load(open(keep)), "argv_resumed": sys.argv[1:]}
     print(json.dumps(res["environment"]), flush=True)
     forward = ["--pairs", str(args.pairs), "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps),
-               "--chunk-sizes", ",".join(map(str, args.chunk_sizes))] + (["--tiny"] if args.tiny else [])
+               "--chunk-sizes", ",".join(map(str, args.chunk_sizes)),
+               "--profile-steps", str(args.profile_steps)] + (["--tiny"] if args.tiny else [])
     for part in args.parts.split(","):
         result_file = tempfile.mktemp(suffix=f"-{part}.json")
+        extra = ["--best-variant", best_variant(res)]
         t = time.perf_counter()
         try:
-            subprocess.run([sys.executable, __file__, *forward, "--part", part, "--result", result_file],
+            subprocess.run([sys.executable, __file__, *forward, *extra, "--part", part, "--result", result_file],
                            timeout=args.part_timeout, check=False)
             with open(result_file) as f:
                 res[part] = json.load(f)
         except Exception as e:
             res[part] = {"error": repr(e)[:500]}
         res[part]["part_wall_s"] = time.perf_counter() - t
-        with open(os.path.join(out_dir, "gpu_bench.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        for path in (os.path.join(out_dir, "gpu_bench.json"), keep):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     print(summary(res), flush=True)
 

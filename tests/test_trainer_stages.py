@@ -117,3 +117,58 @@ def test_activation_checkpointing_and_fused_adamw_keep_the_curve(setup, tmp_path
     np.testing.assert_allclose(checkpointed["loss_curve"], plain["loss_curve"], atol=1e-6)
     np.testing.assert_allclose(fused["loss_curve"], plain["loss_curve"], atol=1e-5)
     assert plain["loss_curve"][-1] < plain["loss_curve"][0]
+
+
+def test_speed_options_keep_the_dpo_update(setup, tmp_path):
+    """Fused LM-head log-probs, length-grouped micro-batches and deferred metric reads change how the
+    step runs, not what it computes: the same curve (float rounding) and weights as the plain path."""
+    plain = DPOConfig(epochs=1, micro_batch_size=4, grad_accum=2, fused_logprobs=False, group_by_length=False,
+                      metrics_every=1)
+    seen = []
+    fast = plain.model_copy(update={"fused_logprobs": True, "group_by_length": True, "metrics_every": 3})
+    runs = {name: train_dpo(cfg, out_dir=str(tmp_path / name), report=(lambda m, s: seen.append(s))
+                            if name == "fast" else None, **setup["dpo"])
+            for name, cfg in (("plain", plain), ("fast", fast))}
+    np.testing.assert_allclose(runs["fast"]["loss_curve"], runs["plain"]["loss_curve"], atol=2e-5)
+    assert seen == list(range(1, runs["fast"]["global_step"] + 1))  # every step reported, in order
+    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / name / "model").state_dict() for name in runs]
+    assert max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0]) < 1e-4
+
+
+def test_length_grouping_cuts_padding():
+    from batchrl.training.trainer.batching import step_micro_batches
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 200, 64).tolist()
+    order = rng.permutation(64)
+    padded = {}
+    for grouped in (False, True):
+        batches = [mb for step in range(4) for mb in step_micro_batches(order, step, 4, 4, lengths if grouped else None)]
+        assert sorted(np.concatenate(batches).tolist()) == list(range(64))  # same examples, once each
+        padded[grouped] = sum(len(mb) * max(lengths[i] for i in mb) - sum(lengths[i] for i in mb) for mb in batches)
+        for step in range(4):  # a step keeps its own examples
+            mine = np.concatenate(step_micro_batches(order, step, 4, 4, lengths if grouped else None))
+            assert set(mine.tolist()) == set(order[step * 16:(step + 1) * 16].tolist())
+    assert padded[True] < 0.5 * padded[False]
+
+
+def test_compiled_layers_match_eager():
+    """Regional torch.compile of the decoder layers (``torch_compile: true``) captures the HF layer and
+    computes the same forward and gradients (aot_eager here: the graph capture without code generation)."""
+    from transformers import Qwen2Config
+
+    from batchrl.training.trainer.loop import compile_layers
+
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=50)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(cfg)
+    compiled = AutoModelForCausalLM.from_config(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_layers(compiled, backend="aot_eager") == 2
+    x = torch.randint(0, 50, (2, 12))
+    for model in (eager, compiled):
+        model(x).logits.float().pow(2).mean().backward()
+    assert torch.allclose(compiled(x).logits, eager(x).logits, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), name

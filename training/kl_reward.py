@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from batchrl.training.trainer.batching import pad_floats
 
 
 def reference_token_logprobs(model_path: str, table: pd.DataFrame, *, batch_size: int = 16,
@@ -42,20 +43,12 @@ def make_kl_controller(kind: str, kl_coef: float, *, target_kl: float = 0.1, hor
     raise ValueError(f"kl_ctrl must be 'fixed' or 'adaptive', got {kind!r}")
 
 
-def _pad(rows: list, width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        row = np.asarray(row, dtype=np.float32)[:width]
-        out[i, :len(row)] = torch.from_numpy(row)
-    return out
-
-
 def fold_kl_into_rewards(token_rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: list, ref_logprobs: list,
                          controller, kind: str = "kl") -> tuple[torch.Tensor, dict[str, Any]]:
     """Token rewards minus ``beta * kl`` and metrics: the mean KL, the beta applied and the
     controller's next value (after its update on this batch)."""
     width = token_rewards.shape[1]
-    rewards, metrics = apply_kl_penalty(token_rewards, _pad(old_logprobs, width), _pad(ref_logprobs, width),
+    rewards, metrics = apply_kl_penalty(token_rewards, pad_floats(old_logprobs, width), pad_floats(ref_logprobs, width),
                                         mask, controller, kind)
     return rewards, {"kl_in_reward": metrics["actor/reward_kl_penalty"],
                      "kl_coef_applied": metrics["actor/reward_kl_penalty_coeff"],

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from batchrl.training.algos import entropy_from_logits, token_logprobs_from_logits
+from batchrl.training.algos import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
 
 
 def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -38,10 +38,54 @@ def to_device(batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Te
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+def pad_floats(seqs: Sequence[Sequence[float]], width: int) -> torch.Tensor:
+    """Ragged float rows (per-token values) right-padded with 0 (and cut) to a float32 ``[B, width]``."""
+    out = torch.zeros(len(seqs), width, dtype=torch.float32)
+    for i, seq in enumerate(seqs):
+        seq = np.asarray(seq, dtype=np.float32)[:width]
+        out[i, :len(seq)] = torch.from_numpy(seq)
+    return out
+
+
+# tokens per LM-head chunk in the fused path: on GPUs one [rows, V] bf16 buffer (1.2 GiB at V=152k)
+FUSED_CHUNK_ROWS = 4096
+# config attributes that put a transform between the LM head and the softmax: those models take the naive path
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def fused_lm_head(model: Any):
+    """``(decoder, lm_head_weight)`` when log-probs can be taken from the decoder's hidden states
+    without the model's logits (a bias-free linear head, no logit transform, weights not
+    ZeRO-3-partitioned), else None. ``model`` is an HF causal LM or a DeepSpeed engine around one."""
+    hf = getattr(model, "module", model)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None
+    if hasattr(head.weight, "ds_id"):  # ZeRO-3: the weight is partitioned, only the module's forward gathers it
+        return None
+    if any(getattr(hf.config, name, None) not in (None, 1.0) for name in _LOGIT_TRANSFORMS):
+        return None
+    return hf.get_decoder(), head.weight
+
+
 def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperature: float = 1.0,
-                        with_entropy: bool = False):
-    """Per-token log-probs ``[B, R]`` of the completion tokens (0 on padding), optionally entropy."""
+                        with_entropy: bool = False, fused: bool = True):
+    """Per-token log-probs ``[B, R]`` of the completion tokens (0 on padding), optionally entropy.
+
+    ``fused`` (where ``fused_lm_head`` allows it): the LM head and log-softmax run chunk by chunk
+    (``token_logprobs_from_hidden``; Triton row kernels on GPUs), so the ``[B, R, V]`` float32
+    logits are never built; else the model's logits are taken (the naive path, same values up to
+    float rounding)."""
     R = batch["responses"].shape[1]
+    parts = fused_lm_head(model) if fused else None
+    if parts is not None:
+        decoder, weight = parts
+        hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+        labels = batch["responses"].masked_fill(batch["response_mask"] == 0, -100)
+        out = token_logprobs_from_hidden(hidden[:, -R - 1:-1], weight, labels, temperature=temperature,
+                                         with_entropy=with_entropy, chunk_size=FUSED_CHUNK_ROWS)
+        return out
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], logits_to_keep=R + 1, use_cache=False)
     logits = out.logits[:, :-1].float()
@@ -90,12 +134,28 @@ def steps_per_epoch(n: int, micro_batch_size: int, grad_accum: int) -> int:
     return max(1, n // (micro_batch_size * grad_accum * world()[1]))
 
 
-def step_micro_batches(order: np.ndarray, step: int, micro_batch_size: int, grad_accum: int) -> list[np.ndarray]:
+def step_micro_batches(order: np.ndarray, step: int, micro_batch_size: int, grad_accum: int,
+                       lengths: Sequence[int] | None = None) -> list[np.ndarray]:
     """This rank's ``grad_accum`` micro-batches of optimiser step ``step``: the global batch
     ``order[step·G : (step+1)·G]`` (G = micro · accum · world) is cut into one contiguous slice
-    per rank, so ranks see disjoint data and one process sees the whole batch."""
+    per rank, so ranks see disjoint data and one process sees the whole batch.
+
+    With ``lengths`` (tokens per example) the global batch is sorted by length and cut into
+    micro-batches of similar lengths (less padding), dealt to the ranks in turn (micro-batch k to rank
+    k mod N: every rank gets short and long ones). The micro-batches are the same on 1 or N ranks and
+    the step sees the same examples (for a per-example mean loss the same update up to rounding)."""
     rank, size = world()
     per_rank = micro_batch_size * grad_accum
+    if lengths is not None:
+        batch = order[step * per_rank * size:(step + 1) * per_rank * size]
+        batch = batch[np.argsort([lengths[i] for i in batch], kind="stable")]
+        return [batch[i:i + micro_batch_size] for i in range(0, len(batch), micro_batch_size)][rank::size]
     start = step * per_rank * size + rank * per_rank
     mine = order[start:start + per_rank]
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
+    """Indices in batches of similar length (for passes without gradients; callers restore order)."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]

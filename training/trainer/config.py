@@ -36,10 +36,21 @@ class TrainerConfig(BaseModel):
                                          "~1/3 more compute")
     fused_optimizer: bool | None = Field(None, description="fused AdamW kernel; None = fused on GPUs, the "
                                          "per-parameter loop on CPU (bitwise-stable resume)")
+    fused_logprobs: bool = Field(True, description="LM head + log-softmax chunk by chunk from the hidden states "
+                                 "(Triton kernels on GPUs): no [batch, tokens, vocab] float32 logits; False = the "
+                                 "model's full logits")
+    group_by_length: bool = Field(True, description="sort each optimiser step's examples by length before cutting "
+                                  "micro-batches (less padding; same examples per step)")
+    metrics_every: int = Field(10, ge=1, description="optimiser steps between host reads of the metrics (kept on "
+                               "the device in between: no host sync inside a step); every step is still recorded")
+    torch_compile: bool = Field(False, description="compile each decoder layer with torch.compile (fuses norms, "
+                                "rotary and activations; pays once at start)")
     # reproducibility / engine
     seed: int = 0
     zero_stage: Literal[0, 1, 2, 3] = 0
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 only takes effect on GPU
+    precision: Literal["fp32", "bf16", "bf16_amp"] = Field(
+        "fp32", description="GPU only (CPU stays fp32): bf16 = bf16 weights with DeepSpeed's fp32 master copy; "
+        "bf16_amp = fp32 weights, bf16 autocast compute, no second copy (TRL's layout)")
     num_gpus: int = Field(1, ge=1)  # >1: the job is started by the deepspeed launcher
     # checkpoints
     save_every: int = Field(0, ge=0)  # optimiser steps between checkpoints; 0 = only at the end
@@ -112,6 +123,8 @@ class PolicyConfig(TrainerConfig):
                            "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: float = 0.0
     ppo_epochs: int = Field(1, ge=1)
+    # token-mean losses weight tokens per micro-batch: regrouping would change the update, so off by default
+    group_by_length: bool = False
     temperature: float = Field(1.0, gt=0)
     # old log-probs: recompute under the current weights (exact on-policy ratio) or take the rollout
     # engine's with a truncated importance-sampling correction for the engine mismatch.

@@ -19,7 +19,8 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import compute_value_loss
-from batchrl.training.trainer.batching import epoch_order, pad_prompt_completion, step_micro_batches, to_device
+from batchrl.training.trainer.batching import (epoch_order, pad_floats, pad_prompt_completion, step_micro_batches,
+                                               to_device)
 from batchrl.training.trainer.config import PolicyConfig
 
 CRITIC_DIR = "critic"
@@ -82,14 +83,6 @@ def predict_values(critic_path: str, table: pd.DataFrame, *, batch_size: int = 1
     return out
 
 
-def _floats(seqs: list, width: int) -> torch.Tensor:
-    out = torch.zeros(len(seqs), width, dtype=torch.float32)
-    for i, seq in enumerate(seqs):
-        seq = np.asarray(seq, dtype=np.float32)[:width]
-        out[i, :len(seq)] = torch.from_numpy(seq)
-    return out
-
-
 def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, out_dir: str,
                  report=None) -> dict[str, Any]:
     """``cfg.ppo_epochs`` passes of the clipped value loss over ``rows`` (``prompt_ids``,
@@ -122,8 +115,8 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
                                                         [rows["response_ids"][i] for i in idx],
                                                         tokenizer.pad_token_id), engine.device)
                 mask, R = batch["response_mask"], batch["response_mask"].shape[1]
-                old = _floats([rows["values"][i] for i in idx], R).to(engine.device)
-                returns = _floats([rows["returns"][i] for i in idx], R).to(engine.device)
+                old = pad_floats([rows["values"][i] for i in idx], R).to(engine.device)
+                returns = pad_floats([rows["returns"][i] for i in idx], R).to(engine.device)
                 loss, metrics = compute_value_loss(value_predictions(engine, batch), old, returns, mask,
                                                    cliprange_value=cfg.cliprange_value,
                                                    loss_agg_mode=cfg.loss_agg_mode)

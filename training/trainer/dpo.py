@@ -20,10 +20,12 @@ from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
 
 
-def _pair_logps(model: Any, items: list[dict], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+def _pair_logps(model: Any, items: list[dict], pad_id: int, device, fused: bool = True) -> tuple[torch.Tensor, ...]:
     """Summed completion log-probs (chosen, rejected) and token counts for a list of pairs."""
-    batch = to_device(pair_batch(items, pad_id), device)
-    logps = completion_logprobs(model, batch).sum(-1)
+    with torch.profiler.record_function("batchrl/batch"):
+        batch = to_device(pair_batch(items, pad_id), device)
+    with torch.profiler.record_function("batchrl/forward"):
+        logps = completion_logprobs(model, batch, fused=fused).sum(-1)
     lengths = batch["response_mask"].sum(-1)
     n = len(items)
     return logps[:n], logps[n:], lengths[:n], lengths[n:]
@@ -44,13 +46,13 @@ def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
 
 @torch.no_grad()
 def mean_margin(model: Any, items: list[dict], ref_c: np.ndarray, ref_r: np.ndarray, pad_id: int,
-                device, batch_size: int = 32) -> dict[str, float]:
+                device, batch_size: int = 32, fused: bool = True) -> dict[str, float]:
     """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs."""
     was_training = model.training
     model.eval()
     margins = []
     for start in range(0, len(items), batch_size):
-        pc, pr, _, _ = _pair_logps(model, items[start:start + batch_size], pad_id, device)
+        pc, pr, _, _ = _pair_logps(model, items[start:start + batch_size], pad_id, device, fused)
         sl = slice(start, start + batch_size)
         margins.append((pc.double().cpu().numpy() - ref_c[sl]) - (pr.double().cpu().numpy() - ref_r[sl]))
     model.train(was_training)
@@ -75,36 +77,36 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     ref_c_t = torch.as_tensor(ref_c, dtype=torch.float32)
     ref_r_t = torch.as_tensor(ref_r, dtype=torch.float32)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
-        loop.state["before"] = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device)
+        loop.state["before"] = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs)
     before = loop.state["before"]
 
+    ref_c_t, ref_r_t = ref_c_t.to(loop.device), ref_r_t.to(loop.device)
+    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items] \
+        if cfg.group_by_length else None
     for epoch in range(loop.state["epoch"], cfg.epochs):
         order = epoch_order(len(items), cfg.seed, epoch)
         for step in range(loop.state["step_in_epoch"], n_steps):
             if loop.finished():
                 break
-            sums: dict[str, float] = {}
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum):
-                pc, pr, lc, lr_ = _pair_logps(engine, [items[i] for i in idx], pad_id, loop.device)
-                losses, rc, rr = dpo_loss(pc, pr, ref_c_t[idx].to(pc), ref_r_t[idx].to(pc),
-                                          beta=cfg.beta, loss_type=cfg.loss_type,
-                                          label_smoothing=cfg.label_smoothing,
-                                          chosen_lengths=lc, rejected_lengths=lr_)
-                loss = losses.mean()
+            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
+                with loop.forward_context():
+                    pc, pr, lc, lr_ = _pair_logps(engine, [items[i] for i in idx], pad_id, loop.device,
+                                                  cfg.fused_logprobs)
+                    losses, rc, rr = dpo_loss(pc, pr, ref_c_t[idx], ref_r_t[idx], beta=cfg.beta,
+                                              loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+                                              chosen_lengths=lc, rejected_lengths=lr_)
+                    loss = losses.mean()
                 loop.backward(loss)
-                parts = {"loss": loss.item(), **preference_metrics(rc.detach(), rr.detach()),
-                         "logps/chosen": pc.mean().item(), "logps/rejected": pr.mean().item()}
-                for k, v in parts.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) / cfg.grad_accum
-            loop.end_step({**sums, **loop.step_stats(), "epoch": epoch},
-                          epoch=epoch, step_in_epoch=step + 1)
+                loop.accumulate({"loss": loss, **preference_metrics(rc.detach(), rr.detach()),
+                                 "logps/chosen": pc.detach().mean(), "logps/rejected": pr.detach().mean()})
+            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
         if loop.finished():
             break
         loop.next_epoch(epoch)
 
     result = loop.summary()
     if not result["stopped_early"]:
-        after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device)
+        after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs)
         result.update(margin_before=before["margin"], margin_after=after["margin"],
                       accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],
                       num_pairs=len(items))

@@ -3,6 +3,7 @@ periodic atomic checkpoints and the final HF export. The algorithm loops stay in
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -68,6 +69,15 @@ def fit_batch(cfg: TrainerConfig, n: int) -> TrainerConfig:
     return cfg.model_copy(update={"grad_accum": grad_accum, "micro_batch_size": max(1, n // grad_accum)})
 
 
+def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """``torch.compile`` each decoder layer in place (regional compilation: one layer's graph serves
+    all layers; the embedding, LM head and loss stay eager). Returns the number of layers."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    for layer in layers:
+        layer.compile(backend=backend, dynamic=None)
+    return len(layers)
+
+
 class TrainLoop:
     """Owns the engine and the data position ``(epoch, step_in_epoch, global_step)``.
 
@@ -87,6 +97,8 @@ class TrainLoop:
         model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.torch_compile:
+            compile_layers(model)
         optimizer = make_optimizer(model, cfg)
         scheduler = make_scheduler(optimizer, cfg, total_steps)
         self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
@@ -94,6 +106,8 @@ class TrainLoop:
                                       "run_key": self.run_key, "world_size": world()[1]}
         self.resumed_from: int | None = None
         self._lr, self._grad_norm = float("nan"), None
+        self._sums: dict[str, Any] = {}  # this step's metrics so far (device tensors)
+        self._pending: list[tuple[int, dict]] = []  # finished steps whose metrics the host has not read yet
         if cfg.resume:
             restored = load_checkpoint(self.engine, self.ckpt_dir, zero_stage=cfg.zero_stage)
             if restored is not None:
@@ -120,7 +134,8 @@ class TrainLoop:
         """Backward one micro-batch and call ``engine.step()`` (DeepSpeed applies the optimiser only
         at the accumulation boundary, every ``grad_accum`` calls; it also clips there)."""
         boundary = self.engine.is_gradient_accumulation_boundary()
-        self.engine.backward(loss)
+        with torch.profiler.record_function("batchrl/backward"):
+            self.engine.backward(loss)
         if boundary:
             self._lr = float(self.engine.get_lr()[0])
             self._grad_norm = None
@@ -128,38 +143,72 @@ class TrainLoop:
                 grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
                 self._grad_norm = torch.linalg.vector_norm(
                     torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        self.engine.step()
+        with torch.profiler.record_function("batchrl/optimizer_step"):
+            self.engine.step()
         if boundary and self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
 
-    def step_stats(self) -> dict[str, float]:
+    def forward_context(self):
+        """Autocast to bf16 around forward passes under ``precision: bf16_amp`` on GPUs."""
+        if self.cfg.precision == "bf16_amp" and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def accumulate(self, parts: dict[str, Any]) -> None:
+        """Add one micro-batch's metrics / grad_accum to this step's; tensors stay on the device."""
+        for key, value in parts.items():
+            value = value.detach().float() if torch.is_tensor(value) else float(value)
+            self._sums[key] = self._sums.get(key, 0.0) + value / self.cfg.grad_accum
+
+    def step_stats(self) -> dict[str, Any]:
         """Pre-clip gradient norm and learning rate of the optimiser step just taken."""
         norm = self._grad_norm
-        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": self._lr}
+        return {"grad_norm": norm if norm is not None else float("nan"), "lr": self._lr}
 
-    def end_step(self, metrics: dict[str, float], *, epoch: int, step_in_epoch: int) -> None:
-        """Record one optimiser step: report, history, data position, periodic checkpoint."""
-        self.state.update(epoch=epoch, step_in_epoch=step_in_epoch,
-                          global_step=self.global_step + 1)
-        metrics = self._mean_over_ranks({k: float(v) for k, v in metrics.items()})
-        self.state["history"].append(metrics)
-        self.report(metrics, self.global_step)
+    def end_step(self, extra: dict[str, Any], *, epoch: int, step_in_epoch: int) -> None:
+        """Record one optimiser step (the accumulated metrics, step stats and ``extra``): data position,
+        metrics read by the host every ``metrics_every`` steps (and before a checkpoint), periodic checkpoint."""
+        metrics, self._sums = {**self._sums, **self.step_stats(), **extra}, {}
+        self.state.update(epoch=epoch, step_in_epoch=step_in_epoch, global_step=self.global_step + 1)
+        self._pending.append((self.global_step, metrics))
         every = self.cfg.save_every
-        if (every and self.global_step % every == 0) or self.finished():
+        save = bool(every and self.global_step % every == 0) or self.finished()
+        if save or self.global_step % self.cfg.metrics_every == 0:
+            self.flush_metrics()
+        if save:
             self.save()
 
-    def _mean_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+    def flush_metrics(self) -> None:
+        """Read the pending steps' metrics in one host sync (averaged over ranks), record and report them."""
+        if not self._pending:
+            return
+        flat = [value for _, metrics in self._pending for value in metrics.values()]
+        on_device = [i for i, v in enumerate(flat) if torch.is_tensor(v)]
+        values = [float(v) if not torch.is_tensor(v) else 0.0 for v in flat]
+        if on_device:
+            read = torch.stack([flat[i].reshape(()).double() for i in on_device]).tolist()
+            for i, value in zip(on_device, read):
+                values[i] = value
+        values = self._mean_over_ranks(values)
+        for step, metrics in self._pending:
+            record, values = dict(zip(metrics, values[:len(metrics)])), values[len(metrics):]
+            self.state["history"].append(record)
+            self.report(record, step)
+        self._pending = []
+
+    def _mean_over_ranks(self, values: list[float]) -> list[float]:
         size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if size == 1:
-            return metrics
-        values = torch.tensor(list(metrics.values()), dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(values)
-        return dict(zip(metrics, (values / size).tolist()))
+            return values
+        reduced = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(reduced)
+        return (reduced / size).tolist()
 
     def next_epoch(self, epoch: int) -> None:
         self.state.update(epoch=epoch + 1, step_in_epoch=0)
 
     def save(self) -> str:
+        self.flush_metrics()  # the history in the checkpoint holds every step taken
         return save_checkpoint(self.engine, self.ckpt_dir, self.global_step, self.state,
                                keep_last=self.cfg.keep_last)
 
@@ -169,6 +218,7 @@ class TrainLoop:
                                {"config": self.cfg.model_dump(), **extra_metadata})
 
     def summary(self) -> dict[str, Any]:
+        self.flush_metrics()
         hist = self.state["history"]
         return {"global_step": self.global_step, "total_steps": self.total_steps,
                 "optimizer_steps": int(self.engine.global_steps),  # DeepSpeed's own count

@@ -21,7 +21,8 @@ import torch
 
 from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_policy_loss,
                                     kl_penalty, masked_mean)
-from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, pad_prompt_completion,
+from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, length_sorted_batches, pad_floats,
+                                               pad_prompt_completion,
                                                step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
@@ -34,16 +35,8 @@ def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, tor
                                   [rows["response_ids"][i] for i in idx], pad_id)
     R = batch["responses"].shape[1]
     if "advantages" in rows:  # absent when only log-probs are wanted
-        batch["advantages"] = _pad_floats([rows["advantages"][i] for i in idx], R)
+        batch["advantages"] = pad_floats([rows["advantages"][i] for i in idx], R)
     return to_device(batch, device)
-
-
-def _pad_floats(seqs: list, width: int) -> torch.Tensor:
-    out = torch.zeros(len(seqs), width, dtype=torch.float32)
-    for i, s in enumerate(seqs):
-        s = list(s)[:width]
-        out[i, :len(s)] = torch.as_tensor(s, dtype=torch.float32)
-    return out
 
 
 @torch.no_grad()
@@ -52,12 +45,13 @@ def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, devi
     """Per-row response token log-probs (unpadded float32 arrays) under ``model`` in eval mode."""
     was_training = model.training
     model.eval()
-    out: list[np.ndarray] = []
-    for start in range(0, len(rows["prompt_ids"]), batch_size):
-        idx = list(range(start, min(start + batch_size, len(rows["prompt_ids"]))))
+    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(rows["prompt_ids"])
+    lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
+    for idx in length_sorted_batches(lengths, batch_size):  # similar lengths per batch: little padding
         batch = _row_batch(rows, idx, pad_id, device)
         logp = completion_logprobs(model, batch, temperature=temperature).float().cpu().numpy()
-        out += [logp[j, :len(rows["response_ids"][i])] for j, i in enumerate(idx)]
+        for j, i in enumerate(idx):
+            out[i] = logp[j, :len(rows["response_ids"][i])]
     model.train(was_training)
     return out
 
@@ -87,6 +81,32 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
     torch.save(fixed, tmp)
     os.replace(tmp, path)
     return fixed
+
+
+def _policy_loss(cfg: PolicyConfig, policy_loss_fn, rows, fixed, idx, batch, old, logp, entropy, use_is, device):
+    """One micro-batch's loss: policy gradient (+ rollout IS weights) + KL to the reference − entropy bonus;
+    metrics stay device tensors."""
+    mask, R = batch["response_mask"], batch["response_mask"].shape[1]
+    is_weights = None
+    if use_is:
+        rollout = pad_floats([rows["rollout_logprobs"][i] for i in idx], R).to(device)
+        is_weights = compute_rollout_is_weights(old, rollout, mask, threshold=cfg.rollout_is_threshold)
+    pg_loss, pg_metrics = policy_loss_fn(
+        old, logp, batch["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
+        clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+        loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=is_weights)
+    loss = pg_loss
+    parts = {"pg_loss": pg_loss, **pg_metrics, "entropy": masked_mean(entropy.detach(), mask)}
+    if is_weights is not None:
+        parts["rollout_is_weight_mean"] = masked_mean(is_weights, mask)
+    if "ref" in fixed:
+        ref = pad_floats([fixed["ref"][i] for i in idx], R).to(device)
+        kl = agg_loss(kl_penalty(logp, ref, cfg.kl_type), mask, cfg.loss_agg_mode)
+        loss = loss + cfg.kl_coef * kl
+        parts["kl_loss"] = kl
+    if cfg.entropy_coef:
+        loss = loss - cfg.entropy_coef * agg_loss(entropy, mask, cfg.loss_agg_mode)
+    return loss, parts
 
 
 def load_batch(batch_parquet: str) -> dict[str, list]:
@@ -125,45 +145,26 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
               and "rollout_logprobs" in rows)
     policy_loss_fn = get_policy_loss(cfg.policy_loss)
+    lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])] \
+        if cfg.group_by_length else None
 
     for epoch in range(loop.state["epoch"], cfg.ppo_epochs):
         order = epoch_order(n, cfg.seed, epoch)
         for step in range(loop.state["step_in_epoch"], n_steps):
             if loop.finished():
                 break
-            sums: dict[str, float] = {}
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum):
+            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
                 batch = _row_batch(rows, idx, pad_id, loop.device)
                 mask, R = batch["response_mask"], batch["response_mask"].shape[1]
-                old = _pad_floats([fixed["old"][i] for i in idx], R).to(loop.device)
-                logp, entropy = completion_logprobs(engine, batch, temperature=cfg.temperature,
-                                                    with_entropy=True)
-                is_weights = None
-                if use_is:
-                    rollout = _pad_floats([rows["rollout_logprobs"][i] for i in idx], R).to(loop.device)
-                    is_weights = compute_rollout_is_weights(old, rollout, mask, threshold=cfg.rollout_is_threshold)
-                pg_loss, pg_metrics = policy_loss_fn(
-                    old, logp, batch["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
-                    clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-                    loss_agg_mode=cfg.loss_agg_mode, rollout_is_weights=is_weights)
-                loss = pg_loss
-                parts = {"pg_loss": pg_loss.item(), **{k: float(v) for k, v in pg_metrics.items()},
-                         "entropy": float(masked_mean(entropy.detach(), mask))}
-                if is_weights is not None:
-                    parts["rollout_is_weight_mean"] = float(masked_mean(is_weights, mask))
-                if "ref" in fixed:
-                    ref = _pad_floats([fixed["ref"][i] for i in idx], R).to(loop.device)
-                    kl = agg_loss(kl_penalty(logp, ref, cfg.kl_type), mask, cfg.loss_agg_mode)
-                    loss = loss + cfg.kl_coef * kl
-                    parts["kl_loss"] = kl.item()
-                if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * agg_loss(entropy, mask, cfg.loss_agg_mode)
+                old = pad_floats([fixed["old"][i] for i in idx], R).to(loop.device)
+                with loop.forward_context():
+                    logp, entropy = completion_logprobs(engine, batch, temperature=cfg.temperature,
+                                                        with_entropy=True, fused=cfg.fused_logprobs)
+                    loss, parts = _policy_loss(cfg, policy_loss_fn, rows, fixed, idx, batch, old, logp, entropy,
+                                               use_is, loop.device)
                 loop.backward(loss)
-                parts["loss"] = loss.item()
-                for k, v in parts.items():
-                    sums[k] = sums.get(k, 0.0) + v / cfg.grad_accum
-            loop.end_step({**sums, **loop.step_stats(), "epoch": epoch},
-                          epoch=epoch, step_in_epoch=step + 1)
+                loop.accumulate({**parts, "loss": loss})
+            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
         if loop.finished():
             break
         loop.next_epoch(epoch)

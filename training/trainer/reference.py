@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training.trainer.batching import completion_logprobs, encode_pairs, pair_batch, to_device
+from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, length_sorted_batches, pair_batch,
+                                               to_device)
 
 
 @torch.no_grad()
@@ -35,17 +36,17 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
     pairs = pd.read_parquet(pairs_parquet)
     ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
     items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
-    cols: dict[str, list] = {k: [] for k in ("ref_chosen_logp", "ref_rejected_logp", "chosen_len", "rejected_len")}
-    for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
-        batch = to_device(pair_batch(chunk, tokenizer.pad_token_id), device)
+    cols = {k: np.zeros(len(items), dtype=dtype_) for k, dtype_ in
+            (("ref_chosen_logp", np.float64), ("ref_rejected_logp", np.float64),
+             ("chosen_len", np.int64), ("rejected_len", np.int64))}
+    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
+    for idx in length_sorted_batches(lengths, batch_size):  # similar lengths per batch: little padding
+        batch = to_device(pair_batch([items[i] for i in idx], tokenizer.pad_token_id), device)
         logps = completion_logprobs(model, batch).sum(-1).double().cpu().numpy()
-        lengths = batch["response_mask"].sum(-1).long().cpu().numpy()
-        n = len(chunk)
-        cols["ref_chosen_logp"] += logps[:n].tolist()
-        cols["ref_rejected_logp"] += logps[n:].tolist()
-        cols["chosen_len"] += lengths[:n].tolist()
-        cols["rejected_len"] += lengths[n:].tolist()
+        lengths_out = batch["response_mask"].sum(-1).long().cpu().numpy()
+        n = len(idx)
+        cols["ref_chosen_logp"][idx], cols["ref_rejected_logp"][idx] = logps[:n], logps[n:]
+        cols["chosen_len"][idx], cols["rejected_len"][idx] = lengths_out[:n], lengths_out[n:]
     table = pd.DataFrame({"id": ids, **cols})
     os.makedirs(os.path.dirname(os.path.abspath(out_parquet)), exist_ok=True)
     tmp = f"{out_parquet}.tmp-{os.getpid()}"

@@ -53,21 +53,23 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
         loop.state["before"] = pair_accuracy(engine.module, tokenizer, pairs, **measure)
 
+    # characters as the length proxy (the texts are tokenised per micro-batch)
+    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)] \
+        if cfg.group_by_length else None
     for epoch in range(loop.state["epoch"], cfg.epochs):
         order = epoch_order(len(pairs), cfg.seed, epoch)
         for step in range(loop.state["step_in_epoch"], n_steps):
             if loop.finished():
                 break
-            sums: dict[str, float] = {}
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum):
+            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
                 both = [prompts[i] for i in idx] * 2
                 responses = [chosen[i] for i in idx] + [rejected[i] for i in idx]
-                scores = reward_scores(engine, tokenizer, both, responses, max_length=cfg.max_length)
-                loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
+                with loop.forward_context():
+                    scores = reward_scores(engine, tokenizer, both, responses, max_length=cfg.max_length)
+                    loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
                 loop.backward(loss)
-                for k, v in {"loss": loss.detach(), **metrics}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) / cfg.grad_accum
-            loop.end_step({**sums, **loop.step_stats(), "epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
+                loop.accumulate({"loss": loss, **metrics})
+            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
         if loop.finished():
             break
         loop.next_epoch(epoch)
