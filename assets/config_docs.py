@@ -1,7 +1,7 @@
 """Descriptions of the run-config fields the launchpad shows, for configs generated from library models.
 
-A generated field's description is, in order: the library field's own ``description``, the comment on
-its line in the library source (``lr_schedule: ... = "constant"  # after warmup, ...``), or the entry
+A generated field's description is, in order: the library field's own ``description`` (or a base class's),
+the comment on its line in the library source (``lr_schedule: ... = "constant"  # after warmup, ...``), or the entry
 below (fields the library leaves undocumented, in the words of this project's conventions).
 """
 from __future__ import annotations
@@ -129,6 +129,16 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+def _inherited(model_cls: type, name: str) -> str | None:
+    """The description of ``name`` in a base class (a subclass that only changes the default keeps it)."""
+    for base in model_cls.__mro__[1:]:
+        field = getattr(base, "model_fields", {}).get(name)
+        if field is not None and field.description:
+            return field.description
+    return None
+
+
 def describe(model_cls: type, name: str, description: str | None) -> str | None:
     """The description a generated run-config field shows (see the module docstring)."""
-    return description or field_comments(model_cls).get(name) or FIELD_DOCS.get(name)
+    return (description or _inherited(model_cls, name) or field_comments(model_cls).get(name)
+            or FIELD_DOCS.get(name))
