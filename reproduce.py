@@ -19,7 +19,9 @@ from typing import Any
 import dagster as dg
 
 from batchrl import fsutil
+from batchrl.assets.policy_chain import PROMOTED
 from batchrl.lineage import resolve, root_of
+from batchrl.resources.storage import ArtifactRef
 
 # lineage fields compared when a data version differs (environment: what explains a numeric drift)
 COMPARED = ("code_version", "run_config", "config", "seed", "resources")
@@ -84,35 +86,46 @@ def _nearest(nodes: dict[tuple[str, str], Node], start: Node, asset: str) -> tup
 
 
 class PinnedInputs(dg.IOManager):
-    """Hands each step the artifact refs it is told to (the reproduced versions of its recorded inputs)."""
+    """Hands each step the artifacts it is told to (the reproduced versions of its recorded inputs), made
+    local with their lineage like ``ArtifactIOManager`` does."""
 
-    def __init__(self) -> None:
-        self.pinned: dict[str, dict] = {}
+    def __init__(self, storage) -> None:
+        self.storage = storage
+        self.pinned: dict[str, dict | None] = {}
         self.outputs: dict[str, dict] = {}
 
     def handle_output(self, context: dg.OutputContext, obj: dict) -> None:
         self.outputs[context.asset_key.to_user_string()] = obj
 
-    def load_input(self, context: dg.InputContext) -> dict:
+    def load_input(self, context: dg.InputContext):
+        from batchrl.resources.artifacts import load_artifacts
+
         asset = context.asset_key.to_user_string()
         if asset in self.outputs:  # an asset check reading the asset of its own run
-            return self.outputs[asset]
-        if asset not in self.pinned:
+            ref = self.outputs[asset]
+        elif asset in self.pinned:
+            ref = self.pinned[asset]
+        else:
             raise ReproduceError(f"no recorded version of input {asset} for step {context.op_def.name}")
-        return self.pinned[asset]
+        return load_artifacts(context, self.storage, lambda partition: ref and ArtifactRef(**ref))
+
+
+def _storage(root: str):
+    from batchrl.resources import StorageResource
+
+    return StorageResource(root=root, cache_dir=os.path.join(root, "_cache"))
 
 
 def _resources(root: str, recorded: dict[str, dict], io_manager: PinnedInputs) -> dict:
     from batchrl.resources import (
-        CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
-        TrainerLauncherResource,
+        CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, TrainerLauncherResource,
     )
 
     classes = {"landing": LandingResource, "rollout_engine": RolloutEngineResource,
                "trainer": TrainerLauncherResource, "compute": ComputeResource}
     resources = {key: cls(**{k: v for k, v in recorded.get(key, {}).items() if v != "<redacted>"})
                  for key, cls in classes.items()}
-    return {**resources, "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
+    return {**resources, "storage": io_manager.storage,
             "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")), "io_manager": io_manager}
 
 
@@ -160,22 +173,20 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
     reproduced: dict[tuple[str, str], dict] = {}
     rows, first = [], None
     for index, node in enumerate(nodes, 1):
-        io_manager = PinnedInputs()
+        io_manager = PinnedInputs(_storage(new_root))
         defs = build_definitions(_resources(new_root, node.lineage.get("resources", {}), io_manager))
         graph = defs.resolve_asset_graph()
         for parent in graph.get(dg.AssetKey(node.asset)).parent_keys:
+            if parent.to_user_string() == PROMOTED:  # the loop's back edge: the policy this step recorded
+                policy = node.inputs.get("policy")
+                io_manager.pinned[PROMOTED] = reproduced[policy] if policy else None
+                continue
             found = _nearest(by_key, node, parent.to_user_string())
             if found is not None:
                 io_manager.pinned[parent.to_user_string()] = reproduced[found]
         run_config = {"ops": {node.asset: {"config": node.lineage["run_config"]}}} if node.lineage["run_config"] else {}
         with tempfile.TemporaryDirectory(prefix="batchrl-reproduce-home-") as home, \
                 dg.DagsterInstance.local_temp(home) as instance:
-            policy = node.inputs.get("policy")
-            if node.asset == "rollouts" and policy and policy[0] == "policy_checkpoint":
-                # rollouts sample from the instance's latest policy_checkpoint: make it the recorded one
-                ref = reproduced[policy]
-                instance.report_runless_asset_event(dg.AssetMaterialization(
-                    "policy_checkpoint", metadata={"uri": ref["uri"], "data_version": ref["data_version"]}))
             result = execute_assets(defs, instance, [node.asset], run_config)
         if not result.success:
             errors = [str(e.event_specific_data.error.message).strip().splitlines()[-1]

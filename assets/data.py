@@ -5,12 +5,12 @@ import os
 
 import dagster as dg
 
-from batchrl.assets.common import code_version, publish, run_config_for, to_library_config
+from batchrl.assets.common import code_version, declared_files, publish, run_config_for, to_library_config
 from batchrl.ingest import (
     IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, scored_to_pairs,
     validate_preferences, validate_scored,
 )
-from batchrl.resources import CatalogResource, LandingResource, StorageResource
+from batchrl.resources import Artifact, CatalogResource, LandingResource, StorageResource
 
 INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
 IngestRunConfig = run_config_for(IngestConfig, "IngestRunConfig")
@@ -45,7 +45,7 @@ def raw_logs(context: dg.AssetExecutionContext, landing: LandingResource, storag
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"})
-def cleaned_logs(context: dg.AssetExecutionContext, config: IngestRunConfig, raw_logs: dict,
+def cleaned_logs(context: dg.AssetExecutionContext, config: IngestRunConfig, raw_logs: Artifact,
                  landing: LandingResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Decoded, BOM/control-char stripped, NFC-normalised, field-mapped rows; bad rows quarantined."""
     # the landing's credentials/endpoint reach the readers; run config keeps only the contract knobs
@@ -65,8 +65,9 @@ def cleaned_logs(context: dg.AssetExecutionContext, config: IngestRunConfig, raw
                        sidecars={REPORT_FILE: metadata})
 
 
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"})
-def validated_preferences(context: dg.AssetExecutionContext, config: IngestRunConfig, cleaned_logs: dict,
+@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"},
+          metadata=declared_files(table="preferences.parquet", quarantine="quarantine.parquet"))
+def validated_preferences(context: dg.AssetExecutionContext, config: IngestRunConfig, cleaned_logs: Artifact,
                           storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rows that meet the prompt/chosen/rejected contract, deduplicated; the rest quarantined with reasons."""
     cfg = to_library_config(config, IngestConfig)
@@ -94,7 +95,7 @@ def _totals(storage: StorageResource, ref: dict) -> dict:
 
 
 @dg.asset_check(asset=validated_preferences, blocking=True)
-def nothing_lost(validated_preferences: dict, storage: StorageResource) -> dg.AssetCheckResult:
+def nothing_lost(validated_preferences: Artifact, storage: StorageResource) -> dg.AssetCheckResult:
     """rows_in == valid + quarantined + duplicates, over cleaning and validation together."""
     t = _totals(storage, validated_preferences)
     accounted = t["valid"] + t["quarantined"] + t["duplicates"]
@@ -102,7 +103,7 @@ def nothing_lost(validated_preferences: dict, storage: StorageResource) -> dg.As
 
 
 @dg.asset_check(asset=validated_preferences, blocking=True)
-def reject_rate_below_threshold(validated_preferences: dict, storage: StorageResource) -> dg.AssetCheckResult:
+def reject_rate_below_threshold(validated_preferences: Artifact, storage: StorageResource) -> dg.AssetCheckResult:
     """Stops downstream training when too many landed rows were rejected (threshold from IngestConfig)."""
     t = _totals(storage, validated_preferences)
     lineage = storage.read_lineage(validated_preferences)
@@ -131,8 +132,8 @@ def scored_logs(context: dg.AssetExecutionContext, landing: LandingResource, sto
                        config={"landing": landing.scored}, metadata=metadata, sidecars={REPORT_FILE: metadata})
 
 
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"})
-def scored_pairs(context: dg.AssetExecutionContext, scored_logs: dict, storage: StorageResource,
+@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"}, metadata=declared_files(table="pairs.parquet"))
+def scored_pairs(context: dg.AssetExecutionContext, scored_logs: Artifact, storage: StorageResource,
                  catalog: CatalogResource) -> dg.Output:
     """Best-vs-worst preference pairs from prompts with two or more scored responses."""
     cfg = IngestConfig()
