@@ -55,7 +55,9 @@ def _gpu() -> dict:
     engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
     return {**_local(),
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
-            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1"))),
+            # BATCHRL_JOB_BACKEND=worker: one-process jobs in a long-lived warm worker (resources/job_worker.py)
+            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
+                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "subprocess")),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 
 

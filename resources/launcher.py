@@ -21,8 +21,12 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     env: dict[str, str] = Field({}, description="extra environment variables of the jobs")
     hostfile: str | None = Field(None, description="DeepSpeed multi-node: an MPI-style hostfile ('host slots=N' "
                                  "lines, this host first); training jobs run over all its nodes")
-    backend: Literal["subprocess", "k8s"] = Field("subprocess", description="subprocess: on this host; k8s: each "
-                                                  "job in a GPU pod through PipesK8sClient (extra .[k8s])")
+    backend: Literal["subprocess", "worker", "k8s"] = Field(
+        "subprocess", description="subprocess: a fresh process per job on this host; worker: one-process jobs "
+        "in a long-lived worker that keeps imports, CUDA context and process group between jobs (data-parallel "
+        "and multi-node jobs still start their own processes); k8s: each job in a GPU pod through "
+        "PipesK8sClient (extra .[k8s])")
+    worker_idle_s: float = Field(600.0, gt=0, description="worker: seconds without a job before it exits")
     k8s_image: str = Field("", description="k8s: the container image with batchrl installed")
     k8s_namespace: str = Field("default", description="k8s: namespace of the job pods")
     k8s_volume_claim: str = Field("batchrl-cache", description="k8s: a ReadWriteMany claim holding the storage "
@@ -40,10 +44,19 @@ class TrainerLauncherResource(dg.ConfigurableResource):
 
             client, options = k8s_client(self.k8s_namespace)
             invocation = client.run(context=context, **options, **self.pod_request(job, config_path))
+        elif self.backend == "worker" and self.one_process(job):
+            from batchrl.resources.job_worker import run_in_worker
+            invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s)
         else:
             client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
             invocation = client.run(context=context, command=self.command(job, config_path))
         return invocation.get_materialize_result()
+
+    def one_process(self, job: str) -> bool:
+        """The job runs as one process here (not data-parallel, not over a hostfile)."""
+        from batchrl.training.jobs import TRAINING_JOBS
+
+        return job not in TRAINING_JOBS or (self.num_gpus <= 1 and not self.hostfile)
 
     def command(self, job: str, config_path: str) -> list[str]:
         """This host's command line: one process, torchrun over ``num_gpus``, or DeepSpeed over ``hostfile``."""
