@@ -12,11 +12,11 @@ import uuid
 
 import dagster as dg
 
-from batchrl.assets import automation, data, dpo, evaluation, models, rl
+from batchrl.assets import automation, data, dpo, evaluation, models, policy_chain, rl
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP, landing_drops
 from batchrl.resources import (
-    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
+    ArtifactIOManager, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
 )
 
@@ -59,7 +59,9 @@ def _gpu() -> dict:
     engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
     return {**_local(),
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
-            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1"))),
+            # BATCHRL_JOB_BACKEND=worker: one-process jobs in a long-lived warm worker (resources/job_worker.py)
+            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
+                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "subprocess")),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 
 
@@ -67,14 +69,17 @@ RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
 
 
 def build_definitions(resources: dict | None = None) -> dg.Definitions:
-    """The code location; ``resources`` overrides the environment's (tests pass their own)."""
+    """The code location; ``resources`` overrides the environment's (tests pass their own). Assets hand each
+    other artifacts through ``ArtifactIOManager`` on the same storage, unless ``resources`` has an io_manager."""
+    resources = resources or environment_resources()
+    resources = {"io_manager": ArtifactIOManager(storage=resources["storage"]), **resources}
     return dg.Definitions(
-        assets=dg.load_assets_from_modules([data, models, rl, dpo, evaluation]),
+        assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation]), policy_chain.promoted_policy],
         asset_checks=dg.load_asset_checks_from_modules([data]),
         jobs=[automation.retrain_job, automation.ingest_job, *_profile_jobs()],
         sensors=[automation.new_logs_sensor],
         schedules=[automation.nightly_retrain],
-        resources=resources or environment_resources(),
+        resources=resources,
     )
 
 

@@ -19,7 +19,9 @@ from typing import Any
 import dagster as dg
 
 from batchrl import fsutil
+from batchrl.assets.policy_chain import PROMOTED
 from batchrl.lineage import resolve, root_of
+from batchrl.resources.storage import ArtifactRef
 
 # lineage fields compared when a data version differs (environment: what explains a numeric drift)
 COMPARED = ("code_version", "run_config", "config", "seed", "resources")
@@ -84,37 +86,49 @@ def _nearest(nodes: dict[tuple[str, str], Node], start: Node, asset: str) -> tup
 
 
 class PinnedInputs(dg.IOManager):
-    """Hands each step the artifact refs it is told to (the reproduced versions of its recorded inputs)."""
+    """Hands each step the artifacts it is told to (the reproduced versions of its recorded inputs), made
+    local with their lineage like ``ArtifactIOManager`` does."""
 
-    def __init__(self) -> None:
-        self.pinned: dict[str, dict] = {}
+    def __init__(self, storage) -> None:
+        self.storage = storage
+        self.pinned: dict[str, dict | None] = {}
         self.outputs: dict[str, dict] = {}
 
     def handle_output(self, context: dg.OutputContext, obj: dict) -> None:
         self.outputs[context.asset_key.to_user_string()] = obj
 
-    def load_input(self, context: dg.InputContext) -> dict:
+    def load_input(self, context: dg.InputContext):
+        from batchrl.resources.artifacts import load_artifacts
+
         asset = context.asset_key.to_user_string()
         if (asset, "partitions") in self.pinned:  # the training window: {drop: ref} of the recorded drops
-            return self.pinned[(asset, "partitions")]
+            drops = self.pinned[(asset, "partitions")]
+            return load_artifacts(context, self.storage, lambda partition: ArtifactRef(**drops[partition]))
         if asset in self.outputs:  # an asset check reading the asset of its own run
-            return self.outputs[asset]
-        if asset not in self.pinned:
+            ref = self.outputs[asset]
+        elif asset in self.pinned:
+            ref = self.pinned[asset]
+        else:
             raise ReproduceError(f"no recorded version of input {asset} for step {context.op_def.name}")
-        return self.pinned[asset]
+        return load_artifacts(context, self.storage, lambda partition: ref and ArtifactRef(**ref))
+
+
+def _storage(root: str):
+    from batchrl.resources import StorageResource
+
+    return StorageResource(root=root, cache_dir=os.path.join(root, "_cache"))
 
 
 def _resources(root: str, recorded: dict[str, dict], io_manager: PinnedInputs) -> dict:
     from batchrl.resources import (
-        CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
-        TrainerLauncherResource,
+        CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, TrainerLauncherResource,
     )
 
     classes = {"landing": LandingResource, "rollout_engine": RolloutEngineResource,
                "trainer": TrainerLauncherResource, "compute": ComputeResource}
     resources = {key: cls(**{k: v for k, v in recorded.get(key, {}).items() if v != "<redacted>"})
                  for key, cls in classes.items()}
-    return {**resources, "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
+    return {**resources, "storage": io_manager.storage,
             "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")), "io_manager": io_manager}
 
 
@@ -131,8 +145,8 @@ def _execute(defs: dg.Definitions, instance: dg.DagsterInstance, node: Node, run
     if partition is None:
         return execute_assets(defs, instance, [node.asset], run_config)
     step = defs.resolve_asset_graph().get(dg.AssetKey(node.asset)).execution_set_asset_keys
-    return selected_job(defs, [k.to_user_string() for k in step]).execute_in_process(instance=instance, run_config=run_config,
-                                                              partition_key=partition, raise_on_error=False)
+    return selected_job(defs, [k.to_user_string() for k in step]).execute_in_process(
+        instance=instance, run_config=run_config, partition_key=partition, raise_on_error=False)
 
 
 def lineage_differences(recorded: dict, reproduced: dict) -> list[str]:
@@ -177,13 +191,17 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
     os.makedirs(new_root, exist_ok=True)
     new_root = os.path.abspath(new_root)
     reproduced: dict[tuple[str, str], dict] = {}
-    per_drop_runs: dict[str, dict[str, dict]] = {}  # one run of a log drop's step gives its three assets
+    per_drop_runs: dict[str, dict[str, dict]] = {}
     rows, first = [], None
     for index, node in enumerate(nodes, 1):
-        io_manager = PinnedInputs()
+        io_manager = PinnedInputs(_storage(new_root))
         defs = build_definitions(_resources(new_root, node.lineage.get("resources", {}), io_manager))
         graph = defs.resolve_asset_graph()
         for parent in graph.get(dg.AssetKey(node.asset)).parent_keys:
+            if parent.to_user_string() == PROMOTED:  # the loop's back edge: the policy this step recorded
+                policy = node.inputs.get("policy")
+                io_manager.pinned[PROMOTED] = reproduced[policy] if policy else None
+                continue
             found = _nearest(by_key, node, parent.to_user_string())
             if found is not None:
                 io_manager.pinned[parent.to_user_string()] = reproduced[found]
@@ -194,15 +212,9 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
         run_config = {"ops": {op: {"config": node.lineage["run_config"]}}} if node.lineage["run_config"] else {}
         partition = node.lineage.get("partition")
         run_key = json.dumps([op, partition, run_config], sort_keys=True)
-        if partition is None or run_key not in per_drop_runs:
+        if partition is None or run_key not in per_drop_runs:  # one run of a drop's step gives its three assets
             with tempfile.TemporaryDirectory(prefix="batchrl-reproduce-home-") as home, \
                     dg.DagsterInstance.local_temp(home) as instance:
-                policy = node.inputs.get("policy")
-                if node.asset == "rollouts" and policy and policy[0] == "policy_checkpoint":
-                    # rollouts sample from the instance's latest policy_checkpoint: make it the recorded one
-                    ref = reproduced[policy]
-                    instance.report_runless_asset_event(dg.AssetMaterialization(
-                        "policy_checkpoint", metadata={"uri": ref["uri"], "data_version": ref["data_version"]}))
                 result = _execute(defs, instance, node, run_config, partition, drops)
             if not result.success:
                 errors = [str(e.event_specific_data.error.message).strip().splitlines()[-1]

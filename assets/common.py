@@ -20,10 +20,24 @@ from batchrl.lineage import code_version  # noqa: F401  (the assets import it fr
 from batchrl.lineage_record import lineage_record
 from batchrl.redact import redact
 from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources.artifacts import FILES_KEY, Artifact
 
 
 def as_ref(value: ArtifactRef | dict) -> ArtifactRef:
+    if isinstance(value, Artifact):
+        return value.ref
     return value if isinstance(value, ArtifactRef) else ArtifactRef(**value)
+
+
+def declared_files(**roles: str) -> dict[str, dict[str, str]]:
+    """Asset metadata naming the files of the artifact it publishes (``role=file name``), once: the asset
+    writes them through :func:`output_file`, and consumers open them as ``artifact.file(role)``."""
+    return {FILES_KEY: roles}
+
+
+def output_file(context: dg.AssetExecutionContext, staging: str, role: str = "table") -> str:
+    """Where in ``staging`` this asset writes the file it declared for ``role``."""
+    return os.path.join(staging, context.assets_def.metadata_by_key[context.asset_key][FILES_KEY][role])
 
 
 def publish(
@@ -78,14 +92,18 @@ def _dagster_type(annotation: Any) -> Any:
 
 
 def run_config_for(model_cls: type[pydantic.BaseModel], name: str) -> type[dg.Config]:
-    """A Dagster run-config class with the library config's fields and defaults (no field list twice)."""
+    """A Dagster run-config class with the library config's fields, defaults and descriptions (the launchpad
+    shows them; ``assets.config_docs``), so no field is listed twice."""
+    from batchrl.assets.config_docs import describe
+
     if dataclasses.is_dataclass(model_cls):
-        fields = {f.name: (f.type, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        fields = {f.name: (f.type, f.default if f.default is not dataclasses.MISSING else f.default_factory(), None)
                   for f in dataclasses.fields(model_cls)}
     else:
-        fields = {key: (field.annotation, field.get_default(call_default_factory=True))
+        fields = {key: (field.annotation, field.get_default(call_default_factory=True), field.description)
                   for key, field in model_cls.model_fields.items()}
-    fields = {key: (_dagster_type(annotation), default) for key, (annotation, default) in fields.items()}
+    fields = {key: (_dagster_type(annotation), pydantic.Field(default, description=describe(model_cls, key, doc)))
+              for key, (annotation, default, doc) in fields.items()}
     run_config = pydantic.create_model(name, __base__=dg.Config, **fields)
     run_config.library_model = model_cls  # `batchrl run` validates -c files with it before anything runs
     return run_config
@@ -118,6 +136,8 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     result = launcher.run_job(context, job, job_config, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
     metrics["job_wall_s"] = time.perf_counter() - started  # subprocess start, model loads and training
+    curves = {k: v for k, v in metrics.items() if isinstance(v, list) and v}
+    ui = {"curves": dg.MetadataValue.md(curve_table(curves))} if curves else {}  # the per-step curve, as a table
     published = {}
     for name, (subdir, companion_inputs) in (companions or {}).items():
         with storage.staging_dir(name) as staging:
@@ -137,5 +157,18 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
                 sidecars["batchrl_train.json"] = json.load(f)
             os.remove(record)
         return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
-                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata=metrics,
+                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata={**metrics, **ui},
                        sidecars=sidecars)
+
+
+def curve_table(curves: dict[str, list], max_rows: int = 40) -> str:
+    """Per-step curves (equal-length lists, e.g. ``loss_curve``) as a Markdown table of at most ``max_rows``
+    evenly spaced steps, the last always included (matplotlib is not part of the stack: no image)."""
+    steps = max(len(v) for v in curves.values())
+    stride = max(1, -(-steps // max_rows))
+    rows = sorted({*range(0, steps, stride), steps - 1})
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| step | " + " | ".join(curves) + " |", "|---:|" + "---:|" * len(curves)]
+    lines += [f"| {i + 1} | " + " | ".join(fmt(v[i]) if i < len(v) else "" for v in curves.values()) + " |"
+              for i in rows]
+    return "\n".join(lines)

@@ -7,14 +7,14 @@ import os
 import dagster as dg
 import pydantic
 
-from batchrl.assets.common import code_version, publish, run_config_for, to_library_config
+from batchrl.assets.common import code_version, declared_files, publish, run_config_for, to_library_config
 from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri
 from batchrl.ingest import (
     IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, ingest_logs, scored_to_pairs,
     validate_scored,
 )
 from batchrl.ingest.window import combine_drops
-from batchrl.resources import CatalogResource, LandingResource, StorageResource
+from batchrl.resources import Artifact, CatalogResource, LandingResource, StorageResource
 
 INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
 IngestRunConfig = run_config_for(IngestConfig, "IngestRunConfig")
@@ -33,16 +33,21 @@ def _describe(inputs) -> list[dict]:
     return [dict(uri=f.uri, size=f.size, sha256=f.sha256, format=f.format) for f in inputs]
 
 
-def _out(kinds: set[str], description: str) -> dg.AssetOut:
-    return dg.AssetOut(group_name="data", code_version=INGEST_CODE, kinds=kinds, description=description)
+def _out(kinds: set[str], description: str, **files: str) -> dg.AssetOut:
+    return dg.AssetOut(group_name="data", code_version=INGEST_CODE, kinds=kinds, description=description,
+                       metadata=declared_files(**files))
 
 
 @dg.multi_asset(
-    outs={"raw_logs": _out({"jsonl"}, "Manifest of the drop's landed files: uri, size, sha256, format."),
+    outs={"raw_logs": _out({"jsonl"}, "Manifest of the drop's landed files: uri, size, sha256, format.",
+                           manifest="manifest.json"),
           "cleaned_logs": _out({"parquet"}, "The cleaning stage of the drop: decoded, BOM/control-char "
-                               "stripped, NFC, field-mapped; row accounting and quarantine reasons."),
+                               "stripped, NFC, field-mapped; row accounting and quarantine reasons.",
+                               report=REPORT_FILE),
           "validated_preferences": _out({"parquet", "pandera"}, "The drop's rows that meet the prompt/chosen/"
-                                        "rejected contract, deduplicated; the rest quarantined with reasons.")},
+                                        "rejected contract, deduplicated; the rest quarantined with reasons.",
+                                        table="preferences.parquet", quarantine="quarantine.parquet",
+                                        totals="totals.json")},
     internal_asset_deps={"cleaned_logs": {dg.AssetKey("raw_logs")},
                          "validated_preferences": {dg.AssetKey("cleaned_logs")}},
     check_specs=[dg.AssetCheckSpec("nothing_lost", asset="validated_preferences", blocking=True, description=(
@@ -110,12 +115,11 @@ def _gate(totals: dict, threshold: float) -> tuple[bool, str, float]:
     return (*check_reject_rate(both_stages, threshold), threshold)
 
 
-def _drop_gate(storage: StorageResource, ref: dict) -> bool:
+def _drop_gate(drop: Artifact) -> bool:
     """Whether an ingested drop passed its gate (its totals and the threshold it was ingested with)."""
-    with open(os.path.join(storage.localize(ref), "totals.json")) as f:
+    with open(drop.file("totals")) as f:
         totals = json.load(f)
-    return _gate(totals, storage.read_lineage(ref)["config"].get("reject_threshold",
-                                                                  IngestConfig().reject_threshold))[0]
+    return _gate(totals, drop.lineage["config"].get("reject_threshold", IngestConfig().reject_threshold))[0]
 
 
 class WindowConfig(dg.Config):
@@ -126,24 +130,25 @@ class WindowConfig(dg.Config):
 
 
 @dg.asset(group_name="data", code_version=code_version("batchrl.ingest.window", config=WindowConfig),
-          kinds={"parquet"}, pool=CATALOG_POOL,
+          kinds={"parquet"}, pool=CATALOG_POOL, metadata=declared_files(table="preferences.parquet"),
           ins={"validated_preferences": dg.AssetIn(partition_mapping=dg.AllPartitionMapping(),
                                                    metadata={"allow_missing_partitions": True})})
-def preference_window(context: dg.AssetExecutionContext, config: WindowConfig, validated_preferences: dict | None,
-                      storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+def preference_window(context: dg.AssetExecutionContext, config: WindowConfig,
+                      validated_preferences: dict[str, Artifact] | None, storage: StorageResource,
+                      catalog: CatalogResource) -> dg.Output:
     """The validated preferences the training stages read: every log drop (or the last K), in the order
     the drops landed, a pair seen in an earlier drop left out. Drops not yet ingested and drops that
     fail their reject-rate gate are left out and named in the metadata."""
     order = context.instance.get_dynamic_partitions(LOG_DROPS.name)
     landed = [d for d in order if d in (validated_preferences or {})]
     window = landed[-config.last_drops:] if config.last_drops else landed
-    gates = {drop: _drop_gate(storage, validated_preferences[drop]) for drop in window}
+    gates = {drop: _drop_gate(validated_preferences[drop]) for drop in window}
     taken = [drop for drop in window if gates[drop]]
     if not taken:
         raise dg.Failure(f"no log drop to train on: drops {order}, ingested {landed}, "
                          f"failing their gate {[d for d in window if not gates[d]]}")
     with storage.staging_dir("preference_window") as staging:
-        report = combine_drops([(d, storage.localize(validated_preferences[d])) for d in taken], staging)
+        report = combine_drops([(d, validated_preferences[d].path) for d in taken], staging)
         return publish(context, storage, catalog, staging, config={**config.model_dump(), "drops": taken},
                        inputs={f"validated_preferences[{d}]": validated_preferences[d] for d in taken},
                        metadata={**report, "drops": taken, "drops_not_ingested": [d for d in order if d not in landed],
@@ -168,8 +173,8 @@ def scored_logs(context: dg.AssetExecutionContext, landing: LandingResource, sto
                        config={"landing": landing.scored}, metadata=metadata, sidecars={REPORT_FILE: metadata})
 
 
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"})
-def scored_pairs(context: dg.AssetExecutionContext, scored_logs: dict, storage: StorageResource,
+@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"}, metadata=declared_files(table="pairs.parquet"))
+def scored_pairs(context: dg.AssetExecutionContext, scored_logs: Artifact, storage: StorageResource,
                  catalog: CatalogResource) -> dg.Output:
     """Best-vs-worst preference pairs from prompts with two or more scored responses."""
     cfg = IngestConfig()

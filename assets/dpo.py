@@ -6,21 +6,21 @@ from typing import Literal
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
-from batchrl.assets.common import as_ref, code_version, publish, run_config_for, train_and_publish
-from batchrl.assets.models import read_parquet_in
+from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
-from batchrl.resources import CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import DPOConfig
 
 DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
 
 
 class ReferenceConfig(dg.Config):
-    max_length: int = 256
-    batch_size: int = 16
-    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
+    max_length: int = Field(256, description="tokens per prompt + completion")
+    batch_size: int = Field(16, description="pairs per forward pass")
+    dtype: str = Field("auto", description="auto = bfloat16 on GPU, float32 on CPU")
 
 
 class DPOPairsConfig(dg.Config):
@@ -29,10 +29,11 @@ class DPOPairsConfig(dg.Config):
     pairs path and its contract) or ``both``. ``min_margin``: best − worst reward needed for a pair;
     ``max_logged_pairs``: cap on the logged pairs taken (a seeded sample; all when unset)."""
 
-    source: Literal["logged", "self", "both"] = "logged"
-    min_margin: float = 0.5
-    max_logged_pairs: int | None = None
-    seed: int = 0
+    source: Literal["logged", "self", "both"] = Field("logged", description="logged: preference_window; self: "
+                                                      "best vs worst of the policy's scored samples; both")
+    min_margin: float = Field(0.5, description="self: best - worst reward needed for a pair")
+    max_logged_pairs: int | None = Field(None, description="a seeded sample of this many logged pairs (all when unset)")
+    seed: int = Field(0, description="seed of the logged-pairs sample")
 
 
 def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
@@ -41,13 +42,14 @@ def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
     return pairs["id"].where(pairs["id"].notna(), hashed) if "id" in pairs else hashed
 
 
-@dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig), kinds={"parquet", "pandera"})
-def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: dict,
-              rewards: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+@dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig), kinds={"parquet", "pandera"},
+          metadata=declared_files(table="preferences.parquet"))
+def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
+              rewards: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """The preference pairs of the DPO path (one id per pair), from the configured source."""
     parts, metadata = [], {"source": config.source}
     if config.source in ("logged", "both"):
-        logged = read_parquet_in(storage, preference_window, "preferences.parquet")
+        logged = preference_window.read_table()
         if config.max_logged_pairs and len(logged) > config.max_logged_pairs:
             logged = logged.sample(config.max_logged_pairs, random_state=config.seed).sort_index()
         parts.append(logged)
@@ -56,8 +58,8 @@ def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, prefere
         if config.source in ("self", "both"):
             scored_dir = os.path.join(staging, "self")
             os.makedirs(scored_dir)
-            samples = read_parquet_in(storage, rewards, "rewards.parquet")
-            rewards_to_scored(samples, os.path.join(scored_dir, "scored.parquet"), f"rewards/{as_ref(rewards).data_version}")
+            samples = rewards.read_table()
+            rewards_to_scored(samples, os.path.join(scored_dir, "scored.parquet"), f"rewards/{rewards.data_version}")
             report = scored_to_pairs(os.path.join(scored_dir, "scored.parquet"), scored_dir,
                                      IngestConfig(pair_min_margin=config.min_margin))
             parts.append(pd.read_parquet(os.path.join(scored_dir, "pairs.parquet")))
@@ -69,25 +71,21 @@ def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, prefere
                              "(self: no prompt had samples whose rewards differ by min_margin)")
         pairs["id"] = _pair_ids(pairs)
         pairs = pairs.drop_duplicates("id", ignore_index=True)
-        pairs.to_parquet(os.path.join(staging, "preferences.parquet"), index=False)
+        pairs.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
                        inputs={"preference_window": preference_window, "rewards": rewards},
                        metadata={**metadata, "pairs": len(pairs)})
 
 
-def _pairs_path(storage: StorageResource, pairs: dict) -> str:
-    return os.path.join(storage.localize(pairs), "preferences.parquet")
-
-
-@dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference", config=ReferenceConfig), kinds={"pytorch"})
-def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, dpo_pairs: dict,
-                       base_model: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+@dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference", config=ReferenceConfig), kinds={"pytorch"},
+          metadata=declared_files(table="reference_logprobs.parquet"))
+def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, dpo_pairs: Artifact,
+                       base_model: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Summed completion log-probs of chosen and rejected under the frozen reference (base) model."""
     from batchrl.training.trainer.reference import compute_reference_logprobs
 
     with storage.staging_dir("reference_logprobs") as staging:
-        stats = compute_reference_logprobs(storage.localize(base_model), _pairs_path(storage, dpo_pairs),
-                                           os.path.join(staging, "reference_logprobs.parquet"),
+        stats = compute_reference_logprobs(base_model.path, dpo_pairs.file(), output_file(context, staging),
                                            max_length=config.max_length, batch_size=config.batch_size,
                                            dtype=config.dtype)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
@@ -97,15 +95,15 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
 
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.jobs.train_dpo", "batchrl.training.algos"),
           kinds={"deepspeed"})
-def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_pairs: dict,
-                   reference_logprobs: dict, base_model: dict, storage: StorageResource,
+def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_pairs: Artifact,
+                   reference_logprobs: Artifact, base_model: Artifact, storage: StorageResource,
                    catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
     """DPO-family preference optimisation of the base model, on DeepSpeed via Pipes."""
     job_config = {
         "trainer": config.model_dump(),
-        "pairs_parquet": _pairs_path(storage, dpo_pairs),
-        "reference_parquet": os.path.join(storage.localize(reference_logprobs), "reference_logprobs.parquet"),
-        "model_path": storage.localize(base_model),
+        "pairs_parquet": dpo_pairs.file(),
+        "reference_parquet": reference_logprobs.file(),
+        "model_path": base_model.path,
     }
     return train_and_publish(context, "train_dpo", job_config,
                              {"dpo_pairs": dpo_pairs,

@@ -4,13 +4,12 @@ import json
 import os
 
 import dagster as dg
-import pandas as pd
+from pydantic import Field
 
 from batchrl import fsutil
 from batchrl.assets.common import code_version, publish
-from batchrl.assets.models import read_parquet_in
 from batchrl.resources import (
-    CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
+    Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
 )
 from batchrl.training.prompts import load_prompts
 
@@ -19,17 +18,18 @@ class EvaluationConfig(dg.Config):
     """Greedy evaluation on the held-out prompts. ``reward``: what counts as correct (a registered
     reward: ``arith_exact`` = first integer, ``final_answer`` = the final number / after ``####``)."""
 
-    max_new_tokens: int = 12
-    reward: str = "arith_exact"
-    max_eval_prompts: int | None = None
-    num_examples: int = 3
-    seed: int = 0
+    max_new_tokens: int = Field(12, description="greedy decoding length per answer")
+    reward: str = Field("arith_exact", description="the registered reward that decides correct (e.g. arith_exact, "
+                        "final_answer)")
+    max_eval_prompts: int | None = Field(None, description="evaluate the first N held-out prompts (all when unset)")
+    num_examples: int = Field(3, description="sample answers per model shown in the UI")
+    seed: int = Field(0, description="seed of evaluation's sampling")
 
 
 @dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig), kinds={"pytorch"})
-def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: dict,
-               dpo_checkpoint: dict, base_model: dict, reward_model: dict, dpo_pairs: dict,
-               reference_logprobs: dict, landing: LandingResource, storage: StorageResource,
+def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: Artifact,
+               dpo_checkpoint: Artifact, base_model: Artifact, reward_model: Artifact, dpo_pairs: Artifact,
+               reference_logprobs: Artifact, landing: LandingResource, storage: StorageResource,
                catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
     for the base, policy and DPO checkpoints, side by side."""
@@ -37,19 +37,18 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     if config.max_eval_prompts:
         eval_prompts = eval_prompts.head(config.max_eval_prompts)
     fs, path = fsutil.filesystem_for(landing.eval_prompts, landing.storage_options)
-    pairs_parquet = os.path.join(storage.localize(dpo_pairs), "preferences.parquet")
-    reference = pd.read_parquet(pairs_parquet, columns=["id"]).merge(
-        read_parquet_in(storage, reference_logprobs, "reference_logprobs.parquet"), on="id", how="left",
-        validate="one_to_one")
+    pairs_parquet = dpo_pairs.file()
+    reference = dpo_pairs.read_table(columns=["id"]).merge(reference_logprobs.read_table(), on="id", how="left",
+                                                           validate="one_to_one")
     models = {"base_model": base_model, "policy_checkpoint": policy_checkpoint, "dpo_checkpoint": dpo_checkpoint}
-    options = dict(reward_model_path=storage.localize(reward_model), max_new_tokens=config.max_new_tokens,
+    options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    seed=config.seed, reward=config.reward, num_examples=config.num_examples, device=compute.device,
                    dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine)
     with storage.staging_dir("evaluation_work") as workdir:
         eval_prompts.to_parquet(os.path.join(workdir, "eval_prompts.parquet"), index=False)
         reference.to_parquet(os.path.join(workdir, "reference.parquet"), index=False)
         results = compute.run(context, trainer, "evaluation", {
-            "models": {name: storage.localize(ref) for name, ref in models.items()},
+            "models": {name: artifact.path for name, artifact in models.items()},
             "eval_prompts_parquet": os.path.join(workdir, "eval_prompts.parquet"), "pairs_parquet": pairs_parquet,
             "reference_parquet": os.path.join(workdir, "reference.parquet"), "options": options}, workdir=workdir)
     with storage.staging_dir("evaluation") as staging:

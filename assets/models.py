@@ -5,10 +5,11 @@ import shutil
 
 import dagster as dg
 import pandas as pd
+from pydantic import Field
 
-from batchrl.assets.common import as_ref, code_version, publish, run_config_for, train_and_publish, work_dir
+from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish, work_dir
 from batchrl.ingest.window import first_drop
-from batchrl.resources import CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import RewardModelConfig
 
 
@@ -20,27 +21,24 @@ class BaseModelConfig(dg.Config):
     base model and continues its policy chain (with ``last_drops: K`` the base model changes, and a new
     chain starts, when its drop leaves the window)."""
 
-    model_path: str | None = None
-    gguf_file: str | None = None
-    vocab_size: int = 1024
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    num_layers: int = 4
-    seed: int = 0
+    model_path: str | None = Field(None, description="an HF causal-LM folder to use as the base model")
+    gguf_file: str | None = Field(None, description="a GGUF file (path or distribution:relative/path in an "
+                                  "installed package), converted once into a cached HF folder")
+    vocab_size: int = Field(1024, description="tiny default: BPE vocabulary size")
+    hidden_size: int = Field(256, description="tiny default: hidden size")
+    intermediate_size: int = Field(512, description="tiny default: MLP size")
+    num_layers: int = Field(4, description="tiny default: transformer layers")
+    seed: int = Field(0, description="tiny default: seed of the weights' initialisation")
 
 
 RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 
 
-def read_parquet_in(storage: StorageResource, ref: dict, name: str) -> pd.DataFrame:
-    return pd.read_parquet(os.path.join(storage.localize(ref), name))
-
-
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source", "batchrl.ingest.window",
-                                                      config=BaseModelConfig),
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source",
+                                                      "batchrl.ingest.window", config=BaseModelConfig),
           kinds={"pytorch"})
-def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: dict,
-               prompts: dict, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: Artifact,
+               prompts: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder)."""
     from batchrl.training.tiny_model import build_tiny_model
 
@@ -60,9 +58,8 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
             info = {"source": config.model_path}
         else:
             # the window's first drop only: a new drop rebuilds the same model (same version, same policy chain)
-            prefs = first_drop(read_parquet_in(storage, preference_window, "preferences.parquet"))
-            texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"],
-                     *read_parquet_in(storage, prompts, "prompts.parquet")["prompt"]]
+            prefs = first_drop(preference_window.read_table())
+            texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"], *prompts.read_table()["prompt"]]
             dims = config.model_dump(exclude={"model_path", "gguf_file"})
             info = build_tiny_model(texts, staging, **dims)
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
@@ -73,19 +70,18 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.jobs.train_reward_model", "batchrl.training.reward_model",
                                                        config=RewardModelRunConfig),
           kinds={"deepspeed"})
-def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, preference_window: dict,
-                 scored_pairs: dict, base_model: dict, storage: StorageResource,
+def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, preference_window: Artifact,
+                 scored_pairs: Artifact, base_model: Artifact, storage: StorageResource,
                  catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Bradley-Terry reward model on the validated pairs plus pairs mined from scored logs, trained on
     DeepSpeed through Pipes like DPO and the policy update."""
-    pairs = pd.concat([read_parquet_in(storage, preference_window, "preferences.parquet"),
-                       read_parquet_in(storage, scored_pairs, "pairs.parquet")], ignore_index=True)
-    data_dir = work_dir(storage, "reward_model_pairs", {"preference_window": as_ref(preference_window).data_version,
-                                                        "scored_pairs": as_ref(scored_pairs).data_version})
+    pairs = pd.concat([preference_window.read_table(), scored_pairs.read_table()], ignore_index=True)
+    data_dir = work_dir(storage, "reward_model_pairs", {"preference_window": preference_window.data_version,
+                                                        "scored_pairs": scored_pairs.data_version})
     pairs_parquet = os.path.join(data_dir, "pairs.parquet")
     pairs[["prompt", "chosen", "rejected"]].to_parquet(pairs_parquet, index=False)
     job_config = {"trainer": config.model_dump(), "pairs_parquet": pairs_parquet,
-                  "model_path": storage.localize(base_model)}
+                  "model_path": base_model.path}
     return train_and_publish(context, "train_reward_model", job_config,
                              {"preference_window": preference_window, "scored_pairs": scored_pairs,
                               "base_model": base_model}, config.seed, storage, catalog, trainer)

@@ -1,6 +1,7 @@
-"""RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint."""
+"""RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint (→ promoted_policy → rollouts)."""
 
 import os
+from typing import Optional
 
 import dagster as dg
 import pandas as pd
@@ -8,12 +9,14 @@ from pydantic import Field
 
 from batchrl import fsutil
 from batchrl.assets.common import (
-    as_ref, code_version, publish, run_config_for, to_library_config, train_and_publish,
+    code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
 )
-from batchrl.assets.models import read_parquet_in
+from batchrl.assets.policy_chain import (
+    PROMOTED_POLICY_IN, chain_base, current_policy, parent_policy, promote,
+)
 from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_job_inputs, kl_in_reward_inputs, with_critic_values
 from batchrl.resources import (
-    ArtifactRef, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
+    Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
 )
 from batchrl.training.advantages import AdvantageSettings
@@ -29,7 +32,8 @@ class PromptsConfig(dg.Config):
     """``field_mapping``: ``{source field (dotted path into nested records): prompt field}``, e.g. verl
     Parquet ``{"reward_model.ground_truth": "answer"}``, GSM8K ``{"question": "prompt"}``."""
 
-    field_mapping: dict[str, str] = Field(default_factory=dict)
+    field_mapping: dict[str, str] = Field(default_factory=dict, description="{source field (dotted path into "
+                                          "nested records): prompt field}")
 
 
 class RolloutConfig(dg.Config):
@@ -37,10 +41,11 @@ class RolloutConfig(dg.Config):
     base model itself when the chain is new); "base" always samples from the base model.
     ``max_prompts``: a sample of that many prompts drawn with ``seed`` (all prompts when unset)."""
 
-    policy: str = "latest"
-    samples_per_prompt: int = 8
-    max_prompts: int | None = None
-    seed: int = 0
+    policy: str = Field("latest", description="latest: the promoted checkpoint of this base model's chain (the base "
+                        "model on a new chain); base: always the base model")
+    samples_per_prompt: int = Field(8, description="sampled responses per prompt (a group, for GRPO/RLOO)")
+    max_prompts: int | None = Field(None, description="a seeded sample of this many prompts (all when unset)")
+    seed: int = Field(0, description="seed of the prompt sample and of sampling")
     greedy_baseline: bool = Field(False, description="also decode one greedy response per prompt; its reward "
                                   "becomes the prompt's baseline (ReMax, advantages.estimator: remax)")
 
@@ -48,7 +53,8 @@ class RolloutConfig(dg.Config):
 AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"})
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"},
+          metadata=declared_files(table="prompts.parquet"))
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
             storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
@@ -56,7 +62,7 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: L
     fs, path = fsutil.filesystem_for(landing.prompts, landing.storage_options)
     source = {"uri": landing.prompts, "sha256": fsutil.sha256_file(fs, path)}
     with storage.staging_dir("prompts") as staging:
-        table.to_parquet(os.path.join(staging, "prompts.parquet"), index=False)
+        table.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging,
                        config={"landing": landing.prompts, "field_mapping": config.field_mapping},
                        input_files=[source],
@@ -68,47 +74,23 @@ def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
     return [key.to_user_string() for key in keys] if keys else None
 
 
-def chain_base(storage: StorageResource, policy: ArtifactRef) -> str:
-    """Data version of the base model a policy descends from (a base model is its own chain base)."""
-    if policy.asset == "base_model":
-        return policy.data_version
-    return storage.read_lineage(policy)["inputs"]["reference"]["data_version"]
-
-
-def _current_policy(context: dg.AssetExecutionContext, storage: StorageResource, base_model: dict,
-                    choice: str) -> ArtifactRef:
-    """A policy chain belongs to one base model: the latest policy_checkpoint is used only when it was
-    trained from this base model; a new base model starts a new chain from itself."""
-    base = as_ref(base_model)
-    if choice == "latest":
-        event = context.instance.get_latest_materialization_event(dg.AssetKey("policy_checkpoint"))
-        if event is not None and event.asset_materialization is not None:
-            meta = event.asset_materialization.metadata
-            latest = ArtifactRef("policy_checkpoint", meta["uri"].value, meta["data_version"].value)
-            if chain_base(storage, latest) == base.data_version:
-                return latest
-            context.log.info(f"rollouts: latest policy_checkpoint {latest.data_version} belongs to another "
-                             f"base model; starting a new chain from base_model {base.data_version}")
-    elif choice != "base":
-        raise dg.Failure(f"rollouts: policy must be 'latest' or 'base', got {choice!r}")
-    return base
-
-
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", config=RolloutConfig), kinds={"pytorch"})
-def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: dict, base_model: dict,
-             rollout_engine: RolloutEngineResource, trainer: TrainerLauncherResource, storage: StorageResource,
-             catalog: CatalogResource) -> dg.Output:
-    """n sampled responses per prompt from the current policy, with token log-probs (plus one greedy
-    response per prompt with ``greedy_baseline``, for ReMax)."""
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", config=RolloutConfig),
+          kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN}, metadata=declared_files(table="rollouts.parquet"))
+def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: Artifact, base_model: Artifact,
+             promoted_policy: Optional[Artifact], rollout_engine: RolloutEngineResource,
+             trainer: TrainerLauncherResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """n sampled responses per prompt from the current policy (the promoted checkpoint of this base model's
+    chain, the base model on a new chain), with token log-probs (plus one greedy response per prompt with
+    ``greedy_baseline``, for ReMax)."""
     from batchrl.assets.rl_config import check_rl_run_config
 
     check_rl_run_config(context.run.run_config, _selected_assets(context))  # runs launched from the UI
-    policy = _current_policy(context, storage, base_model, config.policy)
-    table = read_parquet_in(storage, prompts, "prompts.parquet")
+    policy = current_policy(context, promoted_policy, base_model, config.policy)
+    table = prompts.read_table()
     if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
         table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
     with storage.staging_dir("rollouts_work") as workdir:
-        samples, stats = rollout_engine.sample(context, trainer, model_path=storage.localize(policy),
+        samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path,
                                                prompts=list(table["prompt"]), n=config.samples_per_prompt,
                                                seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir)
         if config.greedy_baseline:
@@ -117,30 +99,31 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
             greedy_dir = os.path.join(workdir, "greedy")
             os.makedirs(greedy_dir, exist_ok=True)
             greedy, _ = greedy_engine(rollout_engine).sample(
-                context, trainer, model_path=storage.localize(policy), prompts=list(table["prompt"]), n=1,
+                context, trainer, model_path=policy.path, prompts=list(table["prompt"]), n=1,
                 seed=config.seed, workdir=greedy_dir, cache_dir=storage.cache_dir)
             samples = add_greedy_baselines(samples, greedy)
     meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, data_source, tests ...
     samples = samples.join(meta, on="prompt_index")
     with storage.staging_dir("rollouts") as staging:
-        samples.to_parquet(os.path.join(staging, "rollouts.parquet"), index=False)
+        samples.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, seed=config.seed,
-                       config={**config.model_dump(), "engine": rollout_engine.model_dump()},
+                       config={**config.model_dump(), "engine": rollout_engine.model_dump(),
+                               "chain_base": chain_base(policy)},
                        inputs={"prompts": prompts, "policy": policy},
                        metadata={"policy": policy.uri, **{k: v for k, v in stats.items() if k != "content_hash"}})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"})
-def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: dict, reward_model: dict,
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"},
+          metadata=declared_files(table="rewards.parquet"))
+def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: Artifact, reward_model: Artifact,
             storage: StorageResource, catalog: CatalogResource, compute: ComputeResource,
             trainer: TrainerLauncherResource) -> dg.Output:
     """Rule reward + reward-model score per sample, mixed by weights (optionally routed by category)."""
     with storage.staging_dir("rewards_work") as workdir, storage.staging_dir("rewards") as staging:
-        out = os.path.join(staging, "rewards.parquet")
+        out = output_file(context, staging)
         compute.run(context, trainer, "rewards", {
-            "rollouts_parquet": os.path.join(storage.localize(rollouts), "rollouts.parquet"),
-            "reward_config": to_library_config(config, RewardConfig).model_dump(),
-            "reward_model_path": storage.localize(reward_model), "device": compute.device, "out_parquet": out},
+            "rollouts_parquet": rollouts.file(), "reward_config": to_library_config(config, RewardConfig).model_dump(),
+            "reward_model_path": reward_model.path, "device": compute.device, "out_parquet": out},
             workdir=workdir)
         scored = pd.read_parquet(out)
         by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()
@@ -153,15 +136,15 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
                                                     "batchrl.training.kl_reward", "batchrl.training.remax",
                                                     config=AdvantageConfig),
-          kinds={"pytorch"})
-def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: dict, base_model: dict,
+          kinds={"pytorch"}, metadata=declared_files(table="advantages.parquet"))
+def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: Artifact, base_model: Artifact,
                storage: StorageResource, catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
     """Per-token advantages and returns from the configured estimator (grouped by prompt), with the
     KL to the base model in the token rewards when ``use_kl_in_reward``."""
     from batchrl.training.advantages import compute_advantages
 
     settings = to_library_config(config, AdvantageSettings)
-    table = read_parquet_in(storage, rewards, "rewards.parquet")
+    table = rewards.read_table()
     kl, extra_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model)
     table, critic_inputs = with_critic_values(storage, compute, settings, table, rewards)
     extra_inputs.update(critic_inputs)
@@ -170,7 +153,7 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
     metrics = out.attrs.get("metrics", {})
     flat = [a for row in out["advantages"] for a in row]
     with storage.staging_dir("advantages") as staging:
-        out.to_parquet(os.path.join(staging, "advantages.parquet"), index=False)
+        out.to_parquet(output_file(context, staging), index=False)
         lineage_config = settings.model_dump()
         if kl is not None:  # the controller's state, read back by the next iteration
             lineage_config["kl_ctrl_state"] = {k: metrics[k] for k in ("kl_coef_applied", "kl_coef_next")}
@@ -181,26 +164,26 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos"),
-          kinds={"deepspeed"})
-def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: dict,
-                      rollouts: dict, base_model: dict, storage: StorageResource, catalog: CatalogResource,
+          kinds={"deepspeed"}, ins={"promoted_policy": PROMOTED_POLICY_IN})
+def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: Artifact,
+                      rollouts: Artifact, base_model: Artifact, promoted_policy: Optional[Artifact],
+                      storage: StorageResource, catalog: CatalogResource,
                       trainer: TrainerLauncherResource) -> dg.Output:
-    """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes."""
-    policy = as_ref(storage.read_lineage(rollouts)["inputs"]["policy"])
-    if chain_base(storage, policy) != as_ref(base_model).data_version:
-        raise dg.Failure(f"policy_checkpoint: the rollouts were sampled from {policy.asset} {policy.data_version} "
-                         f"({policy.uri}), which descends from another base model than the KL reference "
-                         f"base_model {as_ref(base_model).data_version} ({as_ref(base_model).uri}): re-materialise "
-                         "rollouts so the policy chain and its reference share one base model")
-    check_kl_in_reward(storage, advantages, config.use_kl_in_reward, config.kl_coef)
+    """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes, of the
+    policy the rollouts were sampled from (its parent: the promoted checkpoint, or the base model on a new
+    chain); the new checkpoint is promoted, so the next iteration samples from it."""
+    parent = parent_policy(rollouts, promoted_policy, base_model)
+    check_kl_in_reward(advantages, config.use_kl_in_reward, config.kl_coef)
     critic_config, companions = critic_job_inputs(storage, advantages, config.critic)
     job_config = {
         "trainer": config.model_dump(),
-        "batch_parquet": os.path.join(storage.localize(advantages), "advantages.parquet"),
-        "model_path": storage.localize(policy),
-        "reference_model_path": storage.localize(base_model),
+        "batch_parquet": advantages.file(),
+        "model_path": parent.path,
+        "reference_model_path": base_model.path,
         **critic_config,
     }
-    return train_and_publish(context, "train_policy", job_config,
-                             {"advantages": advantages, "policy": policy, "reference": base_model},
-                             config.seed, storage, catalog, trainer, companions=companions)
+    output = train_and_publish(context, "train_policy", job_config,
+                               {"advantages": advantages, "policy": parent, "reference": base_model},
+                               config.seed, storage, catalog, trainer, companions=companions)
+    promote(context, output, parent, base_model)
+    return output

@@ -9,7 +9,7 @@ import dagster as dg
 import pandas as pd
 
 from batchrl.assets.common import as_ref
-from batchrl.resources import ArtifactRef, ComputeResource, StorageResource
+from batchrl.resources import Artifact, ArtifactRef, ComputeResource, StorageResource
 from batchrl.training.advantages import AdvantageSettings
 
 _CONTROLLER_FIELDS = ("kl_ctrl", "target_kl", "kl_horizon", "kl_penalty")
@@ -35,7 +35,7 @@ def _previous_kl_state(context: dg.AssetExecutionContext, storage: StorageResour
 
 def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResource, compute: ComputeResource,
                         settings: AdvantageSettings, table: pd.DataFrame,
-                        base_model: dict) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                        base_model: Artifact) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``compute_advantages``'s ``kl`` argument and the extra lineage inputs (reference model, the
     batch the controller state came from); ``(None, {})`` without ``use_kl_in_reward``."""
     if not settings.use_kl_in_reward:
@@ -47,7 +47,7 @@ def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResou
     carried, previous = _previous_kl_state(context, storage, settings, base_model)
     controller = make_kl_controller(settings.kl_ctrl, settings.kl_coef if carried is None else carried,
                                     target_kl=settings.target_kl, horizon=settings.kl_horizon)
-    ref_logprobs = reference_token_logprobs(storage.localize(base_model), table, device=compute.device)
+    ref_logprobs = reference_token_logprobs(base_model.path, table, device=compute.device)
     compute.release()
     inputs: dict[str, Any] = {"reference": base_model}
     if previous is not None:
@@ -57,10 +57,9 @@ def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResou
     return {"ref_logprobs": ref_logprobs, "controller": controller, "kind": settings.kl_penalty}, inputs
 
 
-def check_kl_in_reward(storage: StorageResource, advantages: dict, policy_use_kl_in_reward: bool,
-                       policy_kl_coef: float) -> None:
+def check_kl_in_reward(advantages: Artifact, policy_use_kl_in_reward: bool, policy_kl_coef: float) -> None:
     """The policy update and the advantages it reads must agree on where the KL term is."""
-    applied = bool(storage.read_lineage(as_ref(advantages)).get("config", {}).get("use_kl_in_reward", False))
+    applied = bool(advantages.lineage.get("config", {}).get("use_kl_in_reward", False))
     if policy_use_kl_in_reward and not applied:
         raise dg.Failure("policy_checkpoint: config use_kl_in_reward is true (no KL loss) but the advantages were "
                          "computed without KL in the reward (advantages config use_kl_in_reward: false): the KL "
@@ -74,16 +73,15 @@ def check_kl_in_reward(storage: StorageResource, advantages: dict, policy_use_kl
 CRITIC_ASSET = "critic_checkpoint"
 
 
-def critic_for_rewards(storage: StorageResource, rewards: dict, init: str = "policy") -> ArtifactRef:
+def critic_for_rewards(storage: StorageResource, rewards: Artifact, init: str = "policy") -> ArtifactRef:
     """The critic that values the samples behind ``rewards``: the critic exported with the policy
     that sampled them (its ``companions.json``), else a new one from that policy (``init="policy"``)
     or from the reward model the rewards used (``"reward_model"``; ``trainer.critic.load_value_model``)."""
     import json
     import os
 
-    inputs = storage.read_lineage(as_ref(rewards))["inputs"]
-    rollouts = inputs["rollouts"]
-    policy = as_ref(storage.read_lineage(as_ref(rollouts))["inputs"]["policy"])
+    inputs = rewards.lineage["inputs"]
+    policy = as_ref(storage.read_lineage(as_ref(inputs["rollouts"]))["inputs"]["policy"])  # two steps up
     companions = os.path.join(storage.localize(policy), "companions.json")
     if os.path.exists(companions):
         with open(companions) as f:
@@ -94,7 +92,7 @@ def critic_for_rewards(storage: StorageResource, rewards: dict, init: str = "pol
 
 
 def with_critic_values(storage: StorageResource, compute: ComputeResource, settings: AdvantageSettings,
-                       table: pd.DataFrame, rewards: dict) -> tuple[pd.DataFrame, dict[str, Any]]:
+                       table: pd.DataFrame, rewards: Artifact) -> tuple[pd.DataFrame, dict[str, Any]]:
     """``table`` with the critic's ``values`` when the estimator needs them, and the lineage input
     naming that critic; ``(table, {})`` otherwise."""
     from batchrl.training.algos import estimator_needs
@@ -109,10 +107,10 @@ def with_critic_values(storage: StorageResource, compute: ComputeResource, setti
     return table.assign(values=values), {"critic": critic}
 
 
-def critic_job_inputs(storage: StorageResource, advantages: dict, use_critic: bool) -> tuple[dict, dict]:
+def critic_job_inputs(storage: StorageResource, advantages: Artifact, use_critic: bool) -> tuple[dict, dict]:
     """(extra job config, companion artifacts) of the policy update: the critic the advantages were
     valued with is trained further and published as ``critic_checkpoint``."""
-    critic = storage.read_lineage(as_ref(advantages)).get("inputs", {}).get("critic")
+    critic = advantages.lineage.get("inputs", {}).get("critic")
     if not use_critic:
         return {}, {}
     if critic is None:

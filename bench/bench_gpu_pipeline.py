@@ -114,6 +114,8 @@ def main() -> None:
                           ("--pairs", 2000), ("--timeout", 560)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--engine", default="static", choices=["static", "vllm", "transformers"])
+    ap.add_argument("--jobs", default="subprocess", choices=["subprocess", "worker"],
+                    help="worker: one-process jobs in the long-lived warm job worker (BATCHRL_JOB_BACKEND)")
     a = ap.parse_args()
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
@@ -125,7 +127,8 @@ def main() -> None:
     build_s = time.time() - t0
     profile = write_profile(out, model, write_inputs(work, a.pairs), a)
     env = {**os.environ, "BATCHRL_ENV": "gpu", "BATCHRL_STORAGE": os.path.join(work, "storage"),
-           "DAGSTER_HOME": os.path.join(work, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "DAGSTER_HOME": os.path.join(work, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "BATCHRL_JOB_BACKEND": a.jobs}
     trace_path = os.path.join(out, "gpu_trace.csv")
     tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))

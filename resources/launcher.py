@@ -1,36 +1,92 @@
 """Trainer launcher: runs a training job as a subprocess through Dagster Pipes.
 
-Locally the job is `python -m batchrl.training.jobs.<job>` (DeepSpeed on CPU with gloo); with
-``num_gpus > 1`` it goes through the deepspeed launcher. At cluster scale swap this resource for one
-built on ``PipesK8sClient`` with a GPU pod spec: the job code and its reporting stay the same.
+Locally the job is `python -m batchrl.training.jobs.<job>` (DeepSpeed on CPU with gloo); a training job with
+``num_gpus > 1`` runs under torchrun, one rank per GPU. Beyond one host (``resources.scaleout``):
+``hostfile`` starts training jobs under the ``deepspeed`` launcher over the hostfile's nodes, and
+``backend: k8s`` runs every job in a GPU pod through ``PipesK8sClient``. The job code and its reporting
+stay the same everywhere.
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 import dagster as dg
+from pydantic import Field
 
 
 class TrainerLauncherResource(dg.ConfigurableResource):
-    num_gpus: int = 0
-    env: dict[str, str] = {}
+    num_gpus: int = Field(0, description="GPUs per job (per pod with backend k8s); > 1: data-parallel under torchrun")
+    env: dict[str, str] = Field({}, description="extra environment variables of the jobs")
+    hostfile: str | None = Field(None, description="DeepSpeed multi-node: an MPI-style hostfile ('host slots=N' "
+                                 "lines, this host first); training jobs run over all its nodes")
+    backend: Literal["subprocess", "worker", "k8s"] = Field(
+        "subprocess", description="subprocess: a fresh process per job on this host; worker: one-process jobs "
+        "in a long-lived worker that keeps imports, CUDA context and process group between jobs (data-parallel "
+        "and multi-node jobs still start their own processes); k8s: each job in a GPU pod through "
+        "PipesK8sClient (extra .[k8s])")
+    worker_idle_s: float = Field(600.0, gt=0, description="worker: seconds without a job before it exits")
+    k8s_image: str = Field("", description="k8s: the container image with batchrl installed")
+    k8s_namespace: str = Field("default", description="k8s: namespace of the job pods")
+    k8s_volume_claim: str = Field("batchrl-cache", description="k8s: a ReadWriteMany claim holding the storage "
+                                  "cache, mounted at the same path as here (k8s_mount_path)")
+    k8s_mount_path: str = Field(".storage/_cache", description="k8s: the storage cache folder (absolute in the pod)")
+    k8s_node_selector: dict[str, str] = Field({}, description="k8s: node selector of the GPU pods")
 
     def run_job(self, context: dg.AssetExecutionContext, job: str, config: dict[str, Any],
                 workdir: str) -> dg.MaterializeResult:
-        from batchrl.training.jobs import job_command
-
         config_path = os.path.join(workdir, f"{job}.json")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
-        invocation = client.run(context=context, command=job_command(job, config_path))
+        if self.backend == "k8s":
+            from batchrl.resources.scaleout import k8s_client
+
+            client, options = k8s_client(self.k8s_namespace)
+            invocation = client.run(context=context, **options, **self.pod_request(job, config_path))
+        elif self.backend == "worker" and self.one_process(job):
+            from batchrl.resources.job_worker import run_in_worker
+            invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s)
+        else:
+            client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
+            invocation = client.run(context=context, command=self.command(job, config_path))
         return invocation.get_materialize_result()
+
+    def one_process(self, job: str) -> bool:
+        """The job runs as one process here (not data-parallel, not over a hostfile)."""
+        from batchrl.training.jobs import TRAINING_JOBS
+
+        return job not in TRAINING_JOBS or (self.num_gpus <= 1 and not self.hostfile)
+
+    def command(self, job: str, config_path: str) -> list[str]:
+        """This host's command line: one process, torchrun over ``num_gpus``, or DeepSpeed over ``hostfile``."""
+        from batchrl.training.jobs import TRAINING_JOBS, job_command
+
+        if self.hostfile and job in TRAINING_JOBS:
+            from batchrl.resources.scaleout import multinode_command
+
+            return multinode_command(f"batchrl.training.jobs.{job}", config_path, os.path.abspath(self.hostfile))
+        return job_command(job, config_path)
+
+    def pod_request(self, job: str, config_path: str) -> dict[str, Any]:
+        """``PipesK8sClient.run`` arguments for ``job``: image, command and GPU pod spec (plain data)."""
+        from batchrl.resources.scaleout import gpu_pod_spec, pod_command
+        from batchrl.training.jobs import JOBS, TRAINING_JOBS
+
+        if job not in JOBS:
+            raise ValueError(f"unknown job {job!r}; expected one of {JOBS}")
+        if not self.k8s_image:
+            raise ValueError("TrainerLauncherResource backend 'k8s' needs k8s_image")
+        gpus = self.num_gpus if job in TRAINING_JOBS else min(self.num_gpus, 1)
+        mount = os.path.abspath(self.k8s_mount_path)
+        env = {**self.env, "BATCHRL_NUM_GPUS": str(gpus)}
+        return {"image": self.k8s_image, "command": pod_command(f"batchrl.training.jobs.{job}", config_path, gpus),
+                "base_pod_spec": gpu_pod_spec(self.k8s_image, gpus, self.k8s_volume_claim, mount,
+                                              node_selector=self.k8s_node_selector, env=env)}
 
     def job_env(self) -> dict[str, str]:
         """The children's environment: ours, NVLink multicast off with several GPUs, then ``env``."""
         from batchrl.training.jobs import MULTI_GPU_ENV
 
-        return {**os.environ, **(MULTI_GPU_ENV if self.num_gpus > 1 else {}), **self.env,
+        return {**os.environ, **(MULTI_GPU_ENV if self.num_gpus > 1 or self.hostfile else {}), **self.env,
                 "BATCHRL_NUM_GPUS": str(self.num_gpus)}

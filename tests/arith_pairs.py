@@ -8,6 +8,13 @@ from batchrl.training.tiny_model import build_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARITH = [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "arith", "train.jsonl"))]
+ARITH_EVAL = [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "arith", "eval.jsonl"))]
+
+
+def build_arith_model(path) -> str:
+    """The tiny default model (default dims, seed 0) trained on the arithmetic texts."""
+    build_tiny_model([r["prompt"] + " " + r["answer"] for r in ARITH], str(path), seed=0)
+    return str(path)
 
 
 def build_arith_pairs(root, *, rejected_offset: int, n_pairs: int = 32) -> dict:

@@ -46,3 +46,11 @@ def s3_options(s3_server):
 
     s3fs.S3FileSystem.clear_instance_cache()
     return {"client_kwargs": {"endpoint_url": s3_server}}
+
+
+@pytest.fixture(scope="session")
+def arith_model(tmp_path_factory) -> str:
+    """The tiny default model trained on the arithmetic texts, built once per session (read-only)."""
+    from arith_pairs import build_arith_model
+
+    return build_arith_model(tmp_path_factory.mktemp("arith_model") / "model")

@@ -1,5 +1,4 @@
 """The critic: value model init, alignment, and PPO with GAE learning on the CPU arithmetic task."""
-import json
 
 import numpy as np
 import pandas as pd
@@ -9,21 +8,17 @@ import torch
 from batchrl.training.advantages import compute_advantages
 from batchrl.training.rewards import REWARD_FUNCTIONS
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import build_tiny_model
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.critic import is_value_model, load_value_model, predict_values, value_predictions
 from batchrl.training.trainer.batching import pad_prompt_completion
 from batchrl.training.trainer.policy import train_policy
 
-TRAIN = [json.loads(line) for line in open("sample_data/arith/train.jsonl")]
-EVAL = [json.loads(line) for line in open("sample_data/arith/eval.jsonl")]
+from arith_pairs import ARITH as TRAIN, ARITH_EVAL as EVAL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("critic") / "base"
-    build_tiny_model([r["prompt"] + " " + r["answer"] for r in TRAIN], str(path), seed=0)
-    return str(path)
+def base_model(arith_model):
+    return arith_model
 
 
 def test_a_new_critic_predicts_zero_and_reads_the_state_before_each_token(base_model):

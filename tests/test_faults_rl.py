@@ -3,9 +3,8 @@ stage leaves no version, every visible version is complete, the rerun completes.
 resume is tested in test_trainer_jobs.py; cleaning and validation in test_faults_pipeline.py.)
 
 One test, ~1.5 min on the loaded 2-core box (four killed subprocesses and the reward-model trainer's;
-35 s before the reward model trained through DeepSpeed): the upstream assets are materialised once in this process with a
-filesystem IO manager; then each stage runs alone in a subprocess (its inputs load from that IO
-manager), is killed as soon as Dagster starts its step, and runs again to completion here."""
+35 s before the reward model trained through DeepSpeed): the upstream assets are materialised once in this process; then each stage runs alone
+in a subprocess (its inputs load through ArtifactIOManager from the instance's materialisations), is killed as soon as Dagster starts its step, and runs again to completion here."""
 from __future__ import annotations
 
 import os
@@ -38,7 +37,7 @@ import dagster as dg
 from pipeline_helpers import local_resources, run_assets
 from tests_config import SMALL
 root, home, stage = sys.argv[1:4]
-resources = local_resources(root, io_manager=dg.FilesystemIOManager(base_dir=root + "/io"))
+resources = local_resources(root)
 with dg.DagsterInstance.local_temp(home) as instance:
     result = run_assets(resources, instance, selection=[stage], run_config=SMALL)
 print("SUCCESS" if result.success else "FAILED", flush=True)
@@ -93,7 +92,7 @@ def _complete_versions(root: str, asset: str, scratch: str) -> list[str]:
 def test_sigkill_in_rl_and_dpo_stages_then_rerun(tmp_path):
     root, home = str(tmp_path / "root"), str(tmp_path / "home")
     os.makedirs(home)
-    resources = local_resources(root, io_manager=dg.FilesystemIOManager(base_dir=os.path.join(root, "io")))
+    resources = local_resources(root)  # inputs load through ArtifactIOManager: the instance names the versions
     with dg.DagsterInstance.local_temp(home) as instance:
         assert run_assets(resources, instance, selection=UPSTREAM, run_config=SMALL).success
     catalog = CatalogResource(path=os.path.join(root, "catalog.duckdb"))

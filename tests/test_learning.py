@@ -3,7 +3,6 @@
 CPU, fixed seeds, the embedded tiny random-init Qwen2 (no download). Thresholds sit well below the
 measured effect (see the asserts) but far above noise: a broken loss sign or a no-op optimiser fails.
 """
-import json
 
 import numpy as np
 import pandas as pd
@@ -12,21 +11,17 @@ import pytest
 from batchrl.training.advantages import compute_advantages
 from batchrl.training.rewards import REWARD_FUNCTIONS
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import build_tiny_model
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig
 from batchrl.training.trainer.dpo import train_dpo
 from batchrl.training.trainer.policy import train_policy
 from batchrl.training.trainer.reference import compute_reference_logprobs
 
-TRAIN = [json.loads(line) for line in open("sample_data/arith/train.jsonl")]
-EVAL = [json.loads(line) for line in open("sample_data/arith/eval.jsonl")]
+from arith_pairs import ARITH as TRAIN, ARITH_EVAL as EVAL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("learning") / "base"
-    build_tiny_model([r["prompt"] + " " + r["answer"] for r in TRAIN], str(path), seed=0)
-    return str(path)
+def base_model(arith_model):
+    return arith_model
 
 
 def test_dpo_raises_the_preference_margin(base_model, tmp_path):

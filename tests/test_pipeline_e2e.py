@@ -300,12 +300,50 @@ def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
     assert os.path.isdir(tmp_path / "fresh" / "rollouts" / target["data_version"])
 
 
+def test_each_rl_iteration_is_an_edge_from_the_promoted_checkpoint(pipeline):
+    """~15 s idle (35 s on a loaded box). The loop's back edge is the promoted_policy asset: policy_checkpoint promotes what it publishes,
+    the next iteration's rollouts and policy_checkpoint take it as an input (no instance lookup), and the new
+    checkpoint's lineage names its parent, so the chain shows in the audit."""
+    import dagster as dg
+
+    from batchrl.audit import lineage_tree, policy_chain
+
+    _, instance, root = pipeline
+    from batchrl.definitions import build_definitions
+
+    graph = build_definitions(local_resources(root)).resolve_asset_graph()
+    assert dg.AssetKey("promoted_policy") in graph.get(dg.AssetKey("rollouts")).parent_keys
+    assert dg.AssetKey("promoted_policy") in graph.get(dg.AssetKey("policy_checkpoint")).parent_keys
+    first = run_assets(local_resources(root), instance, selection=["base_model", "rollouts", "rewards", "advantages",
+                                                                   "policy_checkpoint"], run_config={"ops": {
+        **{k: FAST_RUN_CONFIG["ops"][k] for k in ("base_model",)},
+        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}})
+    assert first.success
+    parent, base = (latest_metadata(instance, a)["data_version"] for a in ("policy_checkpoint", "base_model"))
+    promoted = latest_metadata(instance, "promoted_policy")
+    assert promoted["data_version"] == parent and promoted["artifact_asset"] == "policy_checkpoint"
+    second = run_assets(local_resources(root), instance, selection=["rollouts", "rewards", "advantages",
+                                                                    "policy_checkpoint"], run_config={"ops": {
+        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4, "seed": 1}}}})
+    assert second.success
+    child = latest_metadata(instance, "policy_checkpoint")
+    assert child["data_version"] != parent
+    assert latest_metadata(instance, "promoted_policy")["parent"] == f"policy_checkpoint@{parent}"
+    with open(os.path.join(child["uri"], "lineage.json")) as f:  # the parent is an input edge of the checkpoint
+        assert json.load(f)["inputs"]["policy"]["data_version"] == parent
+    chain = policy_chain(lineage_tree(child["uri"]))
+    assert chain[:2] == [f"policy_checkpoint@{child['data_version']}", f"policy_checkpoint@{parent}"]
+    assert chain[-1] == f"base_model@{base}" and len(chain) >= 3
+    assert "| step |" in child["curves"]  # the per-step curve in the materialisation (UI)
+
+
 def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, landing):
     """The issue's end-to-end test (~N s): a second log file lands, the sensor asks for one run (the new
     drop as a partition, then the training stages), and after it: the earlier drops were not ingested
     again, the new checkpoint continues the earlier one's chain, and its audit names the new file's hash."""
     import hashlib
 
+    from batchrl.audit import policy_chain
     from batchrl.catalog_queries import artifacts_using_file
     from batchrl.definitions import build_definitions
 
@@ -348,6 +386,7 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     with open(os.path.join(new["uri"], "lineage.json")) as f:
         assert json.load(f)["inputs"]["policy"]["data_version"] == old["data_version"]  # its parent
     tree = lineage_tree(new["uri"])
+    assert policy_chain(tree)[:2] == [f"policy_checkpoint@{new['data_version']}", f"policy_checkpoint@{old['data_version']}"]
     files = {f["uri"]: f["sha256"] for f in _input_files(tree)}
     assert files[new_file] == digest  # the audit names the new file with its hash
     used = artifacts_using_file(os.path.join(root, "catalog.duckdb"), digest[:16])

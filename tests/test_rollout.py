@@ -1,5 +1,3 @@
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,18 +8,13 @@ from batchrl.training.rollout import (
     VLLMUnavailableError,
     make_rollout_engine,
 )
-from batchrl.training.tiny_model import build_tiny_model
 
-ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 PROMPTS = ["What is 1 + 2? Answer with a number.", "Compute 7 + 8. Answer with a number.", "9 + 0 = ?"]
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    rows = [json.loads(line) for line in (ARITH / "train.jsonl").read_text().splitlines()]
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny_model([f"{r['prompt']} {r['answer']}" for r in rows], str(out), seed=0)
-    return str(out)
+def model_path(arith_model):
+    return arith_model
 
 
 def _vllm_or_skip() -> None:

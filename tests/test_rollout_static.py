@@ -1,7 +1,5 @@
 """The static-cache engine: its decoder equals the HF forward pass, greedy decoding equals plain
 ``generate``, sampling follows the distribution it claims, unsupported models fail with a clear error."""
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,19 +11,14 @@ from transformers import (
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.rollout.static_cache import StaticKVDecoder, UnsupportedModelError
 from batchrl.training.rollout.static_engine import sample_tokens, top_p_filter
-from batchrl.training.tiny_model import build_tiny_model
 
-ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, head_dim=16)
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    rows = [json.loads(line) for line in (ARITH / "train.jsonl").read_text().splitlines()]
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny_model([f"{r['prompt']} {r['answer']}" for r in rows], str(out), seed=0)
-    return str(out)
+def model_path(arith_model):
+    return arith_model
 
 
 @pytest.mark.parametrize("model_cls,config_cls", [(Qwen2ForCausalLM, Qwen2Config), (LlamaForCausalLM, LlamaConfig),

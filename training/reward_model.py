@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training.text import encode_prompt_completion
+from batchrl.training.text import encode_prompt_completions
 from batchrl.training.tiny_model import load_tokenizer, resolve_dtype
 
 
@@ -27,7 +27,9 @@ def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "c
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
-    return ids.to(device), mask.to(device)
+    from batchrl.training.trainer.batching import to_device_async
+
+    return to_device_async(ids, device), to_device_async(mask, device)
 
 
 def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu", num_labels: int = 1):
@@ -42,7 +44,7 @@ def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, de
 
 def reward_scores(model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, max_length: int) -> torch.Tensor:
     """Scalar score per (prompt, response), shape ``[B]``, differentiable (one forward pass)."""
-    sequences = [encode_prompt_completion(tokenizer, p, r, max_length)[0] for p, r in zip(prompts, responses)]
+    sequences = [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
     device = next(model.parameters()).device
     ids, mask = right_padded_batch(sequences, tokenizer.pad_token_id, device)
     return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()

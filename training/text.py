@@ -24,12 +24,25 @@ def encode_prompt_completion(
 
     The completion is truncated first (keeping the prompt) when the total exceeds ``max_length``.
     """
-    prompt_ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    if tokenizer.eos_token_id is not None:
-        completion_ids = completion_ids + [tokenizer.eos_token_id]
-    if max_length is not None and len(prompt_ids) + len(completion_ids) > max_length:
-        keep = max(1, max_length - len(prompt_ids))
-        completion_ids = completion_ids[:keep]
-        prompt_ids = prompt_ids[: max_length - len(completion_ids)]
-    return prompt_ids + completion_ids, len(prompt_ids)
+    return encode_prompt_completions(tokenizer, [prompt], [completion], max_length)[0]
+
+
+def encode_prompt_completions(tokenizer: Any, prompts: list[str], completions: list[str],
+                              max_length: int | None = None) -> list[tuple[list[int], int]]:
+    """``encode_prompt_completion`` for many rows, with one batched tokenizer call per side (the
+    per-row Python calls dominated the CPU time of a training step on GPUs)."""
+    if not prompts:
+        return []
+    rendered = [render_prompt(tokenizer, p) for p in prompts]
+    prompt_rows = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    completion_rows = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for prompt_ids, completion_ids in zip(prompt_rows, completion_rows):
+        completion_ids = list(completion_ids) + eos
+        if max_length is not None and len(prompt_ids) + len(completion_ids) > max_length:
+            keep = max(1, max_length - len(prompt_ids))
+            completion_ids = completion_ids[:keep]
+            prompt_ids = prompt_ids[: max_length - len(completion_ids)]
+        out.append((list(prompt_ids) + completion_ids, len(prompt_ids)))
+    return out

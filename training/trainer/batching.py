@@ -35,7 +35,15 @@ def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequenc
 
 
 def to_device(batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    """Host tensors to ``device``; to a GPU through pinned memory without a host sync (a plain copy
+    from pageable memory waits for the GPU to drain, idling it while the next step is launched)."""
+    return {k: to_device_async(v, device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def to_device_async(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def pad_floats(seqs: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -99,15 +107,14 @@ def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperatu
 
 def encode_pairs(tokenizer: Any, rows: Sequence[dict], max_length: int) -> list[dict]:
     """Tokenise preference rows (``prompt, chosen, rejected``) into prompt / completion id lists."""
-    from batchrl.training.text import encode_prompt_completion
+    from batchrl.training.text import encode_prompt_completions
 
-    encoded = []
-    for row in rows:
-        item = {"id": str(row.get("id", len(encoded)))}
-        for side in ("chosen", "rejected"):
-            ids, start = encode_prompt_completion(tokenizer, row["prompt"], row[side], max_length)
+    prompts = [row["prompt"] for row in rows]
+    encoded = [{"id": str(row.get("id", i))} for i, row in enumerate(rows)]
+    for side in ("chosen", "rejected"):
+        for item, (ids, start) in zip(encoded, encode_prompt_completions(
+                tokenizer, prompts, [row[side] for row in rows], max_length)):
             item[f"{side}_prompt"], item[side] = ids[:start], ids[start:]
-        encoded.append(item)
     return encoded
 
 

@@ -15,7 +15,8 @@ import torch
 
 from batchrl.training.algos import dpo_loss, preference_metrics
 from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order,
-                                               pair_batch, step_micro_batches, steps_per_epoch, to_device)
+                                               pair_batch, step_micro_batches, steps_per_epoch, to_device,
+                                               to_device_async)
 from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
 
@@ -82,7 +83,6 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
                                                fused=cfg.fused_logprobs)
     before = loop.state["before"]
 
-    ref_c_t, ref_r_t = ref_c_t.to(loop.device), ref_r_t.to(loop.device)
     lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items] \
         if cfg.group_by_length else None
     for epoch in range(loop.state["epoch"], cfg.epochs):
@@ -94,7 +94,8 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
                 with loop.forward_context():
                     pc, pr, lc, lr_ = _pair_logps(engine, [items[i] for i in idx], pad_id, loop.device,
                                                   cfg.fused_logprobs)
-                    losses, rc, rr = dpo_loss(pc, pr, ref_c_t[idx], ref_r_t[idx], beta=cfg.beta,
+                    losses, rc, rr = dpo_loss(pc, pr, to_device_async(ref_c_t[idx], loop.device),
+                                              to_device_async(ref_r_t[idx], loop.device), beta=cfg.beta,
                                               loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
                                               chosen_lengths=lc, rejected_lengths=lr_)
                     loss = losses.mean()

@@ -44,6 +44,12 @@ def use_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def trainer_clips(cfg: Any) -> bool:
+    """ZeRO-0 with fp32 weights: the trainer clips the gradients itself (torch's foreach kernels, a few
+    launches) instead of DeepSpeed's loop of one norm and one scale per parameter."""
+    return cfg.zero_stage == 0 and not (use_cuda() and cfg.precision == "bf16")
+
+
 def deepspeed_config(cfg: Any) -> dict:
     """DeepSpeed config dict from a trainer config (zero stage, precision, accumulation, clipping).
 
@@ -56,7 +62,7 @@ def deepspeed_config(cfg: Any) -> dict:
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "train_batch_size": cfg.micro_batch_size * cfg.grad_accum * world,
-        "gradient_clipping": cfg.max_grad_norm,
+        "gradient_clipping": 0.0 if trainer_clips(cfg) else cfg.max_grad_norm,
         "zero_optimization": {"stage": cfg.zero_stage,
                               # full weights for the HF export are gathered on save under ZeRO-3
                               "stage3_gather_16bit_weights_on_model_save": cfg.zero_stage == 3},

@@ -15,7 +15,7 @@ from batchrl.training.trainer.batching import world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, save_checkpoint,
                                                  seed_everything)
 from batchrl.training.trainer.config import TrainerConfig
-from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler
+from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler, trainer_clips
 
 Report = Callable[[dict, int], None]
 
@@ -139,9 +139,11 @@ class TrainLoop:
         if boundary:
             self._lr = float(self.engine.get_lr()[0])
             self._grad_norm = None
-            if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure it here
-                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-                self._grad_norm = torch.nn.utils.get_total_norm(grads)  # foreach kernels, no host sync
+            if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure (and clip) here
+                params = [p for p in self.engine.module.parameters() if p.grad is not None]
+                self._grad_norm = (  # foreach kernels, no host sync
+                    torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm, foreach=True)
+                    if trainer_clips(self.cfg) else torch.nn.utils.get_total_norm([p.grad for p in params]))
         with torch.profiler.record_function("batchrl/optimizer_step"):
             self.engine.step()
         if boundary and self._grad_norm is None:

@@ -23,7 +23,7 @@ from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_po
                                     kl_penalty, masked_mean)
 from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, length_sorted_batches, pad_floats,
                                                pad_prompt_completion,
-                                               step_micro_batches, steps_per_epoch, to_device)
+                                               step_micro_batches, steps_per_epoch, to_device, to_device_async)
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
 
@@ -89,7 +89,7 @@ def _policy_loss(cfg: PolicyConfig, policy_loss_fn, rows, fixed, idx, batch, old
     mask, R = batch["response_mask"], batch["response_mask"].shape[1]
     is_weights = None
     if use_is:
-        rollout = pad_floats([rows["rollout_logprobs"][i] for i in idx], R).to(device)
+        rollout = to_device_async(pad_floats([rows["rollout_logprobs"][i] for i in idx], R), device)
         is_weights = compute_rollout_is_weights(old, rollout, mask, threshold=cfg.rollout_is_threshold)
     pg_loss, pg_metrics = policy_loss_fn(
         old, logp, batch["advantages"], mask, clip_ratio_low=cfg.clip_ratio_low,
@@ -100,7 +100,7 @@ def _policy_loss(cfg: PolicyConfig, policy_loss_fn, rows, fixed, idx, batch, old
     if is_weights is not None:
         parts["rollout_is_weight_mean"] = masked_mean(is_weights, mask)
     if "ref" in fixed:
-        ref = pad_floats([fixed["ref"][i] for i in idx], R).to(device)
+        ref = to_device_async(pad_floats([fixed["ref"][i] for i in idx], R), device)
         kl = agg_loss(kl_penalty(logp, ref, cfg.kl_type), mask, cfg.loss_agg_mode)
         loss = loss + cfg.kl_coef * kl
         parts["kl_loss"] = kl
@@ -157,7 +157,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
             for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
                 batch = _row_batch(rows, idx, pad_id, loop.device)
                 mask, R = batch["response_mask"], batch["response_mask"].shape[1]
-                old = pad_floats([fixed["old"][i] for i in idx], R).to(loop.device)
+                old = to_device_async(pad_floats([fixed["old"][i] for i in idx], R), loop.device)
                 with loop.forward_context():
                     logp, entropy = completion_logprobs(engine, batch, temperature=cfg.temperature,
                                                         with_entropy=True, fused=cfg.fused_logprobs)

@@ -1,0 +1,85 @@
+"""The RL loop in the asset graph: ``policy_checkpoint`` → ``promoted_policy`` → ``rollouts``.
+
+Dagster's asset graph is acyclic, and an asset may depend on its own earlier materialisations only when it
+is time-partitioned (``TimeWindowPartitionMapping`` with negative offsets): an RL iteration is no time
+window. So the loop's back edge is an asset of its own: ``promoted_policy`` (external: no op computes it)
+is materialised by ``policy_checkpoint`` when it publishes a checkpoint, and is an input of ``rollouts``
+(the policy they sample from) and of ``policy_checkpoint`` (its parent). Every iteration is then a visible
+edge, a materialisation of ``promoted_policy`` in the UI (its history is the chain), and in each
+checkpoint's lineage the input ``policy`` is its parent checkpoint (the base model for a chain's first).
+
+A chain belongs to one base model: the promoted checkpoint is used only when it descends from the current
+``base_model``; a new base model starts a new chain from itself.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import dagster as dg
+
+from batchrl.resources.artifacts import OPTIONAL_KEY, Artifact
+
+PROMOTED = "promoted_policy"
+DATA_VERSION_TAG = "dagster/data_version"  # the tag Dagster reads an event's data version from
+
+promoted_policy = dg.AssetSpec(
+    PROMOTED, group_name="rl", kinds={"pytorch"},
+    description="The policy the next RL iteration starts from: the latest checkpoint policy_checkpoint promoted "
+                "(each materialisation names the checkpoint and its parent; the history is the policy chain). "
+                "Materialised by policy_checkpoint, read by rollouts (the policy they sample) and by "
+                "policy_checkpoint (the parent it trains further).")
+
+# never promoted yet: the input is None and the chain starts from the base model
+PROMOTED_POLICY_IN = dg.AssetIn(PROMOTED, metadata={OPTIONAL_KEY: True})
+
+
+def chain_base(policy: Artifact) -> str:
+    """Data version of the base model a policy descends from (a base model is its own chain base)."""
+    if policy.asset == "base_model":
+        return policy.data_version
+    return policy.lineage["inputs"]["reference"]["data_version"]
+
+
+def current_policy(context: dg.AssetExecutionContext, promoted: Optional[Artifact], base_model: Artifact,
+                   choice: str) -> Artifact:
+    """The policy to sample from: ``"latest"`` = the promoted checkpoint when it belongs to this base
+    model's chain, else the base model (a new chain); ``"base"`` = the base model."""
+    if choice not in ("latest", "base"):
+        raise dg.Failure(f"rollouts: policy must be 'latest' or 'base', got {choice!r}")
+    if choice == "latest" and promoted is not None:
+        if chain_base(promoted) == base_model.data_version:
+            return promoted
+        context.log.info(f"rollouts: the promoted policy {promoted.asset} {promoted.data_version} belongs to "
+                         f"another base model; starting a new chain from base_model {base_model.data_version}")
+    return base_model
+
+
+def parent_policy(rollouts: Artifact, promoted: Optional[Artifact], base_model: Artifact) -> Artifact:
+    """The policy ``rollouts`` were sampled from, as one of this step's inputs (the promoted checkpoint or
+    the base model), checked to descend from ``base_model`` (the KL reference)."""
+    sampled = rollouts.input_ref("policy")
+    sampled_chain = rollouts.lineage.get("config", {}).get("chain_base", sampled.data_version)
+    if sampled_chain != base_model.data_version:
+        raise dg.Failure(f"policy_checkpoint: the rollouts were sampled from {sampled.asset} {sampled.data_version} "
+                         f"({sampled.uri}), which descends from another base model than the KL reference "
+                         f"base_model {base_model.data_version} ({base_model.uri}): re-materialise rollouts so the "
+                         "policy chain and its reference share one base model")
+    for candidate in (promoted, base_model):
+        if candidate is not None and (candidate.asset, candidate.data_version) == (sampled.asset, sampled.data_version):
+            return candidate
+    now = f"{promoted.asset} {promoted.data_version}" if promoted is not None else "none"
+    raise dg.Failure(f"policy_checkpoint: the rollouts were sampled from {sampled.asset} {sampled.data_version}, "
+                     f"which is no longer the promoted policy (now {now}): re-materialise rollouts, so the update "
+                     "trains the policy its samples came from")
+
+
+def promote(context: dg.AssetExecutionContext, output: dg.Output, parent: Artifact, base_model: Artifact) -> None:
+    """Materialise ``promoted_policy`` as the checkpoint just published (its data version, its parent)."""
+    ref = output.value
+    context.log_event(dg.AssetMaterialization(
+        PROMOTED, description=f"policy_checkpoint {ref['data_version']} promoted (parent {parent.asset} "
+                              f"{parent.data_version})",
+        metadata={"uri": dg.MetadataValue.path(ref["uri"]), "data_version": ref["data_version"],
+                  "artifact_asset": "policy_checkpoint", "parent": f"{parent.asset}@{parent.data_version}",
+                  "chain_base": f"base_model@{base_model.data_version}"},
+        tags={DATA_VERSION_TAG: ref["data_version"]}))

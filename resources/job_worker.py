@@ -1,0 +1,112 @@
+"""Dagster's side of the long-lived job worker (``batchrl.training.jobs.worker``).
+
+``run_in_worker`` opens a Pipes session (temp-file context and messages, as ``PipesSubprocessClient``
+uses), hands the job and the session's bootstrap variables to the worker over its Unix socket, and
+returns the completed invocation: the asset sees the same Pipes logs and materialisation as from a
+subprocess. The worker is found by a socket path keyed by the interpreter and the environment that
+matters to a job; when none answers, one is started (a file lock keeps two steps from starting two).
+Jobs queue on the socket: one runs at a time, which is what one GPU wants.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import dagster as dg
+
+START_TIMEOUT_S = 120
+# variables that change what a job computes or where: a worker serves one combination of them
+_KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS")
+
+
+def socket_path(env: dict[str, str]) -> str:
+    """A short path (Unix sockets allow ~100 bytes) under the temp dir, one per interpreter + environment."""
+    key = json.dumps([sys.executable, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      {k: env.get(k) for k in _KEYED_ENV}], sort_keys=True)
+    folder = os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16] + ".sock")
+
+
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+        return sock
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+
+
+def _start_worker(path: str, env: dict[str, str], idle_s: float) -> None:
+    log = open(path.removesuffix(".sock") + ".log", "ab")  # the jobs' own output, as a subprocess's would be
+    subprocess.Popen([sys.executable, "-m", "batchrl.training.jobs.worker", "--socket", path, "--idle", str(idle_s)],
+                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                     start_new_session=True)  # outlives this step: the next one finds it warm
+    log.close()
+
+
+def connect_or_start(path: str, env: dict[str, str], idle_s: float) -> socket.socket:
+    sock = _connect(path)
+    if sock is not None:
+        return sock
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sock = _connect(path)
+        if sock is None:
+            _start_worker(path, env, idle_s)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while sock is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                sock = _connect(path)
+    if sock is None:
+        raise dg.Failure(f"the job worker did not start within {START_TIMEOUT_S} s; see {worker_log(path)}")
+    return sock
+
+
+def worker_log(path: str) -> str:
+    return path.removesuffix(".sock") + ".log"
+
+
+def request(path: str, payload: dict[str, Any], env: dict[str, str], idle_s: float) -> dict[str, Any]:
+    """Send one request line and wait for the answer line (a job may run for hours: no timeout)."""
+    with contextlib.closing(connect_or_start(path, env, idle_s)) as sock, sock.makefile("rwb") as stream:
+        stream.write(json.dumps(payload).encode() + b"\n")
+        stream.flush()
+        line = stream.readline()
+    if not line:
+        raise dg.Failure(f"the job worker exited during job {payload.get('job')!r} (killed? out of memory?); "
+                         f"its output: {worker_log(path)}", metadata={"worker_log": _tail(worker_log(path))})
+    return json.loads(line)
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - n))
+        return f.read().decode(errors="replace")
+    return ""
+
+
+def run_in_worker(context: dg.AssetExecutionContext, job: str, config_path: str, workdir: str,
+                  env: dict[str, str], idle_s: float) -> dg.PipesClientCompletedInvocation:
+    """Run ``job`` in the warm worker for ``env`` and return Pipes' completed invocation."""
+    path = socket_path(env)
+    with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
+                               message_reader=dg.PipesTempFileMessageReader()) as session:
+        job_env = {k: v for k, v in env.items() if os.environ.get(k) != v}  # what this job sets on top
+        answer = request(path, {"job": job, "config": config_path, "cwd": workdir,
+                                "env": {**job_env, **session.get_bootstrap_env_vars()}}, env, idle_s)
+        if not answer.get("ok"):
+            raise dg.Failure(f"job {job!r} failed in the job worker (pid {answer.get('pid')}): {answer.get('error')}",
+                             metadata={"traceback": answer.get("traceback", "")})
+    context.log.info(f"job {job} ran in the warm worker pid {answer['pid']} in {answer['job_s']:.1f} s")
+    return dg.PipesClientCompletedInvocation(session, metadata={"worker_pid": answer["pid"]})

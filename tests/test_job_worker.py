@@ -1,0 +1,82 @@
+"""The long-lived job worker (launcher backend ``worker``): jobs run in one warm process and report
+through Dagster Pipes exactly as fresh subprocesses do; a failed job is reported and the next one gets
+a fresh worker."""
+import os
+import signal
+
+import dagster as dg
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from arith_pairs import build_arith_pairs
+
+from batchrl.resources import TrainerLauncherResource
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("worker")
+    return {**build_arith_pairs(root, rejected_offset=2), "root": root}
+
+
+def _graph(inputs, root):
+    ref_out = str(root / "ref" / "reference_logprobs.parquet")
+
+    @dg.asset
+    def reference_logprobs(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
+        os.makedirs(root / "ref", exist_ok=True)
+        return trainer.run_job(context, "reference_logprobs", {
+            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
+            "out_parquet": ref_out, "max_length": 64}, str(root / "ref"))
+
+    @dg.asset(deps=[reference_logprobs])
+    def dpo_checkpoint(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
+        os.makedirs(root / "dpo", exist_ok=True)
+        return trainer.run_job(context, "train_dpo", {
+            "trainer": {"epochs": 1, "micro_batch_size": 8}, "pairs_parquet": inputs["pairs_parquet"],
+            "model_path": inputs["model_path"], "reference_parquet": ref_out, "out_dir": str(root / "dpo")},
+            str(root / "dpo"))
+
+    return [reference_logprobs, dpo_checkpoint]
+
+
+def _metadata(result, node):
+    return {k: v.value for k, v in result.asset_materializations_for_node(node)[-1].metadata.items()}
+
+
+def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
+    worker = TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": str(tmp_path)})
+    warm = dg.materialize(_graph(inputs, tmp_path / "warm"), resources={"trainer": worker})
+    fresh = dg.materialize(_graph(inputs, tmp_path / "fresh"), resources={"trainer": TrainerLauncherResource()})
+    assert warm.success and fresh.success
+    pids = set()
+    for node in ("reference_logprobs", "dpo_checkpoint"):
+        got, want = _metadata(warm, node), _metadata(fresh, node)
+        pids.add(got["worker_pid"])
+        assert "worker_pid" not in want and got.keys() - {"worker_pid"} == want.keys()
+    # the same numbers out (the folders differ only in the paths their records name)
+    read = lambda run: pd.read_parquet(tmp_path / run / "ref" / "reference_logprobs.parquet")
+    pd.testing.assert_frame_equal(read("warm"), read("fresh"))
+    weights = [load_file(tmp_path / run / "dpo" / "model" / "model.safetensors") for run in ("warm", "fresh")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+    assert len(pids) == 1  # both jobs in one process
+    pid = pids.pop()
+    assert pid != os.getpid()
+
+    @dg.asset
+    def broken(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
+        return trainer.run_job(context, "train_dpo", {"trainer": {"epochs": 1}, "pairs_parquet": "/nonexistent.parquet",
+                                                      "model_path": inputs["model_path"], "reference_parquet": "/x",
+                                                      "out_dir": str(tmp_path / "broken")}, str(tmp_path))
+
+    failed = dg.materialize([broken], resources={"trainer": worker}, raise_on_error=False)
+    assert not failed.success
+    failure = [e for e in failed.all_events if e.event_type_value == "STEP_FAILURE"][0]
+    assert "failed in the job worker" in str(failure.event_specific_data.error) and "nonexistent" in str(
+        failure.event_specific_data.error)
+    again = dg.materialize(_graph(inputs, tmp_path / "again")[:1], resources={"trainer": worker})
+    new_pid = _metadata(again, "reference_logprobs")["worker_pid"]
+    assert new_pid != pid  # the failed worker exited; a fresh one took the next job
+    os.kill(new_pid, signal.SIGTERM)

@@ -1,0 +1,122 @@
+"""A long-lived job worker: runs batchrl's one-process jobs one after another in the same process.
+
+A job started as a fresh subprocess pays the interpreter, the imports (torch, transformers, deepspeed),
+the CUDA context and the process group before its first useful kernel — on one H200 that was 18-30 s of
+an idle GPU per stage (bench/RESULTS.md). The worker pays them once: it listens on a Unix socket, and
+for each request (one JSON line: job name, config path, working dir, the Dagster Pipes bootstrap
+variables) it runs the job's ``work`` in process through the same ``run_job`` plumbing as the
+subprocess entry point, so the job reports to Dagster through Pipes exactly as before, then answers
+one JSON line (``{"ok": true, "pid": ...}`` or the error). It exits after ``--idle`` seconds without a
+request, and after a failed job (a fresh process for the next one: a failure may leave CUDA or the
+process group in a bad state).
+
+    python -m batchrl.training.jobs.worker --socket /path/worker.sock [--idle 600]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+PROTOCOL = 1
+
+
+def _release_memory() -> None:
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _job_environment(env: dict[str, str], cwd: str):
+    """The request's variables (Pipes bootstrap, per-job settings) and working dir, for this job only."""
+    saved_env = {key: os.environ.get(key) for key in env}
+    saved_cwd = os.getcwd()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        # open_dagster_pipes keeps one context per process; the next job opens its own
+        from dagster_pipes import PipesContext
+
+        PipesContext._instance = None
+        os.chdir(saved_cwd)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_request(request: dict) -> dict:
+    """Run one job request in this process; the answer says whether it succeeded."""
+    from batchrl.training.jobs import JOBS, TRAINING_JOBS
+    from batchrl.training.jobs._runtime import run_job
+
+    job = request["job"]
+    if job not in JOBS:
+        return {"ok": False, "error": f"unknown job {job!r}; expected one of {JOBS}"}
+    started = time.perf_counter()
+    try:
+        with _job_environment(request.get("env", {}), request.get("cwd", os.getcwd())):
+            if job in TRAINING_JOBS and int(os.environ.get("BATCHRL_NUM_GPUS", "0") or 0) > 1:
+                raise ValueError("data-parallel jobs run under torchrun, not in the worker")
+            module = importlib.import_module(f"batchrl.training.jobs.{job}")
+            run_job(module.work, [request["config"]])
+        return {"ok": True, "pid": os.getpid(), "job_s": time.perf_counter() - started}
+    except BaseException as error:  # reported to the client; the worker then exits
+        return {"ok": False, "pid": os.getpid(), "error": f"{type(error).__name__}: {error}",
+                "traceback": traceback.format_exc()[-6000:]}
+    finally:
+        _release_memory()
+
+
+def serve(socket_path: str, idle_s: float) -> int:
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(16)
+    server.settimeout(idle_s)
+    try:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                return 0  # idle: give the memory back
+            with conn, conn.makefile("rwb") as stream:
+                line = stream.readline()
+                if not line:
+                    continue
+                request = json.loads(line)
+                answer = ({"ok": True, "pid": os.getpid(), "protocol": PROTOCOL} if request.get("ping")
+                          else run_request(request))
+                stream.write(json.dumps(answer).encode() + b"\n")
+                stream.flush()
+            if not answer["ok"]:
+                return 1
+    finally:
+        server.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--idle", type=float, default=600.0, help="seconds without a request before exiting")
+    args = parser.parse_args(argv)
+    return serve(args.socket, args.idle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
