@@ -145,7 +145,8 @@ class RunProgress:
             error = "" if ok else _root_cause(event.event_specific_data.error)
             seconds = entry.timestamp - self._started.get(step, entry.timestamp)
             # a multi-asset step (a log drop: raw_logs, cleaned_logs, validated_preferences) gives a line each
-            for asset, metadata in (self._metadata.pop(step, None) or {step: {}}).items():
+            materialised = {a: m for a, m in self._metadata.pop(step, {}).items() if a in self.assets}
+            for asset, metadata in (materialised or {step: {}}).items():  # not promoted_policy: not a step
                 item = {"asset": asset, "ok": ok, "seconds": seconds, "metadata": metadata, "error": error}
                 self.done.append(item)
                 self._clear_progress()
