@@ -136,16 +136,18 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
                                                     "batchrl.training.kl_reward", "batchrl.training.remax",
                                                     config=AdvantageConfig),
-          kinds={"pytorch"}, metadata=declared_files(table="advantages.parquet"))
+          kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN},
+          metadata=declared_files(table="advantages.parquet"))
 def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: Artifact, base_model: Artifact,
-               storage: StorageResource, catalog: CatalogResource, compute: ComputeResource) -> dg.Output:
+               promoted_policy: Optional[Artifact], storage: StorageResource, catalog: CatalogResource,
+               compute: ComputeResource) -> dg.Output:
     """Per-token advantages and returns from the configured estimator (grouped by prompt), with the
     KL to the base model in the token rewards when ``use_kl_in_reward``."""
     from batchrl.training.advantages import compute_advantages
 
     settings = to_library_config(config, AdvantageSettings)
     table = rewards.read_table()
-    kl, extra_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model)
+    kl, extra_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model, promoted_policy)
     table, critic_inputs = with_critic_values(storage, compute, settings, table, rewards)
     extra_inputs.update(critic_inputs)
     out = compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,

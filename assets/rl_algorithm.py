@@ -1,5 +1,5 @@
-"""What the RL assets need from the Dagster instance and lineage for KL in the reward: the
-reference log-probs, the KL controller's state carried over from the previous iteration, and the
+"""What the RL assets need from lineage for KL in the reward: the reference log-probs, the KL
+controller's state carried over from the previous iteration (through the promoted policy), and the
 agreement of the advantages stage and the policy update on where the KL term lives."""
 from __future__ import annotations
 
@@ -15,27 +15,28 @@ from batchrl.training.advantages import AdvantageSettings
 _CONTROLLER_FIELDS = ("kl_ctrl", "target_kl", "kl_horizon", "kl_penalty")
 
 
-def _previous_kl_state(context: dg.AssetExecutionContext, storage: StorageResource, settings: AdvantageSettings,
-                       base_model: dict) -> tuple[float | None, ArtifactRef | None]:
-    """The adaptive controller's value after the last advantages batch of the same chain (same
-    reference model and controller settings), and that batch's ref; (None, None) when none."""
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("advantages"))
-    if settings.kl_ctrl != "adaptive" or event is None or event.asset_materialization is None:
+def _previous_kl_state(storage: StorageResource, settings: AdvantageSettings, base_model: Artifact,
+                       promoted: Artifact | None) -> tuple[float | None, ArtifactRef | None]:
+    """The adaptive controller's value after the advantages batch the promoted policy was trained on (an
+    edge of the graph: promoted_policy -> its lineage input ``advantages``), when that policy belongs to
+    this base model's chain and used the same controller settings; (None, None) otherwise."""
+    from batchrl.assets.policy_chain import chain_base
+
+    if settings.kl_ctrl != "adaptive" or promoted is None or chain_base(promoted) != base_model.data_version:
         return None, None
-    meta = event.asset_materialization.metadata
-    previous = ArtifactRef("advantages", meta["uri"].value, meta["data_version"].value)
-    lineage = storage.read_lineage(previous)
-    config, state = lineage.get("config", {}), lineage.get("config", {}).get("kl_ctrl_state")
-    same_reference = lineage.get("inputs", {}).get("reference", {}).get("data_version") == as_ref(base_model).data_version
-    same_controller = all(config.get(k) == getattr(settings, k) for k in _CONTROLLER_FIELDS)
-    if state is None or not same_reference or not same_controller:
+    previous = promoted.input_ref("advantages")
+    if previous is None:
+        return None, None
+    config = storage.read_lineage(previous).get("config", {})
+    state = config.get("kl_ctrl_state")
+    if state is None or not all(config.get(k) == getattr(settings, k) for k in _CONTROLLER_FIELDS):
         return None, None
     return float(state["kl_coef_next"]), previous
 
 
 def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResource, compute: ComputeResource,
-                        settings: AdvantageSettings, table: pd.DataFrame,
-                        base_model: Artifact) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                        settings: AdvantageSettings, table: pd.DataFrame, base_model: Artifact,
+                        promoted: Artifact | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """``compute_advantages``'s ``kl`` argument and the extra lineage inputs (reference model, the
     batch the controller state came from); ``(None, {})`` without ``use_kl_in_reward``."""
     if not settings.use_kl_in_reward:
@@ -44,7 +45,7 @@ def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResou
 
     if "rollout_logprobs" not in table.columns:
         raise dg.Failure("advantages: use_kl_in_reward needs the rollouts' rollout_logprobs column")
-    carried, previous = _previous_kl_state(context, storage, settings, base_model)
+    carried, previous = _previous_kl_state(storage, settings, base_model, promoted)
     controller = make_kl_controller(settings.kl_ctrl, settings.kl_coef if carried is None else carried,
                                     target_kl=settings.target_kl, horizon=settings.kl_horizon)
     ref_logprobs = reference_token_logprobs(base_model.path, table, device=compute.device)
