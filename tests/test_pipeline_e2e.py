@@ -338,9 +338,10 @@ def test_each_rl_iteration_is_an_edge_from_the_promoted_checkpoint(pipeline):
 
 
 def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, landing):
-    """The issue's end-to-end test (~N s): a second log file lands, the sensor asks for one run (the new
-    drop as a partition, then the training stages), and after it: the earlier drops were not ingested
-    again, the new checkpoint continues the earlier one's chain, and its audit names the new file's hash."""
+    """The issue's end-to-end test (~35 s: one retrain of the whole graph at test size): a second log file
+    lands, the sensor asks for one run (the new drop as a partition, then the training stages), and after
+    it: the earlier drops were not ingested again, the new checkpoint's parent is the earlier one (the
+    promoted checkpoint), and its audit names the new file's hash and the parent."""
     import hashlib
 
     from batchrl.audit import policy_chain
