@@ -27,7 +27,7 @@ def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "c
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
-    from batchrl.training.trainer.batching import to_device_async
+    from batchrl.training.transfer import to_device_async
 
     return to_device_async(ids, device), to_device_async(mask, device)
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from batchrl.training.algos import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
+from batchrl.training.transfer import to_device_async  # noqa: F401  (the trainer stages import it from here)
 
 
 def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -35,15 +36,8 @@ def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequenc
 
 
 def to_device(batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
-    """Host tensors to ``device``; to a GPU through pinned memory without a host sync (a plain copy
-    from pageable memory waits for the GPU to drain, idling it while the next step is launched)."""
+    """Host tensors to ``device`` (to a GPU without a host sync: ``transfer.to_device_async``)."""
     return {k: to_device_async(v, device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def to_device_async(tensor: torch.Tensor, device: Any) -> torch.Tensor:
-    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def pad_floats(seqs: Sequence[Sequence[float]], width: int) -> torch.Tensor:
