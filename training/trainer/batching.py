@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from batchrl.training.algos import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
-from batchrl.training.transfer import to_device_async  # noqa: F401  (the trainer stages import it from here)
+from batchrl.training.transfer import to_device_async
 
 
 def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
@@ -85,9 +85,8 @@ def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperatu
         hidden = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"], use_cache=False).last_hidden_state
         labels = batch["responses"].masked_fill(batch["response_mask"] == 0, -100)
-        out = token_logprobs_from_hidden(hidden[:, -R - 1:-1], weight, labels, temperature=temperature,
-                                         with_entropy=with_entropy, chunk_size=FUSED_CHUNK_ROWS)
-        return out
+        return token_logprobs_from_hidden(hidden[:, -R - 1:-1], weight, labels, temperature=temperature,
+                                          with_entropy=with_entropy, chunk_size=FUSED_CHUNK_ROWS)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                 position_ids=batch["position_ids"], logits_to_keep=R + 1, use_cache=False)
     logits = out.logits[:, :-1].float()

@@ -15,9 +15,9 @@ import torch
 
 from batchrl.training.algos import dpo_loss, preference_metrics
 from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order,
-                                               pair_batch, step_micro_batches, steps_per_epoch, to_device,
-                                               to_device_async)
+                                               pair_batch, step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import DPOConfig
+from batchrl.training.transfer import to_device_async
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
 
 

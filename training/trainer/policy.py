@@ -23,9 +23,10 @@ from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_po
                                     kl_penalty, masked_mean)
 from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, length_sorted_batches, pad_floats,
                                                pad_prompt_completion,
-                                               step_micro_batches, steps_per_epoch, to_device, to_device_async)
+                                               step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+from batchrl.training.transfer import to_device_async
 
 FIXED_LOGPROBS = "fixed_logprobs.pt"
 
