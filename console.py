@@ -81,6 +81,7 @@ class RunProgress:
         self._metadata: dict[str, dict] = {}
         self._cursor = None
         self._stop = threading.Event()
+        self._lock = threading.RLock()  # the follower thread and follow()/__exit__ must not read one cursor twice
         self._thread = threading.Thread(target=self._follow, daemon=True)
 
     def __enter__(self) -> "RunProgress":
@@ -108,9 +109,10 @@ class RunProgress:
 
     def follow(self, run_id: str) -> None:
         """Switch to the next run of the same command (one per log drop, then the rest)."""
-        with contextlib.suppress(Exception):
-            self.poll()
-        self.run_id, self._cursor = run_id, None
+        with self._lock:
+            with contextlib.suppress(Exception):
+                self.poll()
+            self.run_id, self._cursor = run_id, None
 
     def _follow(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -118,13 +120,14 @@ class RunProgress:
                 self.poll()
 
     def poll(self) -> None:
-        while True:
-            conn = self.instance.get_records_for_run(self.run_id, cursor=self._cursor, limit=200)
-            for record in conn.records:
-                self._handle(record.event_log_entry)
-            self._cursor = conn.cursor
-            if not conn.has_more:
-                return
+        with self._lock:
+            while True:
+                conn = self.instance.get_records_for_run(self.run_id, cursor=self._cursor, limit=200)
+                for record in conn.records:
+                    self._handle(record.event_log_entry)
+                self._cursor = conn.cursor
+                if not conn.has_more:
+                    return
 
     def _handle(self, entry) -> None:
         event = entry.dagster_event

@@ -1,0 +1,41 @@
+"""The console of `batchrl run`: one line per finished asset, however many threads read the event log."""
+from __future__ import annotations
+
+import io
+import threading
+
+import dagster as dg
+
+from batchrl.console import RunProgress
+
+
+@dg.asset
+def numbers() -> list[int]:
+    return [1, 2, 3]
+
+
+@dg.asset
+def total(numbers: list[int]) -> int:
+    return sum(numbers)
+
+
+def test_concurrent_polls_write_each_asset_once(tmp_path):
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        result = dg.materialize([numbers, total], instance=instance)
+        assert result.success
+        out = io.StringIO()
+        progress = RunProgress(instance, result.run_id, {"numbers", "total"}, out)
+        start = threading.Barrier(8)
+
+        def poll():
+            start.wait()
+            progress.poll()
+
+        threads = [threading.Thread(target=poll) for _ in range(8)]  # the follower thread and follow() at once
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        lines = out.getvalue().splitlines()
+        assert [line.split()[3] for line in lines] == ["numbers", "total"], lines
+        assert lines[0].startswith("[ 1/2] ok ") and lines[1].startswith("[ 2/2] ok ")
