@@ -126,3 +126,32 @@ def test_resume_refuses_checkpoints_of_another_run(dpo_inputs, tmp_path):
     # resumable settings may change: this continues the first run
     done = train_dpo(DPOConfig(epochs=1, micro_batch_size=8, save_every=1), out_dir=str(tmp_path), **dpo_inputs)
     assert done["resumed_from_step"] == 1
+
+
+def test_finished_run_exports_instead_of_a_final_checkpoint_and_reruns_for_free(dpo_inputs, tmp_path, monkeypatch):
+    cfg = DPOConfig(epochs=1, micro_batch_size=8)
+    first = train_dpo(cfg, out_dir=str(tmp_path), **dpo_inputs)
+    ckpt = str(tmp_path / "checkpoints")
+    assert list_checkpoints(ckpt) == [] and latest_tag(ckpt) is None  # no engine/optimiser state at the end
+    assert os.path.exists(os.path.join(ckpt, "completed.json")) and "completed_earlier" not in first
+    weights = _weights(tmp_path)
+
+    import batchrl.training.trainer.dpo as dpo
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run must not build an engine again")
+
+    with monkeypatch.context() as m:
+        m.setattr(dpo, "TrainLoop", no_training)
+        again = train_dpo(cfg, out_dir=str(tmp_path), **dpo_inputs)
+    assert again.pop("completed_earlier") and again == first
+    with pytest.raises(AssertionError, match="must not build"):  # another run in the same folder trains
+        monkeypatch.setattr(dpo, "TrainLoop", no_training)
+        train_dpo(cfg.model_copy(update={"lr": 1e-3}), out_dir=str(tmp_path), **dpo_inputs)
+    monkeypatch.undo()
+    import shutil
+
+    shutil.rmtree(tmp_path / "model")  # the export is gone: the run is trained again, to the same weights
+    redone = train_dpo(cfg, out_dir=str(tmp_path), **dpo_inputs)
+    assert "completed_earlier" not in redone and redone["loss_curve"] == first["loss_curve"]
+    assert all(torch.equal(weights[k], v) for k, v in _weights(tmp_path).items())

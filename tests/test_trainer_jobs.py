@@ -116,7 +116,8 @@ def test_two_rank_data_parallel_matches_one_process(inputs, tmp_path):
     compute_reference_logprobs(inputs["model_path"], inputs["pairs_parquet"], str(ref), max_length=64)
     kw = dict(pairs_parquet=inputs["pairs_parquet"], model_path=inputs["model_path"], reference_parquet=str(ref))
     single = train_dpo(DPOConfig(epochs=1, micro_batch_size=8), out_dir=str(tmp_path / "one"), **kw)
-    cfg = _write_config(tmp_path / "dp.json", trainer={"epochs": 1, "micro_batch_size": 4}, out_dir=str(tmp_path / "two"), **kw)
+    cfg = _write_config(tmp_path / "dp.json", trainer={"epochs": 1, "micro_batch_size": 4, "save_every": 2},
+                        out_dir=str(tmp_path / "two"), **kw)
     # this process's own rendezvous variables (set by the in-process run above) are inherited on purpose
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
     proc = subprocess.run(job_command("train_dpo", cfg, num_gpus=2), env=env, capture_output=True, text=True, timeout=300)

@@ -18,7 +18,7 @@ from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs
                                                pair_batch, step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.transfer import to_device_async
-from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 
 
 def _pair_logps(model: Any, items: list[dict], pad_id: int, device, fused: bool = True) -> tuple[torch.Tensor, ...]:
@@ -67,9 +67,12 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     ``out_dir/model``. Returns metrics: last step's, margin/accuracy before and after, curve."""
     frame = load_pairs(pairs_parquet, reference_parquet)
     cfg = fit_batch(cfg, len(frame))
+    inputs = {"pairs": pairs_parquet, "reference": reference_parquet}
+    if (done := completed_run(cfg, model_path=model_path, out_dir=out_dir, inputs=inputs)) is not None:
+        return done
     n_steps = steps_per_epoch(len(frame), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
-                     inputs={"pairs": pairs_parquet, "reference": reference_parquet}, report=report)
+                     inputs=inputs, report=report)
     tok, engine = loop.tokenizer, loop.engine
     pad_id = tok.pad_token_id
     items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)
@@ -115,4 +118,4 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
                       accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],
                       num_pairs=len(items))
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
-    return result
+    return loop.complete(result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import time
 from typing import Any, Callable
@@ -12,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from batchrl.training.trainer.batching import world
-from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, save_checkpoint,
-                                                 seed_everything)
+from batchrl.training.trainer.checkpoint import (_barrier, _rank, _write_text_atomic, export_hf_model,
+                                                 load_checkpoint, save_checkpoint, seed_everything)
 from batchrl.training.trainer.config import TrainerConfig
 from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler, trainer_clips
 
@@ -42,6 +43,27 @@ def run_key(cfg: TrainerConfig, model_path: str, inputs: dict[str, str]) -> str:
         with open(path, "rb") as f:
             h.update(name.encode() + hashlib.sha256(f.read()).digest())
     return h.hexdigest()
+
+
+COMPLETED = "completed.json"  # under checkpoints/: the result of a run that finished and exported
+
+
+def completed_run(cfg: TrainerConfig, *, model_path: str, out_dir: str, inputs: dict[str, str]) -> dict | None:
+    """The result of this very run (same ``run_key``) if it already finished in ``out_dir`` and its
+    exports are still there, else None. A finished run keeps no engine/optimiser checkpoint (the HF
+    export is its output), so this is what makes re-running a finished job cheap and identical."""
+    if not cfg.resume:
+        return None
+    try:
+        with open(os.path.join(out_dir, "checkpoints", COMPLETED)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    result = record.get("result", {})
+    exports = [os.path.join(out_dir, "model")] + [v for k, v in result.items() if k.endswith("_dir")]
+    if record.get("run_key") != run_key(cfg, model_path, inputs) or not all(map(os.path.isdir, exports)):
+        return None
+    return {**result, "completed_earlier": True}
 
 
 def with_global_batch(cfg: TrainerConfig) -> TrainerConfig:
@@ -173,7 +195,10 @@ class TrainLoop:
         self.state.update(epoch=epoch, step_in_epoch=step_in_epoch, global_step=self.global_step + 1)
         self._pending.append((self.global_step, metrics))
         every = self.cfg.save_every
-        save = bool(every and self.global_step % every == 0) or self.finished()
+        # periodic saves, and a stop before the end (resumed later); a run that reaches its end exports its
+        # weights instead (``complete``): the engine + optimiser state (~16 bytes/parameter) would only be
+        # written to be deleted
+        save = bool(every and self.global_step % every == 0) or (self.finished() and self.global_step < self.total_steps)
         if save or self.global_step % self.cfg.metrics_every == 0:
             self.flush_metrics()
         if save:
@@ -217,6 +242,17 @@ class TrainLoop:
         self.engine.module.config.use_cache = True  # off only for training; generation wants the KV cache
         return export_hf_model(self.engine, self.tokenizer, os.path.join(self.out_dir, "model"),
                                {"config": self.cfg.model_dump(), **extra_metadata})
+
+    def complete(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Record a finished run's result next to its checkpoints (``completed_run`` reads it back); a run
+        stopped early (``stop_after_steps``) resumes from its checkpoint instead."""
+        if result["stopped_early"]:
+            return result
+        if _rank() == 0:
+            _write_text_atomic(os.path.join(self.ckpt_dir, COMPLETED),
+                               json.dumps({"run_key": self.run_key, "result": result}, sort_keys=True, default=str))
+        _barrier()
+        return result
 
     def summary(self) -> dict[str, Any]:
         self.flush_metrics()

@@ -25,7 +25,7 @@ from batchrl.training.trainer.batching import (completion_logprobs, epoch_order,
                                                pad_prompt_completion,
                                                step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import PolicyConfig
-from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.transfer import to_device_async
 
 FIXED_LOGPROBS = "fixed_logprobs.pt"
@@ -138,6 +138,8 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
                          "old_logprobs='recompute'")
     n = len(rows["prompt_ids"])
     cfg = fit_batch(cfg, n)
+    if (done := completed_run(cfg, model_path=model_path, out_dir=out_dir, inputs={"batch": batch_parquet})):
+        return done
     n_steps = steps_per_epoch(n, cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
                      inputs={"batch": batch_parquet}, report=report)
@@ -181,4 +183,4 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
             from batchrl.training.trainer.critic import train_critic
 
             result.update(train_critic(cfg, rows, critic_path=critic_path or model_path, out_dir=out_dir))
-    return result
+    return loop.complete(result)

@@ -15,7 +15,7 @@ import torch
 
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
 from batchrl.training.trainer.config import RewardModelConfig
-from batchrl.training.trainer.loop import Report, TrainLoop, fit_batch
+from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 
 
 def load_pairs(pairs_parquet: str, cfg: RewardModelConfig) -> pd.DataFrame:
@@ -44,6 +44,8 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
 
     pairs = load_pairs(pairs_parquet, cfg)
     cfg = fit_batch(cfg, len(pairs))
+    if (done := completed_run(cfg, model_path=model_path, out_dir=out_dir, inputs={"pairs": pairs_parquet})):
+        return done
     n_steps = steps_per_epoch(len(pairs), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
                      inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model)
@@ -82,4 +84,4 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
         result.update(num_pairs=len(pairs), train_accuracy_before=before[0], train_loss_before=before[1],
                       train_accuracy_after=after[0], train_loss_after=after[1])
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
-    return result
+    return loop.complete(result)
