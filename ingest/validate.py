@@ -78,7 +78,8 @@ def cleaned_files(cleaned_dir: str, storage_options: dict | None = None, stem: s
 class Checked:
     """One batch after the order-independent part of the contract (``ContractValidator.check``)."""
 
-    table: pa.Table       # rows that pass the contract and filters (``id`` filled where it was null)
+    table: pa.Table       # the whole batch (``id`` filled where it was null): rows are selected once, at dedupe
+    keep: np.ndarray      # rows that pass the contract and filters
     key: np.ndarray       # their uint64 content keys
     quarantine: pa.Table  # the batch's other rows, with reason codes
 
@@ -113,8 +114,10 @@ class ContractValidator:
             cursor.unregister("contract_batch")
 
     def check(self, table: pa.Table) -> Checked:
-        """Contract reason codes (Arrow checks, then pandera on the rows that pass), long-prompt filter,
-        id and content key of the passing rows, quarantine rows of the others. Needs no earlier batch."""
+        """Contract reason codes (Arrow checks, then pandera), long-prompt filter, content keys and the
+        quarantine rows. Needs no earlier batch. The batch's text is not copied here: pandera sees every
+        row (a row that failed an Arrow check keeps that first reason), and the passing rows are selected
+        once, together with the duplicates, in ``dedupe``."""
         n = table.num_rows
         ids = table.column("id")
         if ids.null_count:  # content id only where the source gave none
@@ -128,51 +131,47 @@ class ContractValidator:
             free = reason[rows] == None  # noqa: E711
             reason[rows[free]] = code
             detail[rows[free]] = [_detail(code, c) for c, f in zip(columns, free) if f]
-        ok = np.flatnonzero(reason == None)  # noqa: E711
-        passing = table if len(ok) == n else table.take(pa.array(ok))
         # pandera is the contract: every row that reaches the output has passed it
-        for code, rows, text in self._contract_failures(passing):
-            rows = ok[rows]
+        for code, rows, text in self._contract_failures(table):
             free = rows[reason[rows] == None]  # noqa: E711
             reason[free], detail[free] = code, text
+        ok = np.flatnonzero(reason == None)  # noqa: E711
         if self.length is not None and len(ok):
-            lengths = self.length(passing.column("prompt").combine_chunks())
-            too_long = (lengths > self.cfg.max_prompt_tokens) & (reason[ok] == None)  # noqa: E711
+            lengths = self.length(table.column("prompt").combine_chunks().take(pa.array(ok)))
+            too_long = lengths > self.cfg.max_prompt_tokens
             reason[ok[too_long]] = "prompt_too_long"
             detail[ok[too_long]] = [f"prompt has {t} tokens > {self.cfg.max_prompt_tokens}"
                                     for t in lengths[too_long]]
-        still_ok = reason[ok] == None  # noqa: E711
-        if not still_ok.all():
-            passing = passing.filter(pa.array(still_ok))
-        key = np.zeros(0, np.uint64)
-        if passing.num_rows:
-            key = self._sql(self.key_sql, passing).column("k").to_numpy()
+        keep = reason == None  # noqa: E711
+        key = self._sql(self.key_sql, table).column("k").to_numpy()[keep] if keep.any() else np.zeros(0, np.uint64)
         # pandera leaves reference cycles that hold this batch's DataFrame (and so its Arrow buffers):
         # collect the young generations every batch, and every FULL_GC_EVERY batches the old one too,
         # where the cycles that were still alive at a young collection end up (~30 ms)
         gc.collect(2 if next(self.batches) % FULL_GC_EVERY == FULL_GC_EVERY - 1 else 1)
-        bad = np.flatnonzero(reason != None)  # noqa: E711
-        return Checked(passing, key, self._quarantine_rows(table, bad, reason, detail))
+        bad = np.flatnonzero(~keep)
+        return Checked(table, keep, key, self._quarantine_rows(table, bad, reason, detail))
 
     def dedupe(self, checked: Checked) -> tuple[pa.Table, pa.Table, int]:
         """Exact dedupe against every earlier row -> (valid rows, quarantine rows, number of duplicates)."""
-        table, key = checked.table, checked.key
-        if not len(key):
-            return table, checked.quarantine, 0
-        unique, first = np.unique(key, return_index=True)  # sorted: fast lookups below
-        seen = self.seen.contains(unique)
-        dup = np.ones(len(key), bool)  # later copies within the batch are duplicates
-        dup[first] = seen
-        self.seen.add(unique[~seen])
-        if not dup.any():
-            return table, checked.quarantine, 0
-        rows = np.flatnonzero(dup)
-        reason = np.full(len(key), "duplicate", dtype=object)
-        detail = np.full(len(key), None, dtype=object)
-        detail[rows] = [f"content key {k:016x}" for k in key[rows]]
-        duplicates = self._quarantine_rows(table, rows, reason, detail)
-        quarantine = pa.concat_tables([checked.quarantine, duplicates])
-        return table.filter(pa.array(~dup)), quarantine, len(rows)
+        table, keep, key = checked.table, checked.keep, checked.key
+        dup = np.zeros(len(key), bool)
+        if len(key):
+            unique, first = np.unique(key, return_index=True)  # sorted: fast lookups below
+            seen = self.seen.contains(unique)
+            dup[:] = True  # later copies within the batch are duplicates
+            dup[first] = seen
+            self.seen.add(unique[~seen])
+        quarantine = checked.quarantine
+        if dup.any():
+            rows = np.flatnonzero(keep)[dup]  # in the batch's numbering
+            reason = np.full(len(keep), "duplicate", dtype=object)
+            detail = np.full(len(keep), None, dtype=object)
+            detail[rows] = [f"content key {k:016x}" for k in key[dup]]
+            quarantine = pa.concat_tables([quarantine, self._quarantine_rows(table, rows, reason, detail)])
+            keep = keep.copy()
+            keep[rows] = False
+        valid = table if keep.all() else table.filter(pa.array(keep))  # the one copy of the passing rows
+        return valid, quarantine, int(dup.sum())
 
     def _contract_failures(self, table: pa.Table) -> Iterator[tuple[str, np.ndarray, str]]:
         try:
