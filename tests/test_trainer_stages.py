@@ -172,3 +172,21 @@ def test_compiled_layers_match_eager():
     assert torch.allclose(compiled(x).logits, eager(x).logits, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), name
+
+
+def test_compiled_trainer_compiles_only_the_training_steps(setup, tmp_path, monkeypatch):
+    """Under ``torch_compile`` the no-grad margin passes before and after training run eager: every graph
+    the compiler sees is a training step's (grad mode), none is compiled twice for a once-per-job pass."""
+    import batchrl.training.trainer.loop as loop_module
+
+    compile_layers, modes = loop_module.compile_layers, []
+
+    def counting_backend(graph, example_inputs):
+        modes.append(torch.is_grad_enabled())
+        return graph.forward  # the captured graph, run as is
+
+    monkeypatch.setattr(loop_module, "compile_layers", lambda model: compile_layers(model, backend=counting_backend))
+    cfg = DPOConfig(epochs=1, micro_batch_size=8, torch_compile=True)
+    result = train_dpo(cfg, out_dir=str(tmp_path), **setup["dpo"])
+    assert modes and all(modes), modes
+    assert np.isfinite([result["margin_before"], result["margin_after"]]).all()

@@ -177,6 +177,16 @@ class TrainLoop:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def measure_context(self):
+        """Forward passes outside the training steps (margins before/after, fixed log-probs): autocast as in
+        training, and eager under ``torch_compile``: no-grad passes would compile a second set of graphs
+        (~14 s at the 0.5B shape on an H200, once per job) for passes that run once or twice."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.forward_context())
+        if self.cfg.torch_compile:
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        return stack
+
     def accumulate(self, parts: dict[str, Any]) -> None:
         """Add one micro-batch's metrics / grad_accum to this step's; tensors stay on the device."""
         for key, value in parts.items():
@@ -198,7 +208,8 @@ class TrainLoop:
         # periodic saves, and a stop before the end (resumed later); a run that reaches its end exports its
         # weights instead (``complete``): the engine + optimiser state (~16 bytes/parameter) would only be
         # written to be deleted
-        save = bool(every and self.global_step % every == 0) or (self.finished() and self.global_step < self.total_steps)
+        stopped_early = self.finished() and self.global_step < self.total_steps
+        save = bool(every and self.global_step % every == 0) or stopped_early
         if save or self.global_step % self.cfg.metrics_every == 0:
             self.flush_metrics()
         if save:
