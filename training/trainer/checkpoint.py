@@ -14,10 +14,13 @@ folder (safetensors + config + tokenizer), also through a temp dir + rename.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
+import sys
 from typing import Any
 
 import numpy as np
@@ -119,24 +122,59 @@ def save_checkpoint(engine: Any, ckpt_dir: str, step: int, trainer_state: dict[s
     return final
 
 
-def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0) -> dict[str, Any] | None:
-    """Restore engine (model, optimizer, scheduler) and RNG from ``latest``; return trainer_state.
-
-    Returns None when there is no complete checkpoint (fresh start). Without ZeRO a run may resume on
-    another number of ranks (the optimiser state is whole in every checkpoint); ZeRO 1-3 partition it
-    per rank, so that is refused with the way out named.
-    """
+def saved_world_size(ckpt_dir: str) -> int | None:
+    """Number of ranks that wrote the ``latest`` checkpoint (None: no checkpoint, or not recorded)."""
     tag = latest_tag(ckpt_dir)
     if tag is None:
         return None
     with open(os.path.join(ckpt_dir, tag, "trainer_state.json")) as f:
-        saved_world = json.load(f).get("world_size")
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if zero_stage > 0 and saved_world not in (None, ranks):
-        raise ValueError(f"{ckpt_dir}/{tag} was saved by {saved_world} ranks with ZeRO stage {zero_stage}, whose "
-                         f"optimiser state is partitioned per rank: resume it on {saved_world} ranks, or train "
-                         "with zero_stage=0 to resume on any number")
-    path, _client = engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=True,
+        return json.load(f).get("world_size")
+
+
+def needs_universal(ckpt_dir: str, zero_stage: int) -> bool:
+    """Resuming a ZeRO 1-3 checkpoint on another number of ranks: its optimiser state is partitioned per
+    rank, so it is loaded through DeepSpeed's universal checkpoint (the engine must be built for that)."""
+    saved = saved_world_size(ckpt_dir)
+    return zero_stage > 0 and saved is not None and saved != int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def universal_checkpoint(ckpt_dir: str, tag: str) -> str:
+    """``<tag>/universal``: DeepSpeed's universal form of a ZeRO checkpoint (weights and optimiser state
+    per parameter, whole), converted once by rank 0 (temp dir + rename), loadable by any number of ranks."""
+    out = os.path.join(ckpt_dir, tag, "universal")
+    if _rank() == 0 and not os.path.isdir(out):
+        from deepspeed.checkpoint import ds_to_universal
+
+        tmp = f"{out}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        args = argparse.Namespace(input_folder=os.path.join(ckpt_dir, tag), output_folder=os.path.join(tmp, tag),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)  # a plain engine's client state lacks Megatron's info
+        with contextlib.redirect_stdout(sys.stderr):  # the job's stdout carries its Pipes messages
+            ds_to_universal.main(args)
+        os.replace(tmp, out)
+    _barrier()
+    return out
+
+
+def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0) -> dict[str, Any] | None:
+    """Restore engine (model, optimizer, scheduler) and RNG from ``latest``; return trainer_state.
+
+    Returns None when there is no complete checkpoint (fresh start). A run may resume on another number
+    of ranks: without ZeRO the optimiser state is whole in every checkpoint; ZeRO 1-3 partition it per
+    rank, so such a checkpoint is converted to DeepSpeed's universal form first (``needs_universal``:
+    the engine was built with ``load_universal``).
+    """
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        return None
+    source, source_tag = ckpt_dir, tag
+    if needs_universal(ckpt_dir, zero_stage):
+        if not engine.load_universal_checkpoint():
+            raise ValueError(f"{ckpt_dir}/{tag} was saved by {saved_world_size(ckpt_dir)} ranks with ZeRO stage "
+                             f"{zero_stage}: build the engine with universal=True to resume it on another count")
+        source = universal_checkpoint(ckpt_dir, tag)
+    path, _client = engine.load_checkpoint(source, tag=source_tag, load_optimizer_states=True,
                                            load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")

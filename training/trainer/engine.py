@@ -50,11 +50,12 @@ def trainer_clips(cfg: Any) -> bool:
     return cfg.zero_stage == 0 and not (use_cuda() and cfg.precision == "bf16")
 
 
-def deepspeed_config(cfg: Any) -> dict:
+def deepspeed_config(cfg: Any, universal: bool = False) -> dict:
     """DeepSpeed config dict from a trainer config (zero stage, precision, accumulation, clipping).
 
     ``train_batch_size = micro_batch_size * grad_accum * world_size``; bf16 is enabled only on GPU
-    (CPU keeps fp32 so results are exact and reproducible).
+    (CPU keeps fp32 so results are exact and reproducible). ``universal``: the engine will load a
+    universal checkpoint (a ZeRO run resumed on another number of ranks).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     bf16 = use_cuda() and cfg.precision == "bf16"
@@ -72,6 +73,7 @@ def deepspeed_config(cfg: Any) -> dict:
         "wall_clock_breakdown": False,
         # a client torch optimizer is passed: no FusedAdam/cpu_adam compile
         "zero_allow_untested_optimizer": True,
+        "checkpoint": {"load_universal": universal},
     }
 
 
@@ -103,7 +105,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int)
 
 
 def init_deepspeed(model: torch.nn.Module, cfg: Any, optimizer: torch.optim.Optimizer | None = None,
-                   lr_scheduler: Any = None):
+                   lr_scheduler: Any = None, universal: bool = False):
     """Wrap ``model`` in a DeepSpeed engine; returns the engine (``engine.optimizer``,
     ``engine.lr_scheduler`` hold the wrapped optimiser/scheduler).
 
@@ -120,6 +122,6 @@ def init_deepspeed(model: torch.nn.Module, cfg: Any, optimizer: torch.optim.Opti
         model = model.to(f"cuda:{os.environ['LOCAL_RANK']}")
     optimizer = optimizer or make_optimizer(model, cfg)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=deepspeed_config(cfg),
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=deepspeed_config(cfg, universal),
     )
     return engine

@@ -14,7 +14,7 @@ import torch
 
 from batchrl.training.trainer.batching import world
 from batchrl.training.trainer.checkpoint import (_barrier, _rank, _write_text_atomic, export_hf_model,
-                                                 load_checkpoint, save_checkpoint, seed_everything)
+                                                 load_checkpoint, needs_universal, save_checkpoint, seed_everything)
 from batchrl.training.trainer.config import TrainerConfig
 from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler, trainer_clips
 
@@ -123,7 +123,8 @@ class TrainLoop:
             compile_layers(model)
         optimizer = make_optimizer(model, cfg)
         scheduler = make_scheduler(optimizer, cfg, total_steps)
-        self.engine = init_deepspeed(model, cfg, optimizer, scheduler)
+        universal = cfg.resume and needs_universal(self.ckpt_dir, cfg.zero_stage)
+        self.engine = init_deepspeed(model, cfg, optimizer, scheduler, universal=universal)
         self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [],
                                       "run_key": self.run_key, "world_size": world()[1]}
         self.resumed_from: int | None = None
