@@ -66,7 +66,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             from batchrl.resources.scaleout import multinode_command
 
             return multinode_command(f"batchrl.training.jobs.{job}", config_path, os.path.abspath(self.hostfile))
-        return job_command(job, config_path)
+        return job_command(job, config_path, num_gpus=self.num_gpus)  # the resource decides, not this process's env
 
     def pod_request(self, job: str, config_path: str) -> dict[str, Any]:
         """``PipesK8sClient.run`` arguments for ``job``: image, command and GPU pod spec (plain data)."""

@@ -8,6 +8,7 @@ import shutil
 import dagster as dg
 import pandas as pd
 import pytest
+from e2e_helpers import STALE_SCRIPT, copy_package, input_files, second_iteration_rollouts, sensor_tick
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
 from batchrl.audit import artifact_files, lineage_tree
@@ -186,29 +187,6 @@ def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
     assert "descends from another base model" in message and "base_model" in message
 
 
-def _copy_package(dest) -> str:
-    import shutil
-
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    shutil.copytree(repo, dest / "batchrl", ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".storage", ".dagster_home", ".reproduce", "tests", "bench", "__pycache__", "*.egg-info"))
-    return str(dest)
-
-
-_STALE_SCRIPT = """
-import json, sys
-import dagster as dg
-from dagster._core.instance.ref import InstanceRef
-import batchrl
-from batchrl.definitions import build_definitions
-from batchrl.staleness import code_stale, stale_causes
-assert batchrl.__file__.startswith(sys.argv[2]), batchrl.__file__  # the copy, not the checkout
-defs = build_definitions()
-with dg.DagsterInstance.from_ref(InstanceRef.from_dir(sys.argv[1])) as instance:
-    print(json.dumps(sorted(code_stale(stale_causes(defs, instance)))))
-"""
-
-
 def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_stale(pipeline, tmp_path):
     """code_version follows imports: batching.py is imported by the trainer stages only (not named by them)."""
     import subprocess
@@ -216,11 +194,11 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
 
     _, instance, _ = pipeline
     home = instance.root_directory
-    copy = _copy_package(tmp_path)
+    copy = copy_package(tmp_path)
 
     def code_stale_in_copy() -> set[str]:
         env = {**os.environ, "PYTHONPATH": copy}
-        out = subprocess.run([sys.executable, "-c", _STALE_SCRIPT, home, copy], env=env, capture_output=True,
+        out = subprocess.run([sys.executable, "-c", STALE_SCRIPT, home, copy], env=env, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return set(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -261,21 +239,6 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         assert any(reported in m for m in messages), f"no Pipes report {reported!r}"
 
 
-def _second_iteration_rollouts(instance, root) -> dict:
-    """Rollouts sampled from the trained policy_checkpoint (an RL iteration's second step): made by
-    test_next_rollouts_sample_from_the_latest_policy_checkpoint when the module runs whole, else here."""
-    import duckdb
-
-    with duckdb.connect(os.path.join(root, "catalog.duckdb"), read_only=True) as con:
-        rows = con.execute("SELECT uri, data_version, lineage FROM artifacts WHERE asset = 'rollouts'").fetchall()
-    for uri, version, lineage in rows:
-        if json.loads(lineage)["inputs"]["policy"]["asset"] == "policy_checkpoint":
-            return {"uri": uri, "data_version": version}
-    assert run_assets(local_resources(root), instance, selection=["rollouts"], run_config={"ops": {
-        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}}).success
-    return latest_metadata(instance, "rollouts")
-
-
 @pytest.mark.slow
 def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
     """~1.5-2 min on 2 cores (the reward model and the policy are trained again): the issue's acceptance
@@ -287,7 +250,7 @@ def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
     from batchrl.reproduce import reproduce
 
     _, instance, root = pipeline
-    target = _second_iteration_rollouts(instance, root)
+    target = second_iteration_rollouts(instance, root)
     copied = tmp_path / "copied"
     shutil.copytree(root, copied, ignore=shutil.ignore_patterns("_cache"))
     report = reproduce(str(copied / "rollouts" / target["data_version"]), str(tmp_path / "fresh"),
@@ -349,7 +312,7 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     from batchrl.definitions import build_definitions
 
     _, instance, root = pipeline
-    before = _sensor(landing, None).cursor  # what the sensor saw when the earlier drops were ingested
+    before = sensor_tick(landing, None).cursor  # what the sensor saw when the earlier drops were ingested
     old = latest_metadata(instance, "policy_checkpoint")
     with open(os.path.join(old["uri"], "lineage.json")) as f:
         old_base = json.load(f)["inputs"]["reference"]["data_version"]  # the base model of its chain
@@ -360,7 +323,7 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
                                     "rejected": f"{i} + {i} = {2 * i + 1}."}) + "\n" for i in range(30)))
     digest = hashlib.sha256(open(new_file, "rb").read()).hexdigest()
 
-    tick = _sensor(landing, before)
+    tick = sensor_tick(landing, before)
     (request,) = tick.run_requests
     assert request.partition_key == "prefs_002.jsonl" and request.asset_selection is None  # drop + training
     for partitions in tick.dynamic_partitions_requests:
@@ -388,20 +351,29 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
         assert json.load(f)["inputs"]["policy"]["data_version"] == old["data_version"]  # its parent
     tree = lineage_tree(new["uri"])
     assert policy_chain(tree)[:2] == [f"policy_checkpoint@{new['data_version']}", f"policy_checkpoint@{old['data_version']}"]
-    files = {f["uri"]: f["sha256"] for f in _input_files(tree)}
+    files = {f["uri"]: f["sha256"] for f in input_files(tree)}
     assert files[new_file] == digest  # the audit names the new file with its hash
     used = artifacts_using_file(os.path.join(root, "catalog.duckdb"), digest[:16])
     assert new["data_version"] in {r["data_version"] for r in used if r["asset"] == "policy_checkpoint"}
     assert old["data_version"] not in {r["data_version"] for r in used}
 
 
-def _sensor(landing, cursor):
-    from batchrl.assets.automation import new_logs_sensor
+def test_training_assets_on_two_ranks_through_pipes(pipeline):
+    """The launcher's ``num_gpus: 2``: `dpo_checkpoint` and `policy_checkpoint` run their trainer jobs under
+    torchrun on 2 ranks (gloo on this CPU box, NCCL on GPUs), report once through Pipes, and DPO with a global
+    batch follows the one-rank curve."""
+    from batchrl.resources import TrainerLauncherResource
 
-    return new_logs_sensor(dg.build_sensor_context(cursor=cursor, resources={"landing": landing}))
-
-
-def _input_files(node: dict):
-    yield from node.get("input_files", [])
-    for child in node.get("inputs", {}).values():
-        yield from _input_files(child)
+    _, instance, root = pipeline
+    dpo = {"epochs": 1, "micro_batch_size": 4, "global_batch_size": 8}
+    curves = {}
+    for ranks, extra in ((0, {}), (2, {"resume": False})):  # resume off: not the finished one-rank runs' results
+        resources = local_resources(root, trainer=TrainerLauncherResource(num_gpus=ranks))
+        ops = {"dpo_checkpoint": {"config": {**dpo, **extra}}, "policy_checkpoint": {"config": extra}}
+        selection = ["dpo_checkpoint"] + (["policy_checkpoint"] if ranks else [])
+        assert run_assets(resources, instance, selection=selection, run_config={"ops": ops}).success
+        meta = latest_metadata(instance, "dpo_checkpoint")
+        assert meta["world_size"] == max(ranks, 1) and meta["global_step"] == len(meta["loss_curve"])
+        curves[ranks] = meta["loss_curve"]
+    assert curves[2] == pytest.approx(curves[0], abs=1e-5)
+    assert latest_metadata(instance, "policy_checkpoint")["world_size"] == 2

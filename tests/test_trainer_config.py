@@ -66,6 +66,11 @@ def test_job_command_single_and_multi_gpu(monkeypatch):
     # inference and sampling jobs stay one process: only trainers are data-parallel
     assert job_command("rollouts", "/c.json") == [sys.executable, "-m", "batchrl.training.jobs.rollouts", "/c.json"]
     assert "--nproc_per_node=4" in job_command("train_reward_model", "/c.json")
+    # the launcher resource's num_gpus decides, whatever this (Dagster) process's environment says
+    from batchrl.resources import TrainerLauncherResource
+
+    assert "--nproc_per_node=2" in TrainerLauncherResource(num_gpus=2).command("train_dpo", "/c.json")
+    assert "torch.distributed.run" not in TrainerLauncherResource(num_gpus=1).command("train_dpo", "/c.json")
 
 
 def test_global_batch_size_sets_accumulation_per_rank_count(monkeypatch):

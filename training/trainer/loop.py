@@ -271,7 +271,7 @@ class TrainLoop:
         hist = self.state["history"]
         return {"global_step": self.global_step, "total_steps": self.total_steps,
                 "optimizer_steps": int(self.engine.global_steps),  # DeepSpeed's own count
-                "stopped_early": self.global_step < self.total_steps,
+                "stopped_early": self.global_step < self.total_steps, "world_size": world()[1],
                 "resumed_from_step": self.resumed_from, "wall_s": round(time.time() - self._t0, 3),
                 "loss_curve": [h.get("loss") for h in hist],
                 "final": hist[-1] if hist else {}}
