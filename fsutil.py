@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
 from typing import Any
 
@@ -69,6 +70,20 @@ def sha256_tree(fs: fsspec.AbstractFileSystem, root: str) -> str:
         rel = p[len(root.rstrip("/")) + 1:]
         h.update(rel.encode() + b"\0" + sha256_file(fs, p).encode() + b"\n")
     return h.hexdigest()
+
+
+def link_tree(src: str, dst: str) -> None:
+    """Put every file of the local folder ``src`` into ``dst`` as a hard link (no bytes copied: a trained
+    model's export is gigabytes), copying only where linking fails (another filesystem). For our own
+    write-once files only: both names then point at the same bytes, so neither may be written in place."""
+    for folder, _, files in os.walk(src):
+        target = os.path.join(dst, os.path.relpath(folder, src))
+        os.makedirs(target, exist_ok=True)
+        for name in files:
+            try:
+                os.link(os.path.join(folder, name), os.path.join(target, name))
+            except OSError:
+                shutil.copy2(os.path.join(folder, name), os.path.join(target, name))
 
 
 def duckdb_for(uris: list[str], storage_options: dict[str, Any] | None = None, threads: int = 2):

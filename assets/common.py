@@ -5,7 +5,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import time
 import types
 import warnings
@@ -141,13 +140,13 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     published = {}
     for name, (subdir, companion_inputs) in (companions or {}).items():
         with storage.staging_dir(name) as staging:
-            shutil.copytree(os.path.join(workdir, subdir), staging, dirs_exist_ok=True)
+            fsutil.link_tree(os.path.join(workdir, subdir), staging)
             ref = publish(context, storage, catalog, staging, asset=name, seed=seed, inputs=companion_inputs,
                           config={k: v for k, v in job_config.items() if k != "out_dir"}).value
         published[name] = ref
         metrics.update({f"{name}_uri": ref["uri"], f"{name}_data_version": ref["data_version"]})
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
-        shutil.copytree(os.path.join(workdir, "model"), staging, dirs_exist_ok=True)
+        fsutil.link_tree(os.path.join(workdir, "model"), staging)  # the job's export: write-once, gigabytes
         sidecars = {"train_metrics.json": metrics}
         if published:
             sidecars["companions.json"] = published

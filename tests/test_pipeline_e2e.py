@@ -65,7 +65,10 @@ def test_checkpoints_load_and_generate(pipeline, asset):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, instance, _ = pipeline
-    path = latest_metadata(instance, asset)["uri"]
+    meta = latest_metadata(instance, asset)
+    path = meta["uri"]
+    weights = [os.path.join(folder, "model.safetensors") for folder in (path, meta["model_dir"])]
+    assert os.stat(weights[0]).st_ino == os.stat(weights[1]).st_ino  # published as links to the job's export
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer("What is 2 + 3?", return_tensors="pt")
