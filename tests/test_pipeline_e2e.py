@@ -372,8 +372,10 @@ def test_training_assets_on_two_ranks_through_pipes(pipeline):
     curves = {}
     for ranks, extra in ((0, {}), (2, {"resume": False})):  # resume off: not the finished one-rank runs' results
         resources = local_resources(root, trainer=TrainerLauncherResource(num_gpus=ranks))
-        ops = {"dpo_checkpoint": {"config": {**dpo, **extra}}, "policy_checkpoint": {"config": extra}}
-        selection = ["dpo_checkpoint"] + (["policy_checkpoint"] if ranks else [])
+        ops = {"dpo_checkpoint": {"config": {**dpo, **extra}}, "policy_checkpoint": {"config": extra},
+               "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}}}
+        # an RL step from the promoted policy: rollouts sampled from it, then the update on 2 ranks
+        selection = ["dpo_checkpoint"] + (["rollouts", "rewards", "advantages", "policy_checkpoint"] if ranks else [])
         assert run_assets(resources, instance, selection=selection, run_config={"ops": ops}).success
         meta = latest_metadata(instance, "dpo_checkpoint")
         assert meta["world_size"] == max(ranks, 1) and meta["global_step"] == len(meta["loss_curve"])

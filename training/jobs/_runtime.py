@@ -113,4 +113,14 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
         if version:
             meta["content_hash"] = version
         rep.materialize(meta, version)
+    _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Under torchrun: every rank waits for the others, then the process group is torn down in order (a rank
+    that just exits while its peer still finishes can abort in gloo's teardown: seen on a loaded CPU box)."""
+    torch = sys.modules.get("torch")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch is not None and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
