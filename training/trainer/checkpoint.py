@@ -6,6 +6,8 @@ Layout under ``ckpt_dir``::
         rng_rank0.pt      python / numpy / torch (/ cuda) RNG states of that rank
         trainer_state.json data position (epoch, step_in_epoch, global_step) + metrics history
     latest                name of the newest complete tag, written last (atomic replace)
+    completed.json        a run that reached its end: its run key and result (no engine state: the HF
+                          export is the output)
 
 A checkpoint is written to ``.tmp-<tag>`` and renamed into place, then ``latest`` is replaced, so a
 process killed at any moment leaves either the previous or the new checkpoint, never a half one.
@@ -72,6 +74,26 @@ def seed_everything(seed: int) -> None:
 
 def _write_text_atomic(path: str, text: str) -> None:
     fsutil.atomic_write_bytes(_LOCAL_FS, path, text.encode())
+
+
+COMPLETED = "completed.json"
+
+
+def write_completion(ckpt_dir: str, run_key: str, result: dict[str, Any]) -> None:
+    """Record (rank 0, atomically) that the run ``run_key`` finished with ``result``; every rank waits."""
+    if _rank() == 0:
+        _write_text_atomic(os.path.join(ckpt_dir, COMPLETED),
+                           json.dumps({"run_key": run_key, "result": result}, sort_keys=True, default=str))
+    _barrier()
+
+
+def read_completion(ckpt_dir: str) -> dict[str, Any]:
+    """``{"run_key", "result"}`` of the run that finished here, or {} (none, or a damaged record)."""
+    try:
+        with open(os.path.join(ckpt_dir, COMPLETED)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def list_checkpoints(ckpt_dir: str) -> list[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import time
 from typing import Any, Callable
@@ -13,8 +12,8 @@ from typing import Any, Callable
 import torch
 
 from batchrl.training.trainer.batching import world
-from batchrl.training.trainer.checkpoint import (_barrier, _rank, _write_text_atomic, export_hf_model,
-                                                 load_checkpoint, needs_universal, save_checkpoint, seed_everything)
+from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
+                                                 save_checkpoint, seed_everything, write_completion)
 from batchrl.training.trainer.config import TrainerConfig
 from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler, trainer_clips
 
@@ -45,20 +44,13 @@ def run_key(cfg: TrainerConfig, model_path: str, inputs: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-COMPLETED = "completed.json"  # under checkpoints/: the result of a run that finished and exported
-
-
 def completed_run(cfg: TrainerConfig, *, model_path: str, out_dir: str, inputs: dict[str, str]) -> dict | None:
     """The result of this very run (same ``run_key``) if it already finished in ``out_dir`` and its
     exports are still there, else None. A finished run keeps no engine/optimiser checkpoint (the HF
     export is its output), so this is what makes re-running a finished job cheap and identical."""
     if not cfg.resume:
         return None
-    try:
-        with open(os.path.join(out_dir, "checkpoints", COMPLETED)) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
+    record = read_completion(os.path.join(out_dir, "checkpoints"))
     result = record.get("result", {})
     exports = [os.path.join(out_dir, "model")] + [v for k, v in result.items() if k.endswith("_dir")]
     if record.get("run_key") != run_key(cfg, model_path, inputs) or not all(map(os.path.isdir, exports)):
@@ -258,12 +250,8 @@ class TrainLoop:
     def complete(self, result: dict[str, Any]) -> dict[str, Any]:
         """Record a finished run's result next to its checkpoints (``completed_run`` reads it back); a run
         stopped early (``stop_after_steps``) resumes from its checkpoint instead."""
-        if result["stopped_early"]:
-            return result
-        if _rank() == 0:
-            _write_text_atomic(os.path.join(self.ckpt_dir, COMPLETED),
-                               json.dumps({"run_key": self.run_key, "result": result}, sort_keys=True, default=str))
-        _barrier()
+        if not result["stopped_early"]:
+            write_completion(self.ckpt_dir, self.run_key, result)
         return result
 
     def summary(self) -> dict[str, Any]:
