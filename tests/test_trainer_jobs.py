@@ -195,8 +195,8 @@ def test_policy_update_on_two_ranks_equals_one_process(inputs, tmp_path, zero_st
     from batchrl.training.trainer.policy import train_policy
 
     rng = np.random.default_rng(0)
-    rows = [{"prompt_index": i // 4, "prompt_ids": [1, 2, 3 + i % 5], "response_ids": list(rng.integers(3, 60, 1 + i % 4)),
-             "reward": float(i % 2)} for i in range(32)]
+    rows = [{"prompt_index": i // 4, "prompt_ids": [1, 2, 3 + i % 5], "reward": float(i % 2),
+             "response_ids": list(rng.integers(3, 60, 1 + i % 4))} for i in range(32)]
     compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
     trainer = {"micro_batch_size": 4, "global_batch_size": 8, "ppo_epochs": 2, "kl_coef": 0.05, "lr": 1e-3,
                "zero_stage": zero_stage}
