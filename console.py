@@ -79,6 +79,7 @@ class RunProgress:
         self.done: list[dict] = []  # {asset, ok, seconds, metadata, error}
         self._started: dict[str, float] = {}
         self._metadata: dict[str, dict] = {}
+        self._checks: dict[str, list[str]] = {}  # check lines of a step still running
         self._cursor = None
         self._stop = threading.Event()
         self._lock = threading.RLock()  # the follower thread and follow()/__exit__ must not read one cursor twice
@@ -92,6 +93,8 @@ class RunProgress:
         self._stop.set()
         self._thread.join()
         self.poll()  # whatever arrived after the last poll
+        for step in list(self._checks):  # checks of a step that never finished
+            self._write_checks(step)
 
     def _step_progress(self, entry) -> None:
         """On a terminal, a live ``step N loss x`` line for a training stage, replaced by its result line."""
@@ -154,10 +157,24 @@ class RunProgress:
                 self.done.append(item)
                 self._clear_progress()
                 self.out.write(asset_line(len(self.done), self.total, asset, seconds, ok, metadata, error) + "\n")
+            self._write_checks(step)  # a step's checks, under the assets they check
+        elif kind == "STEP_SUCCESS":  # a step of its own for checks
+            self._write_checks(step)
         elif kind == "ASSET_CHECK_EVALUATION":
             check = event.event_specific_data
+            line = f"        check {check.check_name}: {'passed' if check.passed else 'FAILED'}\n"
+            if step in self._started:  # evaluated inside the step: shown when the step's assets are
+                self._checks.setdefault(step, []).append(line)
+            else:
+                self._clear_progress()
+                self.out.write(line)
+
+
+    def _write_checks(self, step: str) -> None:
+        lines = self._checks.pop(step, [])
+        if lines:
             self._clear_progress()
-            self.out.write(f"        check {check.check_name}: {'passed' if check.passed else 'FAILED'}\n")
+            self.out.write("".join(lines))
 
 
 def _progress_text(entry) -> str | None:

@@ -1,4 +1,5 @@
-"""The console of `batchrl run`: one line per finished asset, however many threads read the event log."""
+"""The console of `batchrl run`: one line per finished asset, however many threads read the event log, and a
+step's checks under the assets they check."""
 from __future__ import annotations
 
 import io
@@ -9,9 +10,10 @@ import dagster as dg
 from batchrl.console import RunProgress
 
 
-@dg.asset
-def numbers() -> list[int]:
-    return [1, 2, 3]
+@dg.asset(check_specs=[dg.AssetCheckSpec("positive", asset="numbers")])
+def numbers():
+    yield dg.Output([1, 2, 3])
+    yield dg.AssetCheckResult(passed=True)  # evaluated inside the step, before the step ends
 
 
 @dg.asset
@@ -37,5 +39,6 @@ def test_concurrent_polls_write_each_asset_once(tmp_path):
         for thread in threads:
             thread.join()
         lines = out.getvalue().splitlines()
-        assert [line.split()[3] for line in lines] == ["numbers", "total"], lines
-        assert lines[0].startswith("[ 1/2] ok ") and lines[1].startswith("[ 2/2] ok ")
+        assert [line.split()[3] for line in lines if line.startswith("[")] == ["numbers", "total"], lines
+        assert lines[0].startswith("[ 1/2] ok ") and lines[2].startswith("[ 2/2] ok ")
+        assert lines[1].strip() == "check positive: passed"  # under the asset it checks, once
