@@ -26,12 +26,23 @@ def _storage_root() -> str:
     return os.path.abspath(os.environ.get("BATCHRL_STORAGE", ".storage"))
 
 
+def _landing(storage_options: dict | None = None) -> LandingResource:
+    """``BATCHRL_LANDING`` (a folder or ``s3://`` prefix holding ``preferences/``, ``scored/`` and
+    ``arith/{train,eval}.jsonl``): where the team's logs land; unset: the shipped samples."""
+    landing = os.environ.get("BATCHRL_LANDING", "").rstrip("/")
+    if not landing:
+        return LandingResource()
+    return LandingResource(preferences=f"{landing}/preferences", scored=f"{landing}/scored",
+                           prompts=f"{landing}/arith/train.jsonl", eval_prompts=f"{landing}/arith/eval.jsonl",
+                           storage_options=storage_options or {})
+
+
 def _local() -> dict:
     root = _storage_root()
     return {
         "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
         "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")),
-        "landing": LandingResource(),
+        "landing": _landing(),
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
         "compute": ComputeResource(),
@@ -41,15 +52,11 @@ def _local() -> dict:
 def _s3() -> dict:
     options = {"client_kwargs": {"endpoint_url": os.environ["BATCHRL_S3_ENDPOINT"]}} \
         if os.environ.get("BATCHRL_S3_ENDPOINT") else {}
-    landing = os.environ.get("BATCHRL_LANDING", "")
     return {**_local(),
             "storage": StorageResource(root=os.environ.get("BATCHRL_S3_ROOT", "s3://batchrl/artifacts"),
                                        storage_options=options,
                                        cache_dir=os.path.join(_storage_root(), "_cache")),
-            "landing": LandingResource(preferences=f"{landing}/preferences", scored=f"{landing}/scored",
-                                       prompts=f"{landing}/arith/train.jsonl",
-                                       eval_prompts=f"{landing}/arith/eval.jsonl", storage_options=options)
-            if landing else LandingResource()}
+            "landing": _landing(options)}
 
 
 def _gpu() -> dict:
