@@ -199,7 +199,7 @@ class TrainLoop:
         self._pending.append((self.global_step, metrics))
         every = self.cfg.save_every
         # periodic saves, and a stop before the end (resumed later); a run that reaches its end exports its
-        # weights instead (``complete``): the engine + optimiser state (~16 bytes/parameter) would only be
+        # weights instead (``complete``): the engine + optimiser state (~12 bytes/parameter) would only be
         # written to be deleted
         stopped_early = self.finished() and self.global_step < self.total_steps
         save = bool(every and self.global_step % every == 0) or stopped_early
