@@ -72,10 +72,12 @@ def sha256_tree(fs: fsspec.AbstractFileSystem, root: str) -> str:
     return h.hexdigest()
 
 
-def link_tree(src: str, dst: str) -> None:
+def link_tree(src: str, dst: str) -> bool:
     """Put every file of the local folder ``src`` into ``dst`` as a hard link (no bytes copied: a trained
     model's export is gigabytes), copying only where linking fails (another filesystem). For our own
-    write-once files only: both names then point at the same bytes, so neither may be written in place."""
+    write-once files only: both names then point at the same bytes, so neither may be written in place.
+    Returns whether every file was linked (``dst`` then holds the very bytes ``src`` does)."""
+    linked = True
     for folder, _, files in os.walk(src):
         target = os.path.join(dst, os.path.relpath(folder, src))
         os.makedirs(target, exist_ok=True)
@@ -84,6 +86,8 @@ def link_tree(src: str, dst: str) -> None:
                 os.link(os.path.join(folder, name), os.path.join(target, name))
             except OSError:
                 shutil.copy2(os.path.join(folder, name), os.path.join(target, name))
+                linked = False
+    return linked
 
 
 def duckdb_for(uris: list[str], storage_options: dict[str, Any] | None = None, threads: int = 2):

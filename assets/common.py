@@ -52,9 +52,11 @@ def publish(
     metadata: dict[str, Any] | None = None,
     sidecars: dict[str, dict] | None = None,
     asset: str | None = None,
+    content_hash: str | None = None,
 ) -> dg.Output:
     """Publish ``staging`` as this asset's new immutable version and return the Dagster output.
-    ``asset`` names a companion artifact published by the same step (default: the asset itself)."""
+    ``asset`` names a companion artifact published by the same step (default: the asset itself);
+    ``content_hash``: the files' hash when their writer took it (``StorageResource.publish``)."""
     by_key = context.assets_def.code_versions_by_key
     single = len(context.assets_def.keys) == 1  # a multi-asset step names each of its assets
     asset = asset or context.asset_key.to_user_string()
@@ -62,7 +64,7 @@ def publish(
     lineage = redact(lineage_record(context, storage, code_version=code, config=config or {}, seed=seed,
                                     inputs={name: as_ref(ref) for name, ref in (inputs or {}).items()},
                                     input_files=input_files or []))
-    ref = storage.publish(staging, asset, lineage, sidecars)
+    ref = storage.publish(staging, asset, lineage, sidecars, content_hash)
     metadata = redact(dict(metadata or {}))
     plain = {k: v for k, v in metadata.items() if not isinstance(v, dg.MetadataValue)}  # tables/markdown: UI only
     catalog.record(asset=asset, data_version=ref.data_version, uri=ref.uri, run_id=context.run.run_id,
@@ -120,6 +122,9 @@ def work_dir(storage: StorageResource, asset: str, key: dict) -> str:
     return path
 
 
+TRAIN_RECORD = "batchrl_train.json"  # what training.trainer.checkpoint writes beside an export (torch-free here)
+
+
 def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
                       catalog: CatalogResource, launcher: TrainerLauncherResource,
                       companions: dict[str, tuple[str, dict]] | None = None) -> dg.Output:
@@ -146,18 +151,18 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
         published[name] = ref
         metrics.update({f"{name}_uri": ref["uri"], f"{name}_data_version": ref["data_version"]})
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
-        fsutil.link_tree(os.path.join(workdir, "model"), staging)  # the job's export: write-once, gigabytes
+        # the job's export (write-once, gigabytes) as links: then the job's hash of it is the data version
+        linked = fsutil.link_tree(os.path.join(workdir, "model"), staging)
         sidecars = {"train_metrics.json": metrics}
         if published:
             sidecars["companions.json"] = published
-        record = os.path.join(staging, "batchrl_train.json")
-        if os.path.exists(record):  # holds wall-clock times: kept, but out of the weights' version
+        record = os.path.join(workdir, TRAIN_RECORD)
+        if os.path.exists(record):  # holds wall-clock times: kept beside the weights, out of their version
             with open(record) as f:
-                sidecars["batchrl_train.json"] = json.load(f)
-            os.remove(record)
+                sidecars[TRAIN_RECORD] = json.load(f)
         return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
                        config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata={**metrics, **ui},
-                       sidecars=sidecars)
+                       sidecars=sidecars, content_hash=metrics.get("content_hash") if linked else None)
 
 
 def curve_table(curves: dict[str, list], max_rows: int = 40) -> str:

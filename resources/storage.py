@@ -83,16 +83,18 @@ class StorageResource(dg.ConfigurableResource):
             shutil.rmtree(path, ignore_errors=True)
 
     def publish(self, local_dir: str, asset: str, lineage: dict[str, Any],
-                sidecars: dict[str, dict] | None = None) -> ArtifactRef:
+                sidecars: dict[str, dict] | None = None, content_hash: str | None = None) -> ArtifactRef:
         """Content-address ``local_dir`` and move it under the storage root.
 
         The hash covers the data files only: ``lineage.json`` and the ``sidecars`` (JSON reports with
-        timings and paths) are written after hashing, so the same data gives the same version."""
+        timings and paths) are written after hashing, so the same data gives the same version.
+        ``content_hash``: ``fsutil.sha256_tree`` of these very files, taken by whoever wrote them (a trainer
+        job hashes its export; the staging folder holds hard links to it), so gigabytes are not read twice."""
         fsutil.safe_name(asset, "asset name")
         for name in sidecars or {}:
             fsutil.safe_name(name, "sidecar name")
         local_fs = fsutil.filesystem_for(local_dir)[0]
-        data_version = fsutil.sha256_tree(local_fs, os.path.abspath(local_dir))[:16]
+        data_version = (content_hash or fsutil.sha256_tree(local_fs, os.path.abspath(local_dir)))[:16]
         for name, content in (sidecars or {}).items():
             with open(os.path.join(local_dir, name), "w") as f:
                 json.dump(content, f, indent=2, sort_keys=True, default=str)

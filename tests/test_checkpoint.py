@@ -94,7 +94,8 @@ def test_exported_model_loads_with_transformers(dpo_inputs, tmp_path):
     assert model(ids).logits.shape == base(ids).logits.shape
     assert not torch.allclose(model(ids).logits, base(ids).logits)  # the weights were trained
     assert model.config.use_cache  # exported for generation
-    meta = json.loads((tmp_path / "model" / "batchrl_train.json").read_text())
+    meta = json.loads((tmp_path / "batchrl_train.json").read_text())  # beside the export, not in it
+    assert not (tmp_path / "model" / "batchrl_train.json").exists()
     assert meta["config"]["beta"] == 0.1 and meta["global_step"] == 2
 
 

@@ -69,6 +69,8 @@ def test_checkpoints_load_and_generate(pipeline, asset):
     path = meta["uri"]
     weights = [os.path.join(folder, "model.safetensors") for folder in (path, meta["model_dir"])]
     assert os.stat(weights[0]).st_ino == os.stat(weights[1]).st_ino  # published as links to the job's export
+    assert meta["content_hash"][:16] == meta["data_version"]  # the job's hash of them is the data version
+    assert json.load(open(os.path.join(path, "batchrl_train.json")))["global_step"] == meta["global_step"]
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer("What is 2 + 3?", return_tensors="pt")

@@ -216,11 +216,16 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     return None  # save_pretrained reads the module's own state dict
 
 
+TRAIN_RECORD = "batchrl_train.json"  # next to an export: the run's config and metrics (times included)
+
+
 def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
                     extra_metadata: dict[str, Any] | None = None) -> str:
     """Write an HF folder (``model.safetensors``, ``config.json``, tokenizer files) atomically.
 
-    Loadable by ``AutoModelForCausalLM.from_pretrained(out_dir)`` and vLLM.
+    Loadable by ``AutoModelForCausalLM.from_pretrained(out_dir)`` and vLLM. ``extra_metadata`` goes to
+    ``TRAIN_RECORD`` beside the folder, not into it: the folder is exactly the weights' content (the job's
+    content hash of it is the published data version, and wall-clock times never change it).
     """
     module = getattr(engine_or_model, "module", engine_or_model)
     state_dict = _full_state_dict(engine_or_model) if hasattr(engine_or_model, "module") else None
@@ -231,7 +236,7 @@ def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra_metadata:
-            _write_text_atomic(os.path.join(tmp, "batchrl_train.json"),
+            _write_text_atomic(os.path.join(os.path.dirname(os.path.abspath(out_dir)), TRAIN_RECORD),
                                json.dumps(extra_metadata, indent=2, sort_keys=True, default=str))
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
