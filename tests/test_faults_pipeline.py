@@ -15,8 +15,9 @@ import dagster as dg
 import pytest
 from bad_inputs import big_gzip_truncated, good, jl
 from pipeline_helpers import latest_metadata, local_resources, run_assets
+from process_workers import publish_same, record_many
 
-from batchrl.resources import CatalogResource, LandingResource, StorageResource
+from batchrl.resources import CatalogResource, LandingResource
 
 DATA = ["raw_logs", "cleaned_logs", "validated_preferences"]
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,12 +59,6 @@ def test_bad_file_policy_in_a_dagster_run(tmp_path):
         assert checks == {"nothing_lost": True, "reject_rate_below_threshold": False} and not skipped.success
 
 
-def _publish_same(args) -> str:
-    root, staging = args
-    ref = StorageResource(root=root, cache_dir=os.path.join(root, "_cache")).publish(staging, "asset", {"k": 1})
-    return ref.uri
-
-
 def test_concurrent_publishes_of_the_same_content(tmp_path):
     """Several processes publish the same content at once: one folder wins, every call succeeds, no
     temporary folder stays behind."""
@@ -74,27 +69,20 @@ def test_concurrent_publishes_of_the_same_content(tmp_path):
         staging.mkdir()
         (staging / "data.bin").write_bytes(b"x" * (4 << 20))  # the same content in each
         stagings.append((root, str(staging)))
-    with multiprocessing.get_context("fork").Pool(6) as pool:
-        uris = pool.map(_publish_same, stagings)
+    with multiprocessing.get_context("spawn").Pool(6) as pool:  # fork: see the catalog test below
+        uris = pool.map(publish_same, stagings)
     assert len(set(uris)) == 1 and os.listdir(os.path.join(root, "asset")) == [os.path.basename(uris[0])]
     assert open(os.path.join(uris[0], "data.bin"), "rb").read() == b"x" * (4 << 20)
-
-
-def _record_many(args) -> int:
-    path, worker, n = args
-    catalog = CatalogResource(path=path)
-    for i in range(n):
-        catalog.record(asset=f"w{worker}", data_version=f"{i:04d}", uri=f"/x/{worker}/{i}", run_id=f"run-{worker}",
-                       code_version="c", metadata={"i": i, "worker": worker})
-    return n
 
 
 def test_concurrent_writers_do_not_corrupt_the_catalog(tmp_path):
     """Four processes (as four concurrent runs) write the DuckDB catalog at once; DuckDB lets one process
     write at a time, the resource retries: every row arrives, the file stays readable."""
     path = str(tmp_path / "catalog.duckdb")
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        assert pool.map(_record_many, [(path, w, 15) for w in range(4)]) == [15] * 4
+    # spawn, not fork: a fork of this multi-threaded worker (fsspec's IO loop, tqdm's monitor from earlier tests)
+    # can copy a lock another thread holds; a pool child then hung forever on its task queue (seen in CI)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        assert pool.map(record_many, [(path, w, 15) for w in range(4)]) == [15] * 4
     catalog = CatalogResource(path=path)
     rows = catalog.query("SELECT asset, count(*), count(DISTINCT data_version) FROM artifacts GROUP BY asset "
                          "ORDER BY asset")
