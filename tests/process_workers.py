@@ -2,9 +2,25 @@
 uses, because spawned workers import the module of the function they run."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import signal
 
 from batchrl.resources import CatalogResource, StorageResource
+
+
+def in_processes(fn, items: list) -> list:
+    """``fn`` over ``items``, one spawned process each, all at once. Spawned, not forked: a fork of the
+    multi-threaded pytest worker can copy a lock another thread holds. Closed and joined, not terminated: in a
+    worker where SIGTERM is ignored (Dagster gives SIGTERM the SIGINT disposition, and a shell's background job
+    ignores SIGINT) ``Pool.terminate`` waited forever on a child (CI stalled); children get SIGTERM back."""
+    pool = multiprocessing.get_context("spawn").Pool(len(items), initializer=signal.signal,
+                                                     initargs=(signal.SIGTERM, signal.SIG_DFL))
+    try:
+        return pool.map(fn, items)
+    finally:
+        pool.close()
+        pool.join()
 
 
 def publish_same(args) -> str:

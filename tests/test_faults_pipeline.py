@@ -3,7 +3,6 @@ and SIGKILL in the middle of the data stages (the rerun completes; no partial ar
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import signal
@@ -15,7 +14,7 @@ import dagster as dg
 import pytest
 from bad_inputs import big_gzip_truncated, good, jl
 from pipeline_helpers import latest_metadata, local_resources, run_assets
-from process_workers import publish_same, record_many
+from process_workers import in_processes, publish_same, record_many
 
 from batchrl.resources import CatalogResource, LandingResource
 
@@ -69,8 +68,7 @@ def test_concurrent_publishes_of_the_same_content(tmp_path):
         staging.mkdir()
         (staging / "data.bin").write_bytes(b"x" * (4 << 20))  # the same content in each
         stagings.append((root, str(staging)))
-    with multiprocessing.get_context("spawn").Pool(6) as pool:  # fork: see the catalog test below
-        uris = pool.map(publish_same, stagings)
+    uris = in_processes(publish_same, stagings)
     assert len(set(uris)) == 1 and os.listdir(os.path.join(root, "asset")) == [os.path.basename(uris[0])]
     assert open(os.path.join(uris[0], "data.bin"), "rb").read() == b"x" * (4 << 20)
 
@@ -79,10 +77,7 @@ def test_concurrent_writers_do_not_corrupt_the_catalog(tmp_path):
     """Four processes (as four concurrent runs) write the DuckDB catalog at once; DuckDB lets one process
     write at a time, the resource retries: every row arrives, the file stays readable."""
     path = str(tmp_path / "catalog.duckdb")
-    # spawn, not fork: a fork of this multi-threaded worker (fsspec's IO loop, tqdm's monitor from earlier tests)
-    # can copy a lock another thread holds; a pool child then hung forever on its task queue (seen in CI)
-    with multiprocessing.get_context("spawn").Pool(4) as pool:
-        assert pool.map(record_many, [(path, w, 15) for w in range(4)]) == [15] * 4
+    assert in_processes(record_many, [(path, w, 15) for w in range(4)]) == [15] * 4
     catalog = CatalogResource(path=path)
     rows = catalog.query("SELECT asset, count(*), count(DISTINCT data_version) FROM artifacts GROUP BY asset "
                          "ORDER BY asset")
