@@ -190,13 +190,13 @@ def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0) -> dict[str
     tag = latest_tag(ckpt_dir)
     if tag is None:
         return None
-    source, source_tag = ckpt_dir, tag
+    source = ckpt_dir
     if needs_universal(ckpt_dir, zero_stage):
         if not engine.load_universal_checkpoint():
             raise ValueError(f"{ckpt_dir}/{tag} was saved by {saved_world_size(ckpt_dir)} ranks with ZeRO stage "
                              f"{zero_stage}: build the engine with universal=True to resume it on another count")
         source = universal_checkpoint(ckpt_dir, tag)
-    path, _client = engine.load_checkpoint(source, tag=source_tag, load_optimizer_states=True,
+    path, _client = engine.load_checkpoint(source, tag=tag, load_optimizer_states=True,
                                            load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
