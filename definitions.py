@@ -68,8 +68,18 @@ def _gpu() -> dict:
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
             # BATCHRL_JOB_BACKEND=worker: one-process jobs in a long-lived warm worker (resources/job_worker.py)
             "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
-                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "subprocess")),
+                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "subprocess"),
+                                               env=_compile_caches(os.path.join(_storage_root(), "_cache"))),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
+
+
+def _compile_caches(cache_dir: str) -> dict[str, str]:
+    """torch.compile's inductor cache and Triton's kernel cache beside the storage (like vLLM's): a retrain on
+    new logs, or a job in a fresh pod that mounts the cache, reuses the compiled kernels instead of paying the
+    compile again (a variable already set in the environment wins)."""
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "torch", "inductor"),
+              "TRITON_CACHE_DIR": os.path.join(cache_dir, "torch", "triton")}
+    return {key: os.environ.get(key, path) for key, path in wanted.items()}
 
 
 RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}

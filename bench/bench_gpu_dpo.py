@@ -43,7 +43,7 @@ VOCAB, HIDDEN = 151936, 896
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu_train as train_parts  # noqa: E402  (batchrl's trainer parts)
 
-PARTS = ("logprobs", "prepare", *(f"dpo_{v}" for v in train_parts.DPO_VARIANTS), "profile_baseline",
+PARTS = ("logprobs", "prepare", *(f"dpo_{v}" for v in train_parts.DPO_VARIANTS), "dpo_compile_warm", "profile_baseline",
          "profile_best", "reward_model", "policy", "trl_precompute", "trl_precompute_nogc", "trl_default")
 DEFAULT_PARTS = tuple(p for p in PARTS if p != "trl_default")
 ANCHORS_K = {"trl_precompute_epoch": 64.7, "trl_default_epoch": 34.9, "eager_torch_dpo_step": 59.5,
@@ -222,6 +222,7 @@ def part_trl(args, precompute: bool, checkpointing: bool = True) -> dict:
             "constructor_s": init_s, "reference_precompute_s": ref_s, "train_s": train_s,
             "epoch_tokens_per_s_train_only": tokens_epoch / train_s,
             "epoch_tokens_per_s_with_ref_pass": tokens_epoch / (train_s + ref_s),
+            "epoch_tokens_per_s_trl_scope": tokens_epoch / (train_s + ref_s),
             "steady_step_s": steady, "steady_tokens_per_s": 2 * args.batch * args.seq / steady,
             "peak_gib": peak_gib(args.device)}
 
@@ -280,11 +281,13 @@ def summary(res: dict) -> str:
         if isinstance(rec, dict) and "fwd_bwd_ms_median" in rec:
             lines.append(f"  {name:14s} {g(rec['fwd_bwd_peak_extra_gib'])} {rec['fwd_bwd_ms_median']:8.1f} "
                          f"{rec.get('max_abs_diff_vs_naive', 0.0):.2e}")
-    lines.append("DPO: path | steady tok/s | epoch tok/s (ref pass counted) | epoch tok/s (train only) | peak GiB")
+    lines.append("DPO: path | steady tok/s | epoch tok/s (ref pass counted) | epoch tok/s (train only) | "
+                 "epoch tok/s at TRL's scope (steps + ref pass from a loaded model) | peak GiB")
     for name, rec in res.items():
         if name.startswith(("dpo_", "trl_")) and "steady_tokens_per_s" in rec:
             lines.append(f"  {name:22s} {k(rec['steady_tokens_per_s'])} {k(rec['epoch_tokens_per_s_with_ref_pass'])}"
-                         f"  {k(rec['epoch_tokens_per_s_train_only'])} {g(rec['peak_gib'])}")
+                         f"  {k(rec['epoch_tokens_per_s_train_only'])} {k(rec.get('epoch_tokens_per_s_trl_scope'))}"
+                         f" {g(rec['peak_gib'])}")
     for name in ("reward_model", "policy"):
         if "steady_tokens_per_s" in res.get(name, {}):
             lines.append(f"  {name:22s} {k(res[name]['steady_tokens_per_s'])} steady, peak {g(res[name]['peak_gib'])} GiB")

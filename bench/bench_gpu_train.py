@@ -36,6 +36,9 @@ def _sync() -> None:
 
 
 def variant_config(name: str) -> dict:
+    """The cumulative config of variant ``name``; ``<v>_warm`` = v again in a later process (torch.compile's
+    inductor/Triton caches and the Triton kernels of the log-prob path are then on disk, as on a retrain)."""
+    name = name.removesuffix("_warm")
     cfg: dict = {}
     for key, update in DPO_VARIANTS.items():
         cfg.update(update)
@@ -72,13 +75,34 @@ def prepare(args, model_config) -> dict:
                           "rejected": [text(half - 1) for _ in range(args.pairs)]})
     pairs.to_parquet(f"{WORK}/pairs.parquet")
     out = {}
+    # time spent loading the model and tokenising inside the pass, so the pass can also be reported at
+    # TRL's scope (its precompute starts from a loaded model and tokenised data)
+    from batchrl.training import tiny_model
+    from batchrl.training.trainer import reference
+    setup_s: list[float] = []
+
+    def timed(fn):
+        def wrapper(*a, **kw):
+            _sync()
+            t0 = time.perf_counter()
+            result = fn(*a, **kw)
+            _sync()
+            setup_s.append(time.perf_counter() - t0)
+            return result
+        return wrapper
+
+    load, encode = tiny_model.load_model_and_tokenizer, reference.encode_pairs
+    tiny_model.load_model_and_tokenizer, reference.encode_pairs = timed(load), timed(encode)
     for dtype in ("bfloat16", "float32"):
+        setup_s.clear()
         _sync()
         t = time.perf_counter()
         stats = compute_reference_logprobs(f"{WORK}/model", f"{WORK}/pairs.parquet", f"{WORK}/ref_{dtype}.parquet",
                                            max_length=args.seq, batch_size=16, dtype=dtype)
         out[f"reference_pass_{dtype}_s"] = time.perf_counter() - t
+        out[f"reference_pass_{dtype}_load_and_tokenise_s"] = sum(setup_s)
         out[f"reference_mean_chosen_len_{dtype}"] = stats["mean_chosen_len"]
+    tiny_model.load_model_and_tokenizer, reference.encode_pairs = load, encode
     with open(f"{WORK}/prepare.json", "w") as f:
         json.dump(out, f)
     return out
@@ -170,10 +194,17 @@ def part_dpo(args, variant: str, peak_gib, reset_peak, profile: bool = False) ->
     steady_s, steady_tps = _steady(stamps, tokens_step)
     train_s = result["wall_s"] - margin_s[0] - sum(save_s)  # steps only, as TRL's train() with save "no"
     tokens_epoch = args.pairs * 2 * args.seq
+    # TRL's scope: its train() starts with tokenised data and a built model and has no margin pass, and its
+    # precompute starts from a loaded model: first training step -> last step's metrics read, and the
+    # reference pass minus model load and tokenisation
+    steps_s = stamps[-1][1] - margin_end[0]
+    ref_pass_s = prep["reference_pass_bfloat16_s"] - prep.get("reference_pass_bfloat16_load_and_tokenise_s", 0.0)
     out = {"variant": variant, "config": variant_config(variant), "steps": result["global_step"],
            "steady_step_s": steady_s, "steady_tokens_per_s": steady_tps, "train_loop_s": train_s,
            "epoch_tokens_per_s_train_only": tokens_epoch / train_s,
            "epoch_tokens_per_s_with_ref_pass": tokens_epoch / (train_s + prep["reference_pass_bfloat16_s"]),
+           "epoch_steps_s": steps_s, "epoch_tokens_per_s_steps_only": tokens_epoch / steps_s,
+           "epoch_tokens_per_s_trl_scope": tokens_epoch / (steps_s + ref_pass_s),
            "margin_pass_s": margin_s, "checkpoint_save_s": save_s, "job_s_incl_load_init_export": job_s,
            # [step, seconds after the loop started] of the first metrics read
            "first_read": [stamps[0][0], stamps[0][1] - margin_end[0]] if stamps else None,

@@ -144,7 +144,12 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHRL_S3_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("BATCHRL_LANDING", "s3://team-bucket/landing")
     monkeypatch.setenv("BATCHRL_NUM_GPUS", "2")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
     local, s3, gpu = (RESOURCES_BY_ENV[env]() for env in ("local", "s3", "gpu"))
+    # compiled kernels are cached beside the storage for the next retrain; a variable already set wins
+    assert gpu["trainer"].env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "_cache" / "torch" / "inductor"),
+                                  "TRITON_CACHE_DIR": "/elsewhere/triton"}
     assert local["storage"].root == str(tmp_path) and local["storage"].is_local()
     assert s3["storage"].root == "s3://team-bucket/batchrl" and not s3["storage"].is_local()
     assert s3["landing"].preferences == "s3://team-bucket/landing/preferences"

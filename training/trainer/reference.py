@@ -36,17 +36,23 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
     pairs = pd.read_parquet(pairs_parquet)
     ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
     items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
+    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
+    batches = length_sorted_batches(lengths, batch_size)  # similar lengths per batch: little padding
+    # results stay on the device until the end: a per-batch .cpu() would make the host wait for each
+    # forward pass before building the next batch (the GPU then idles while the host pads)
+    logps, counts = [], []
+    for idx in batches:
+        batch = to_device(pair_batch([items[i] for i in idx], tokenizer.pad_token_id), device)
+        logps.append(completion_logprobs(model, batch).sum(-1).double())
+        counts.append(batch["response_mask"].sum(-1).long())
     cols = {k: np.zeros(len(items), dtype=dtype_) for k, dtype_ in
             (("ref_chosen_logp", np.float64), ("ref_rejected_logp", np.float64),
              ("chosen_len", np.int64), ("rejected_len", np.int64))}
-    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
-    for idx in length_sorted_batches(lengths, batch_size):  # similar lengths per batch: little padding
-        batch = to_device(pair_batch([items[i] for i in idx], tokenizer.pad_token_id), device)
-        logps = completion_logprobs(model, batch).sum(-1).double().cpu().numpy()
-        lengths_out = batch["response_mask"].sum(-1).long().cpu().numpy()
+    for idx, logp, count in zip(batches, logps, counts):
         n = len(idx)
-        cols["ref_chosen_logp"][idx], cols["ref_rejected_logp"][idx] = logps[:n], logps[n:]
-        cols["chosen_len"][idx], cols["rejected_len"][idx] = lengths_out[:n], lengths_out[n:]
+        logp, count = logp.cpu().numpy(), count.cpu().numpy()
+        cols["ref_chosen_logp"][idx], cols["ref_rejected_logp"][idx] = logp[:n], logp[n:]
+        cols["chosen_len"][idx], cols["rejected_len"][idx] = count[:n], count[n:]
     table = pd.DataFrame({"id": ids, **cols})
     os.makedirs(os.path.dirname(os.path.abspath(out_parquet)), exist_ok=True)
     tmp = f"{out_parquet}.tmp-{os.getpid()}"
