@@ -11,7 +11,7 @@ from pydantic import Field
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
-from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import DPOConfig
 
 DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
@@ -80,17 +80,18 @@ def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, prefere
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference", config=ReferenceConfig), kinds={"pytorch"},
           metadata=declared_files(table="reference_logprobs.parquet"))
 def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfig, dpo_pairs: Artifact,
-                       base_model: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """Summed completion log-probs of chosen and rejected under the frozen reference (base) model."""
-    from batchrl.training.trainer.reference import compute_reference_logprobs
-
-    with storage.staging_dir("reference_logprobs") as staging:
-        stats = compute_reference_logprobs(base_model.path, dpo_pairs.file(), output_file(context, staging),
-                                           max_length=config.max_length, batch_size=config.batch_size,
-                                           dtype=config.dtype)
+                       base_model: Artifact, storage: StorageResource, catalog: CatalogResource,
+                       compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
+    """Summed completion log-probs of chosen and rejected under the frozen reference (base) model (on the
+    environment's compute: in process on the CPU, in a Pipes job on the GPU)."""
+    with storage.staging_dir("reference_work") as workdir, storage.staging_dir("reference_logprobs") as staging:
+        stats = compute.run(context, trainer, "reference_logprobs", {
+            "model_path": base_model.path, "pairs_parquet": dpo_pairs.file(), "out_parquet": output_file(context, staging),
+            "max_length": config.max_length, "batch_size": config.batch_size, "device": compute.device,
+            "dtype": config.dtype}, workdir=workdir)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
                        inputs={"dpo_pairs": dpo_pairs, "reference": base_model},
-                       metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
+                       metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str)) and k != "path"})
 
 
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.jobs.train_dpo", "batchrl.training.algos"),

@@ -120,6 +120,37 @@ def test_policy_resume_is_exact(dpo_inputs, tmp_path):
     assert full["final"]["kl_loss"] > 0
 
 
+def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo_inputs, tmp_path, monkeypatch):
+    """When the policy being updated is the reference model itself (the chain's first update), the reference
+    log-probs are the old-policy pass: no second model load, and the same numbers and update as a reference
+    loaded from a copy of the folder."""
+    import shutil
+
+    from batchrl.training import tiny_model
+    from batchrl.training.advantages import compute_advantages
+    from batchrl.training.trainer.policy import FIXED_LOGPROBS
+
+    rng = np.random.default_rng(1)
+    rows = [{"prompt_index": i // 4, "prompt_ids": [1, 2, 3 + i % 5], "response_ids": list(rng.integers(3, 60, 2 + i % 3)),
+             "reward": float(i % 3 == 0)} for i in range(16)]
+    compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
+    copy = shutil.copytree(dpo_inputs["model_path"], tmp_path / "reference_copy")
+    loads = []
+    load = tiny_model.load_model_and_tokenizer
+    monkeypatch.setattr(tiny_model, "load_model_and_tokenizer", lambda *a, **kw: loads.append(a[0]) or load(*a, **kw))
+    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, kl_coef=0.1)
+    runs = {}
+    for name, reference in (("same", dpo_inputs["model_path"]), ("copy", str(copy))):
+        runs[name] = train_policy(cfg, batch_parquet=str(tmp_path / "batch.parquet"), out_dir=str(tmp_path / name),
+                                  model_path=dpo_inputs["model_path"], reference_model_path=reference)
+    # each run loads the trainable policy; only the copy is loaded again as a separate reference
+    assert loads == [dpo_inputs["model_path"], dpo_inputs["model_path"], str(copy)]
+    same, other = (torch.load(tmp_path / n / FIXED_LOGPROBS, weights_only=False) for n in ("same", "copy"))
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(same["ref"], other["ref"]))
+    assert np.allclose(runs["same"]["loss_curve"], runs["copy"]["loss_curve"], atol=1e-6)
+    assert runs["same"]["final"]["kl_loss"] == pytest.approx(runs["copy"]["final"]["kl_loss"], abs=1e-6)
+
+
 def test_resume_refuses_checkpoints_of_another_run(dpo_inputs, tmp_path):
     train_dpo(DPOConfig(epochs=1, micro_batch_size=8, stop_after_steps=1), out_dir=str(tmp_path), **dpo_inputs)
     with pytest.raises(ValueError, match="another run"):

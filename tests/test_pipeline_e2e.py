@@ -219,7 +219,7 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
 
 
 def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
-    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring and evaluation
+    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring, reference log-probs and evaluation
     (greedy decoding with the static-cache engine) in Pipes subprocesses give the same artifacts (same data
     versions) as in the Dagster process with plain generate."""
     from batchrl.resources import ComputeResource, RolloutEngineResource
@@ -227,7 +227,7 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
     _, instance, root = pipeline
     config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}},
                       "evaluation": {"config": {"max_eval_prompts": 8}}}}
-    selection = ["rollouts", "rewards", "evaluation"]
+    selection = ["rollouts", "rewards", "reference_logprobs", "evaluation"]
     versions = []
     for in_subprocess in (False, True):
         resources = local_resources(
@@ -240,7 +240,8 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         versions.append([latest_metadata(instance, asset)["data_version"] for asset in selection])
     assert versions[0] == versions[1]
     messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
-    for reported in ("sampling 6 prompts x 2 with static", "inference task rewards", "inference task evaluation"):
+    for reported in ("sampling 6 prompts x 2 with static", "inference task rewards",
+                     "inference task reference_logprobs", "inference task evaluation"):
         assert any(reported in m for m in messages), f"no Pipes report {reported!r}"
 
 

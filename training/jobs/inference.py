@@ -6,6 +6,8 @@ comes from the config):
 
 - ``rewards``: ``rollouts_parquet``, ``reward_config`` (RewardConfig fields), ``reward_model_path``,
   ``device``, ``out_parquet`` — ``compute_rewards`` over the rollouts, written to ``out_parquet``;
+- ``reference_logprobs``: ``model_path``, ``pairs_parquet``, ``out_parquet``, ``max_length``, ``batch_size``,
+  ``device``, ``dtype`` — the frozen reference's summed completion log-probs of each pair;
 - ``evaluation``: ``models`` ({name: HF folder}), ``eval_prompts_parquet``, ``pairs_parquet``,
   ``reference_parquet``, ``options`` (``evaluate_policy`` keywords) — results per model.
 
@@ -42,7 +44,16 @@ def evaluate_models(config: dict) -> dict:
             for name, path in config["models"].items()}
 
 
-TASKS: dict[str, Callable[[dict], dict]] = {"rewards": score_rewards, "evaluation": evaluate_models}
+def reference_logprobs(config: dict) -> dict:
+    from batchrl.training.trainer.reference import compute_reference_logprobs
+
+    return compute_reference_logprobs(config["model_path"], config["pairs_parquet"], config["out_parquet"],
+                                      max_length=config["max_length"], batch_size=config["batch_size"],
+                                      device=config.get("device"), dtype=config.get("dtype", "auto"))
+
+
+TASKS: dict[str, Callable[[dict], dict]] = {"rewards": score_rewards, "reference_logprobs": reference_logprobs,
+                                            "evaluation": evaluate_models}
 
 
 def run_task(config: dict) -> dict[str, Any]:

@@ -102,7 +102,7 @@ class TrainLoop:
     def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
                  inputs: dict[str, str] | None = None, report: Report | None = None,
                  load_model: Callable[[str], tuple[Any, Any]] = load_trainable):
-        self.cfg, self.out_dir, self.total_steps = cfg, out_dir, total_steps
+        self.cfg, self.out_dir, self.total_steps, self.model_path = cfg, out_dir, total_steps, model_path
         self.run_key = run_key(cfg, model_path, inputs or {})
         self.report = report or (lambda metrics, step: None)
         self.ckpt_dir = os.path.join(out_dir, "checkpoints")

@@ -48,13 +48,24 @@ def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, devi
     model.eval()
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(rows["prompt_ids"])
     lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
-    for idx in length_sorted_batches(lengths, batch_size):  # similar lengths per batch: little padding
-        batch = _row_batch(rows, idx, pad_id, device)
-        logp = completion_logprobs(model, batch, temperature=temperature).float().cpu().numpy()
+    batches = length_sorted_batches(lengths, batch_size)  # similar lengths per batch: little padding
+    # on the device until every batch is queued: a .cpu() per batch would idle the GPU while the host pads
+    logps = [completion_logprobs(model, _row_batch(rows, idx, pad_id, device), temperature=temperature).float()
+             for idx in batches]
+    for idx, logp in zip(batches, logps):
+        logp = logp.cpu().numpy()
         for j, i in enumerate(idx):
             out[i] = logp[j, :len(rows["response_ids"][i])]
     model.train(was_training)
     return out
+
+
+def _same_model(path_a: str, path_b: str) -> bool:
+    """Both paths are one model folder (the policy chain's first update trains the reference itself)."""
+    try:
+        return os.path.samefile(path_a, path_b)
+    except OSError:
+        return False
 
 
 def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
@@ -72,7 +83,10 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
         fixed["old"] = sequence_token_logprobs(loop.engine.module, rows, pad_id, loop.device, **kw)
     else:
         fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
-    if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
+    if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path and cfg.old_logprobs == "recompute" \
+            and _same_model(reference_model_path, loop.model_path):
+        fixed["ref"] = fixed["old"]  # the chain's first update: the policy is still the reference, same pass
+    elif cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
         from batchrl.training.tiny_model import load_model_and_tokenizer
 
         ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
