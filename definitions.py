@@ -60,15 +60,17 @@ def _s3() -> dict:
 
 
 def _gpu() -> dict:
-    """Every model stage on CUDA in bf16, each in a Pipes subprocess like the trainers (the Dagster process
-    holds no GPU memory between assets); rollouts with vLLM where it is installed, else the static-cache
-    engine (``BATCHRL_ROLLOUT_ENGINE`` forces one); evaluation decodes with the static-cache engine."""
+    """Every model stage on CUDA in bf16, each in a Pipes job like the trainers (the Dagster process holds no
+    GPU memory between assets; one-process jobs share a warm worker that empties its cache after each job);
+    rollouts with vLLM where it is installed, else the static-cache engine (``BATCHRL_ROLLOUT_ENGINE`` forces
+    one); evaluation decodes with the static-cache engine."""
     engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
     return {**_local(),
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
-            # BATCHRL_JOB_BACKEND=worker: one-process jobs in a long-lived warm worker (resources/job_worker.py)
+            # one-process jobs in a long-lived warm job worker (resources/job_worker.py): fresh processes paid
+            # imports + CUDA context per stage (bench/RESULTS.md); BATCHRL_JOB_BACKEND=subprocess for those
             "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
-                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "subprocess"),
+                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "worker"),
                                                env=_compile_caches(os.path.join(_storage_root(), "_cache"))),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 

@@ -35,7 +35,9 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     k8s_node_selector: dict[str, str] = Field({}, description="k8s: node selector of the GPU pods")
 
     def run_job(self, context: dg.AssetExecutionContext, job: str, config: dict[str, Any],
-                workdir: str) -> dg.MaterializeResult:
+                workdir: str, fresh_process: bool = False) -> dg.MaterializeResult:
+        """Run ``job`` through Pipes; ``fresh_process`` keeps it out of the warm worker (a job whose
+        libraries hold processes or memory beyond its end)."""
         config_path = os.path.join(workdir, f"{job}.json")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
@@ -44,7 +46,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
 
             client, options = k8s_client(self.k8s_namespace)
             invocation = client.run(context=context, **options, **self.pod_request(job, config_path))
-        elif self.backend == "worker" and self.one_process(job):
+        elif self.backend == "worker" and self.one_process(job) and not fresh_process:
             from batchrl.resources.job_worker import run_in_worker
             invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s)
         else:

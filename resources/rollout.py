@@ -46,7 +46,10 @@ class RolloutEngineResource(dg.ConfigurableResource):
             prompts_parquet = os.path.join(workdir, "prompts.parquet")
             pd.DataFrame({"prompt": prompts}).to_parquet(prompts_parquet, index=False)
             result = launcher.run_job(context, "rollouts", {"engine": engine, "prompts_parquet": prompts_parquet,
-                                                           "n": n, "seed": seed, "out_parquet": out}, workdir)
+                                                           "n": n, "seed": seed, "out_parquet": out}, workdir,
+                                     # vLLM keeps an engine-core process and its memory pool: a fresh process
+                                     # gives them back when the stage ends, the warm worker would not
+                                     fresh_process=self.kind == "vllm")
             stats = {k: getattr(v, "value", v) for k, v in (result.metadata or {}).items()}
         else:
             stats = sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out)

@@ -79,4 +79,15 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     again = dg.materialize(_graph(inputs, tmp_path / "again")[:1], resources={"trainer": worker})
     new_pid = _metadata(again, "reference_logprobs")["worker_pid"]
     assert new_pid != pid  # the failed worker exited; a fresh one took the next job
+
+    @dg.asset
+    def own_process(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
+        os.makedirs(tmp_path / "own", exist_ok=True)
+        return trainer.run_job(context, "reference_logprobs", {
+            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
+            "out_parquet": str(tmp_path / "own" / "ref.parquet"), "max_length": 64}, str(tmp_path / "own"),
+            fresh_process=True)  # e.g. vLLM rollouts: their engine process and memory must go with the job
+
+    alone = dg.materialize([own_process], resources={"trainer": worker})
+    assert alone.success and "worker_pid" not in _metadata(alone, "own_process")
     os.kill(new_pid, signal.SIGTERM)
