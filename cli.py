@@ -77,6 +77,15 @@ def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list
     return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]
 
 
+def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
+    """Some selected asset launches jobs (needs the ``trainer`` resource)."""
+    from batchrl.definitions import selected_job
+
+    graph = defs.resolve_asset_graph()
+    return any("trainer" in graph.get(key).assets_def.required_resource_keys
+               for selection in selections for key in selected_job(defs, selection).asset_layer.executable_asset_keys)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
@@ -99,6 +108,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2
     quiet_libraries()
+    if _runs_jobs(defs, [selection for _, selection, _ in plan]):
+        defs.resources["trainer"].prestart_worker()  # its imports overlap the data-only first steps
     tags = config_file_tags(args.config or [])
     log_path = run_log_path(home)
     started = time.monotonic()

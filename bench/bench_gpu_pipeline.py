@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import glob
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,6 +108,15 @@ def read_trace(path: str) -> list[tuple[float, float, float]]:
     return rows
 
 
+def _bins(trace, start: float, end: float) -> list[list[float]]:
+    """The utilisation samples of [start, end) in one-second bins (empty bins left out)."""
+    bins: dict[int, list[float]] = {}
+    for t, u, _ in trace:
+        if start <= t < end:
+            bins.setdefault(int(t - start), []).append(u)
+    return [bins[k] for k in sorted(bins)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -112,7 +124,7 @@ def main() -> None:
                           ("--pairs", 2000), ("--timeout", 560)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--engine", default="static", choices=["static", "vllm", "transformers"])
-    ap.add_argument("--jobs", default="subprocess", choices=["subprocess", "worker"],
+    ap.add_argument("--jobs", default="worker", choices=["subprocess", "worker"],
                     help="worker: one-process jobs in the long-lived warm job worker (BATCHRL_JOB_BACKEND)")
     a = ap.parse_args()
     out = os.path.abspath(a.out)
@@ -124,6 +136,8 @@ def main() -> None:
     model = build(os.path.join(work, "model"), layers=a.layers)
     build_s = time.time() - t0
     profile = write_profile(out, model, write_inputs(work, a.pairs), a)
+    for folder in ("storage", "home"):  # a run before on this machine would be reused (completed jobs, partitions)
+        shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
     env = {**os.environ, "BATCHRL_ENV": "gpu", "BATCHRL_STORAGE": os.path.join(work, "storage"),
            "DAGSTER_HOME": os.path.join(work, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "BATCHRL_JOB_BACKEND": a.jobs}
@@ -140,12 +154,19 @@ def main() -> None:
             rc = "timeout"
     total = time.time() - started
     tracer.terminate()
+    # the warm job worker outlives the run (it waits for the next one): stop it, keep its log
+    subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
+    for log in glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")):
+        shutil.copy(log, os.path.join(out, "worker.log"))
     trace = read_trace(trace_path)
     steps = step_windows(env["DAGSTER_HOME"])
     per_asset = []
     for s in steps:
         inside = [u for t, u, _ in trace if s["start"] <= t <= s["end"]]
         per_asset.append({"asset": s["asset"], "ok": s.get("ok"), "wall_s": round(s["end"] - s["start"], 2),
+                          "start_s": round(s["start"] - started, 2),
+                          # GPU busy % per second of the step: where inside it the GPU idles
+                          "busy_per_s": [round(sum(b) / len(b)) for b in _bins(trace, s["start"], s["end"])],
                           "gpu_busy_mean_pct": round(sum(inside) / len(inside), 1) if inside else None,
                           "samples": len(inside)})
     in_steps = sum(p["wall_s"] for p in per_asset)

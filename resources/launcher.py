@@ -54,6 +54,13 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             invocation = client.run(context=context, command=self.command(job, config_path))
         return invocation.get_materialize_result()
 
+    def prestart_worker(self) -> None:
+        """backend worker: start the warm worker ahead of the first job (a run calls this before its first step)."""
+        if self.backend == "worker":
+            from batchrl.resources.job_worker import prestart
+
+            prestart(self.job_env(), self.worker_idle_s)
+
     def one_process(self, job: str) -> bool:
         """The job runs as one process here (not data-parallel, not over a hostfile)."""
         from batchrl.training.jobs import TRAINING_JOBS

@@ -91,3 +91,34 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     alone = dg.materialize([own_process], resources={"trainer": worker})
     assert alone.success and "worker_pid" not in _metadata(alone, "own_process")
     os.kill(new_pid, signal.SIGTERM)
+
+
+def test_prestart_starts_one_worker_ahead_of_the_first_job(tmp_path):
+    """`batchrl run` starts the worker before its first step: one worker, whatever the number of calls, that
+    has its imports done when the first job comes; the subprocess backend starts none."""
+    from batchrl.resources.job_worker import request, socket_path
+
+    worker = TrainerLauncherResource(backend="worker", worker_idle_s=30, env={"BATCHRL_STORAGE": str(tmp_path)})
+    env = worker.job_env()
+    path = socket_path(env)
+    worker.prestart_worker()
+    worker.prestart_worker()
+    pids = {request(path, {"ping": True}, env, 30)["pid"] for _ in range(2)}
+    assert len(pids) == 1
+    pid = pids.pop()
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert path.encode() in f.read()
+    serving = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, path)]
+    assert serving == [str(pid)]
+    os.kill(pid, signal.SIGTERM)
+    plain = TrainerLauncherResource(env={"BATCHRL_STORAGE": str(tmp_path / "other")})
+    plain.prestart_worker()
+    assert not os.path.exists(socket_path(plain.job_env()))
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False

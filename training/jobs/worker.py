@@ -80,12 +80,27 @@ def run_request(request: dict) -> dict:
         _release_memory()
 
 
+def preload() -> None:
+    """What every job needs first (torch, transformers, DeepSpeed, the CUDA context), loaded once the socket
+    listens: a client connecting meanwhile waits in the backlog, and a worker started ahead of the first job
+    (``resources.job_worker.prestart``) has it ready by the time the job comes."""
+    import torch
+    import transformers  # noqa: F401
+
+    importlib.import_module("batchrl.training.jobs._runtime")
+    with contextlib.suppress(ImportError):
+        import deepspeed  # noqa: F401
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")  # creates the context
+
+
 def serve(socket_path: str, idle_s: float) -> int:
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
     server.listen(16)
+    preload()
     server.settimeout(idle_s)
     try:
         while True:
