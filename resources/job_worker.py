@@ -28,9 +28,23 @@ START_TIMEOUT_S = 120
 _KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS")
 
 
+def code_fingerprint(package_dir: str) -> str:
+    """Size and mtime of every source file of the package: an edited or upgraded batchrl gets a worker of its
+    own instead of a warm one still running the old code (which the lineage's code versions would not show)."""
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(package_dir):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        for name in sorted(f for f in files if f.endswith(".py")):
+            stat = os.stat(os.path.join(folder, name))
+            h.update(f"{os.path.relpath(os.path.join(folder, name), package_dir)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
 def socket_path(env: dict[str, str]) -> str:
-    """A short path (Unix sockets allow ~100 bytes) under the temp dir, one per interpreter + environment."""
-    key = json.dumps([sys.executable, os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    """A short path (Unix sockets allow ~100 bytes) under the temp dir, one per interpreter + environment +
+    version of the code."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    key = json.dumps([sys.executable, package, code_fingerprint(package),
                       {k: env.get(k) for k in _KEYED_ENV}], sort_keys=True)
     folder = os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)

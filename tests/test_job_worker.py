@@ -122,3 +122,19 @@ def _cmdline_has(pid: str, text: str) -> bool:
             return text.encode() in f.read()
     except OSError:
         return False
+
+
+def test_edited_code_gets_a_worker_of_its_own(tmp_path):
+    """A warm worker must not run yesterday's code: the socket a job goes to is keyed by the package's sources."""
+    from batchrl.resources.job_worker import code_fingerprint
+
+    (tmp_path / "training").mkdir()
+    module = tmp_path / "training" / "loop.py"
+    module.write_text("STEP = 1\n")
+    (tmp_path / "notes.txt").write_text("x")
+    before = code_fingerprint(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("not code")
+    assert code_fingerprint(str(tmp_path)) == before
+    module.write_text("STEP = 2\n")  # same size: the mtime tells
+    os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 1_000_000))
+    assert code_fingerprint(str(tmp_path)) != before
