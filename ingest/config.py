@@ -6,6 +6,7 @@ as asset metadata.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -67,6 +68,19 @@ class ChatMapping(BaseModel):
     turn_separator: str = "\n"
 
 
+MAX_DEFAULT_THREADS = 8
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (cgroup/affinity aware), capped: the ordered dedupe + write stage is
+    serial, so past ~8 block workers more threads only add memory."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DEFAULT_THREADS))
+
+
 class IngestConfig(BaseModel):
     """Configuration of the data plane; defaults work on ``sample_data/``.
 
@@ -89,7 +103,9 @@ class IngestConfig(BaseModel):
     reject_threshold: float = 0.05
     pair_min_margin: float = 0.0
     compression: str = "snappy"  # parquet codec; snappy writes ~2x faster than zstd, zstd is ~30% smaller
-    threads: int = 2  # JSONL blocks parsed/cleaned in parallel
+    threads: int = Field(default_factory=lambda: default_threads(), ge=1,
+                         description="JSONL blocks parsed/cleaned in parallel; default: this host's CPUs, at most "
+                         "8 (memory ~ threads x block_bytes). Outputs do not depend on it")
     # exact dedupe: keys past this many go to sorted run files on disk (Bloom-screened lookups), so memory
     # does not grow with the input; dedupe_spill_dir=None uses the system temp folder
     dedupe_memory_keys: int = 1 << 19

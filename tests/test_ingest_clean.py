@@ -212,6 +212,20 @@ def test_byte_identical_reruns_and_streaming_batches(tmp_path, sample_run):
     assert _digest(c3) == _digest(cleaned) and _digest(v3) == _digest(valid)
     assert c3.reasons == cleaned.reasons and v3.reasons == valid.reasons
     assert pq.ParquetFile(v3.outputs["preferences"]).metadata.num_row_groups == 1
+    for threads in (1, 7):  # the default follows the host's CPUs: the bytes must not
+        c4, v4 = run(SAMPLE, tmp_path / f"threads{threads}", small.model_copy(update={"threads": threads}))
+        assert _digest(c4) == _digest(cleaned) and _digest(v4) == _digest(valid)
+
+
+def test_default_threads_follow_the_cpus_this_process_may_use(monkeypatch):
+    from batchrl.ingest import config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert IngestConfig().threads == config.MAX_DEFAULT_THREADS == 8
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {5})
+    assert IngestConfig().threads == 1
+    with pytest.raises(ValueError):
+        IngestConfig(threads=0)
 
 
 @pytest.mark.parametrize("cfg", [IngestConfig(fast_json=False), IngestConfig(engine="duckdb")],
