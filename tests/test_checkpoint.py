@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import time
 
 import numpy as np
 import pandas as pd
@@ -187,3 +188,15 @@ def test_finished_run_exports_instead_of_a_final_checkpoint_and_reruns_for_free(
     redone = train_dpo(cfg, out_dir=str(tmp_path), **dpo_inputs)
     assert "completed_earlier" not in redone and redone["loss_curve"] == first["loss_curve"]
     assert all(torch.equal(weights[k], v) for k, v in _weights(tmp_path).items())
+
+
+def test_result_says_where_the_job_time_went(dpo_inputs, tmp_path):
+    """phase_s: model load + engine, the measurement passes, the steps, the export, the rest — they add up to
+    the job's time (the UI shows them per materialisation: where a GPU stage idles)."""
+    started = time.perf_counter()
+    result = train_dpo(DPOConfig(epochs=1, micro_batch_size=8), out_dir=str(tmp_path), **dpo_inputs)
+    took = time.perf_counter() - started
+    phases = result["phase_s"]
+    assert set(phases) == {"setup", "margin_before", "steps", "margin_after", "export", "other"}
+    assert all(v >= 0 for v in phases.values()) and phases["setup"] > 0 and phases["steps"] > 0
+    assert sum(phases.values()) <= took and sum(phases.values()) > 0.8 * took

@@ -81,7 +81,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     ref_c_t = torch.as_tensor(ref_c, dtype=torch.float32)
     ref_r_t = torch.as_tensor(ref_r, dtype=torch.float32)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
-        with loop.measure_context():
+        with loop.measure_context("margin_before"):
             loop.state["before"] = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device,
                                                fused=cfg.fused_logprobs)
     before = loop.state["before"]
@@ -112,7 +112,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
 
     result = loop.summary()
     if not result["stopped_early"]:
-        with loop.measure_context():
+        with loop.measure_context("margin_after"):
             after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs)
         result.update(margin_before=before["margin"], margin_after=after["margin"],
                       accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],

@@ -103,6 +103,9 @@ class TrainLoop:
                  inputs: dict[str, str] | None = None, report: Report | None = None,
                  load_model: Callable[[str], tuple[Any, Any]] = load_trainable):
         self.cfg, self.out_dir, self.total_steps, self.model_path = cfg, out_dir, total_steps, model_path
+        self._started = time.perf_counter()
+        self._phase_s: dict[str, float] = {}  # where the job's wall time went (metadata: a GPU's idle parts)
+        self._steps_from: float | None = None
         self.run_key = run_key(cfg, model_path, inputs or {})
         self.report = report or (lambda metrics, step: None)
         self.ckpt_dir = os.path.join(out_dir, "checkpoints")
@@ -132,6 +135,7 @@ class TrainLoop:
                 self.state = restored
                 self.resumed_from = restored["global_step"]
         self._t0 = time.time()
+        self._phase_s["setup"] = time.perf_counter() - self._started  # model load, compile wrap, engine, resume
 
     @property
     def global_step(self) -> int:
@@ -148,6 +152,8 @@ class TrainLoop:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward one micro-batch and call ``engine.step()`` (DeepSpeed applies the optimiser only
         at the accumulation boundary, every ``grad_accum`` calls; it also clips there)."""
+        if self._steps_from is None:
+            self._steps_from = time.perf_counter()
         boundary = self.engine.is_gradient_accumulation_boundary()
         with torch.profiler.record_function("batchrl/backward"):
             self.engine.backward(loss)
@@ -170,11 +176,21 @@ class TrainLoop:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def measure_context(self):
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a part of the job into ``phase_s/<name>`` of its result (added up over repeats)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phase_s[name] = self._phase_s.get(name, 0.0) + time.perf_counter() - started
+
+    def measure_context(self, phase: str = "measure"):
         """Forward passes outside the training steps (margins before/after, fixed log-probs): autocast as in
         training, and eager under ``torch_compile``: no-grad passes would compile a second set of graphs
-        (~14 s at the 0.5B shape on an H200, once per job) for passes that run once or twice."""
+        (~14 s at the 0.5B shape on an H200, once per job) for passes that run once or twice. Timed as ``phase``."""
         stack = contextlib.ExitStack()
+        stack.enter_context(self.phase(phase))
         stack.enter_context(self.forward_context())
         if self.cfg.torch_compile:
             stack.enter_context(torch.compiler.set_stance("force_eager"))
@@ -244,18 +260,25 @@ class TrainLoop:
 
     def export(self, extra_metadata: dict[str, Any]) -> str:
         self.engine.module.config.use_cache = True  # off only for training; generation wants the KV cache
-        return export_hf_model(self.engine, self.tokenizer, os.path.join(self.out_dir, "model"),
-                               {"config": self.cfg.model_dump(), **extra_metadata})
+        with self.phase("export"):
+            return export_hf_model(self.engine, self.tokenizer, os.path.join(self.out_dir, "model"),
+                                   {"config": self.cfg.model_dump(), **extra_metadata})
 
     def complete(self, result: dict[str, Any]) -> dict[str, Any]:
         """Record a finished run's result next to its checkpoints (``completed_run`` reads it back); a run
         stopped early (``stop_after_steps``) resumes from its checkpoint instead."""
+        phases = dict(self._phase_s)
+        total = time.perf_counter() - self._started
+        phases["other"] = max(0.0, total - sum(phases.values()))  # tokenisation, data loading, checkpoints
+        result["phase_s"] = {k: round(v, 3) for k, v in phases.items()}
         if not result["stopped_early"]:
             write_completion(self.ckpt_dir, self.run_key, result)
         return result
 
     def summary(self) -> dict[str, Any]:
-        self.flush_metrics()
+        self.flush_metrics()  # reads the last steps' metrics: the device has finished them
+        if self._steps_from is not None and "steps" not in self._phase_s:
+            self._phase_s["steps"] = time.perf_counter() - self._steps_from
         hist = self.state["history"]
         return {"global_step": self.global_step, "total_steps": self.total_steps,
                 "optimizer_steps": int(self.engine.global_steps),  # DeepSpeed's own count

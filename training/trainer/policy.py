@@ -158,7 +158,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
                      inputs={"batch": batch_parquet}, report=report)
     engine, pad_id = loop.engine, loop.tokenizer.pad_token_id
-    with loop.measure_context():
+    with loop.measure_context("fixed_logprobs"):
         fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
     use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
               and "rollout_logprobs" in rows)

@@ -53,7 +53,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     prompts, chosen, rejected = (pairs[c].tolist() for c in ("prompt", "chosen", "rejected"))
     measure = dict(batch_size=2 * cfg.micro_batch_size, max_length=cfg.max_length)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
-        with loop.measure_context():
+        with loop.measure_context("accuracy_before"):
             loop.state["before"] = pair_accuracy(engine.module, tokenizer, pairs, **measure)
 
     # characters as the length proxy (the texts are tokenised per micro-batch)
@@ -79,7 +79,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
 
     result = loop.summary()
     if not result["stopped_early"]:
-        with loop.measure_context():
+        with loop.measure_context("accuracy_after"):
             before, after = loop.state["before"], pair_accuracy(engine.module, tokenizer, pairs, **measure)
         result.update(num_pairs=len(pairs), train_accuracy_before=before[0], train_loss_before=before[1],
                       train_accuracy_after=after[0], train_loss_after=after[1])
