@@ -123,7 +123,8 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
         out = output_file(context, staging)
         compute.run(context, trainer, "rewards", {
             "rollouts_parquet": rollouts.file(), "reward_config": to_library_config(config, RewardConfig).model_dump(),
-            "reward_model_path": reward_model.path, "device": compute.device, "out_parquet": out},
+            "reward_model_path": reward_model.path, "device": compute.device, "dtype": compute.dtype,
+            "out_parquet": out},
             workdir=workdir)
         scored = pd.read_parquet(out)
         by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()

@@ -76,6 +76,9 @@ def write_profile(out: str, model: str, landing: dict, a) -> str:
     return path
 
 
+TIMING_KEYS = ("engine_load_s", "generate_s", "generated_tokens_per_s", "job_wall_s")
+
+
 def step_windows(home: str) -> list[dict]:
     """(asset, start, end) of every step of the runs in the instance, from the event log."""
     import dagster as dg
@@ -93,6 +96,10 @@ def step_windows(home: str) -> list[dict]:
                     box["start"] = event.timestamp
                 elif kind in (dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE):
                     box["end"], box["ok"] = event.timestamp, kind == dg.DagsterEventType.STEP_SUCCESS
+                elif kind == dg.DagsterEventType.ASSET_MATERIALIZATION:  # the jobs' own timings
+                    meta = event.dagster_event.event_specific_data.materialization.metadata
+                    box["timings"] = {k: getattr(v, "value", v) for k, v in meta.items()
+                                      if k.startswith("phase_s/") or k in TIMING_KEYS}
     return sorted((s for s in steps.values() if "start" in s and "end" in s), key=lambda s: s["start"])
 
 
@@ -168,7 +175,7 @@ def main() -> None:
                           # GPU busy % per second of the step: where inside it the GPU idles
                           "busy_per_s": [round(sum(b) / len(b)) for b in _bins(trace, s["start"], s["end"])],
                           "gpu_busy_mean_pct": round(sum(inside) / len(inside), 1) if inside else None,
-                          "samples": len(inside)})
+                          "samples": len(inside), "job_timings": s.get("timings", {})})
     in_steps = sum(p["wall_s"] for p in per_asset)
     report = {"rc": rc, "model_build_s": round(build_s, 1), "total_wall_s": round(total, 1),
               "sum_of_asset_steps_s": round(in_steps, 1),

@@ -94,6 +94,14 @@ def test_rm_scores_and_reward_mix(trained):
     rm = score_with_reward_model(trained["model_dir"], [r["prompt"] for r in rows], [r["response"] for r in rows])
     np.testing.assert_allclose(out["reward_model"], rm, atol=1e-6)
     np.testing.assert_allclose(out["reward"], [1.0, rm[1]], atol=1e-6)
+    # the GPU environment scores in bfloat16 (its compute dtype): the same ranking, bf16-close scores
+    half = compute_rewards(rows, RewardConfig(rule="arith_exact", routing=routing),
+                           reward_model_path=trained["model_dir"], dtype="bfloat16")
+    assert not np.array_equal(half["reward_model"], out["reward_model"])  # it did run in bfloat16
+    np.testing.assert_allclose(half["reward_model"], out["reward_model"], atol=0.05 * np.abs(rm).max() + 0.02)
+    half_chosen = score_with_reward_model(trained["model_dir"], pairs["prompt"].tolist(), pairs["chosen"].tolist(),
+                                          dtype="bfloat16")
+    assert half_chosen.dtype == np.float32 and (half_chosen > rejected).mean() >= 0.9
 
 
 def test_empty_pairs_rejected(base_path, tmp_path):
