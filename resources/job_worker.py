@@ -33,7 +33,7 @@ def code_fingerprint(package_dir: str) -> str:
     own instead of a warm one still running the old code (which the lineage's code versions would not show)."""
     h = hashlib.sha256()
     for folder, dirs, files in os.walk(package_dir):
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__pycache__")))
+        dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(folder, d, "__init__.py")))  # packages only
         for name in sorted(f for f in files if f.endswith(".py")):
             stat = os.stat(os.path.join(folder, name))
             h.update(f"{os.path.relpath(os.path.join(folder, name), package_dir)}:{stat.st_size}:{stat.st_mtime_ns};".encode())

@@ -129,11 +129,15 @@ def test_edited_code_gets_a_worker_of_its_own(tmp_path):
     from batchrl.resources.job_worker import code_fingerprint
 
     (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "__init__.py").write_text("")
+    (tmp_path / "venv").mkdir()  # not a package: not walked
+    (tmp_path / "venv" / "site.py").write_text("x = 1\n")
     module = tmp_path / "training" / "loop.py"
     module.write_text("STEP = 1\n")
     (tmp_path / "notes.txt").write_text("x")
     before = code_fingerprint(str(tmp_path))
     (tmp_path / "notes.txt").write_text("not code")
+    (tmp_path / "venv" / "site.py").write_text("x = 22\n")
     assert code_fingerprint(str(tmp_path)) == before
     module.write_text("STEP = 2\n")  # same size: the mtime tells
     os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 1_000_000))
