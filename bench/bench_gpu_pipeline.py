@@ -188,7 +188,9 @@ def main() -> None:
         json.dump(report, f, indent=1)
     print(json.dumps({k: v for k, v in report.items() if k != "per_asset"}))
     for p in per_asset:
-        print(f"  {p['asset']:<28} {p['wall_s']:>8.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}")
+        timings = " ".join(f"{k.removeprefix('phase_s/')}={v:.1f}" for k, v in p["job_timings"].items()
+                           if isinstance(v, (int, float)))
+        print(f"  {p['asset']:<28} {p['wall_s']:>8.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}  {timings}")
 
 
 if __name__ == "__main__":
