@@ -190,3 +190,16 @@ def test_compiled_trainer_compiles_only_the_training_steps(setup, tmp_path, monk
     result = train_dpo(cfg, out_dir=str(tmp_path), **setup["dpo"])
     assert modes and all(modes), modes
     assert np.isfinite([result["margin_before"], result["margin_after"]]).all()
+
+
+def test_cpu_jobs_do_not_build_deepspeeds_shared_memory_op():
+    """The CPU comm layer would JIT-compile DeepSpeed's shm all-reduce op (~40 s on a fresh machine or venv,
+    faults without AVX-512): a CPU job runs without it, on gloo."""
+    import deepspeed
+    from deepspeed.comm import comm as dist
+
+    from batchrl.training.trainer.engine import init_deepspeed
+
+    init_deepspeed(torch.nn.Linear(4, 4), DPOConfig())
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+    assert dist.cdb is not None and dist.cdb.shm_comm_op is None

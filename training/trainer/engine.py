@@ -104,6 +104,16 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def skip_cpu_shm_op(deepspeed: Any) -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (C++, OpenMP) when its comm layer
+    starts: ~40 s in the first job on a fresh machine and again for every other virtualenv (the build is
+    keyed by include paths), and its bf16 kernels fault without AVX-512. CPU jobs here are one process or a
+    few gloo ranks in tests: gloo's own all-reduce does, so DeepSpeed is told the op is unavailable."""
+    compatible = getattr(getattr(deepspeed, "ops", None), "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 def init_deepspeed(model: torch.nn.Module, cfg: Any, optimizer: torch.optim.Optimizer | None = None,
                    lr_scheduler: Any = None, universal: bool = False):
     """Wrap ``model`` in a DeepSpeed engine; returns the engine (``engine.optimizer``,
@@ -116,6 +126,8 @@ def init_deepspeed(model: torch.nn.Module, cfg: Any, optimizer: torch.optim.Opti
 
     if not torch.distributed.is_initialized():
         backend = "nccl" if use_cuda() else "gloo"
+        if not use_cuda():
+            skip_cpu_shm_op(deepspeed)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     if use_cuda():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
