@@ -103,7 +103,7 @@ class IngestConfig(BaseModel):
     reject_threshold: float = 0.05
     pair_min_margin: float = 0.0
     compression: str = "snappy"  # parquet codec; snappy writes ~2x faster than zstd, zstd is ~30% smaller
-    threads: int = Field(default_factory=lambda: default_threads(), ge=1,
+    threads: int = Field(default_factory=default_threads, ge=1,
                          description="JSONL blocks parsed/cleaned in parallel; default: this host's CPUs, at most "
                          "8 (memory ~ threads x block_bytes). Outputs do not depend on it")
     # exact dedupe: keys past this many go to sorted run files on disk (Bloom-screened lookups), so memory

@@ -83,15 +83,15 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
         fixed["old"] = sequence_token_logprobs(loop.engine.module, rows, pad_id, loop.device, **kw)
     else:
         fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
-    if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path and cfg.old_logprobs == "recompute" \
-            and _same_model(reference_model_path, loop.model_path):
-        fixed["ref"] = fixed["old"]  # the chain's first update: the policy is still the reference, same pass
-    elif cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
-        from batchrl.training.tiny_model import load_model_and_tokenizer
+    if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
+        if cfg.old_logprobs == "recompute" and _same_model(reference_model_path, loop.model_path):
+            fixed["ref"] = fixed["old"]  # the chain's first update: the policy is still the reference, same pass
+        else:
+            from batchrl.training.tiny_model import load_model_and_tokenizer
 
-        ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
-        fixed["ref"] = sequence_token_logprobs(ref, rows, pad_id, loop.device, **kw)
-        del ref
+            ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
+            fixed["ref"] = sequence_token_logprobs(ref, rows, pad_id, loop.device, **kw)
+            del ref
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(fixed, tmp)
     os.replace(tmp, path)
