@@ -1,6 +1,8 @@
 """clean_logs: inputs -> cleaned.parquet (contract columns + metadata + lineage) + quarantine.parquet."""
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +45,49 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Itera
             yield pending.popleft().result()
 
 
+def read_ahead(items: Iterable[T], depth: int) -> Iterator[T]:
+    """``items`` produced by a background thread, at most ``depth`` ahead of the caller: sequential
+    reading (I/O, hashing, line counting; all release the GIL) overlaps the caller's in-order work.
+    An exception of ``items`` is raised here at its place in the sequence; a caller that stops early
+    stops the thread, which closes ``items`` (its open file) itself."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+    end = object()
+
+    def offer(entry) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        source = iter(items)
+        try:
+            if all(offer((item, None)) for item in source):
+                offer((end, None))
+        except BaseException as e:  # handed to the caller, raised there
+            offer((end, e))
+        finally:
+            getattr(source, "close", lambda: None)()
+
+    thread = threading.Thread(target=produce, name="read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
 def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table], object] | None = None,
                     keep_rows: bool = True, extras: ExtraFieldCounter | None = None,
                     digests: dict[str, str] | None = None):
@@ -64,8 +109,9 @@ def cleaned_batches(file: InputFile, cfg: IngestConfig, then: Callable[[pa.Table
         reader = jsonl_reader(file, cfg, extras)
         if digests is not None and not file.sha256:
             reader.digest = OrderedDigest()  # the one read hashes the file too
-        blocks = ordered_map(lambda block: [finish(t, r) for t, r in reader.process(*block)], reader.blocks(),
-                             cfg.threads)
+        # with workers, the blocks are read (and hashed) ahead in a thread of their own
+        source = read_ahead(reader.blocks(), 2) if cfg.threads > 1 else reader.blocks()
+        blocks = ordered_map(lambda block: [finish(t, r) for t, r in reader.process(*block)], source, cfg.threads)
         for results in blocks:
             yield from results
         if reader.digest is not None:

@@ -92,14 +92,15 @@ class ParquetSink:
         merged = pa.concat_tables(self.pending)
         while len(self.in_flight) >= self.MAX_IN_FLIGHT:
             self.in_flight.popleft().result()  # bounded memory; re-raises a failed write
-        # one contiguous chunk per column: page boundaries must not depend on input batching
-        self.in_flight.append(self.encoder.submit(self._write_group, merged.slice(0, n).combine_chunks(), n))
+        self.in_flight.append(self.encoder.submit(self._write_group, merged.slice(0, n), n))
         rest = merged.slice(n)
         self.pending = [rest] if rest.num_rows else []
         self.pending_rows = rest.num_rows
 
     def _write_group(self, table: pa.Table, n: int) -> None:
-        self.writer.write_table(table, row_group_size=n)
+        # one contiguous chunk per column (copied here, off the caller's thread): page boundaries must
+        # not depend on input batching
+        self.writer.write_table(table.combine_chunks(), row_group_size=n)
         self.hasher.update()
 
     def _drain(self) -> None:

@@ -247,3 +247,35 @@ def test_fused_single_pass_matches_two_stages(tmp_path, sample_run):
     assert _digest(c) == _digest(cleaned) and _digest(v) == _digest(valid)
     assert (v.rows_in, v.valid, v.quarantined, v.duplicates) == (valid.rows_in, valid.valid, valid.quarantined,
                                                                  valid.duplicates)
+
+
+def test_read_ahead_keeps_order_raises_in_place_and_closes_on_early_stop():
+    from batchrl.ingest.clean import read_ahead
+
+    assert list(read_ahead(iter(range(50)), 2)) == list(range(50))
+
+    def failing():
+        yield from range(3)
+        raise OSError("disk gone")
+
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        for item in read_ahead(failing(), 2):
+            got.append(item)
+    assert got == [0, 1, 2]  # every item before the failure arrived, in order
+
+    closed = []
+
+    def endless():
+        try:
+            n = 0
+            while True:
+                yield n
+                n += 1
+        finally:
+            closed.append(True)  # the open file of a real reader is closed here
+
+    reader = read_ahead(endless(), 2)
+    assert [next(reader) for _ in range(5)] == [0, 1, 2, 3, 4]
+    reader.close()  # the caller stops early: the producer thread stops and closes its source
+    assert closed == [True]
