@@ -73,3 +73,32 @@ def test_load_model_and_tokenizer_dtype(built):
     model, tokenizer = load_model_and_tokenizer(built["path"], dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
     assert tokenizer.padding_side == "left"
+
+
+def test_tokenizer_loaded_once_per_content_each_caller_its_own_settings(built, tmp_path, monkeypatch):
+    import shutil
+
+    import transformers
+
+    from batchrl.training import tiny_model
+
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: calls.append(a) or real(*a, **k)))
+    monkeypatch.setattr(tiny_model, "_TOKENIZERS", type(tiny_model._TOKENIZERS)())
+    first = tiny_model.load_tokenizer(built["path"])
+    export = tmp_path / "export"  # an exported checkpoint: the same tokenizer files, other weights
+    shutil.copytree(built["path"], export, ignore=shutil.ignore_patterns("*.safetensors"))
+    second = tiny_model.load_tokenizer(str(export))
+    assert len(calls) == 1  # parsed once
+    second.padding_side, second.pad_token = "right", "<|im_end|>"
+    assert (first.padding_side, first.pad_token) == ("left", "<|endoftext|>")  # the callers' settings are apart
+    assert first("12+3").input_ids == second("12+3").input_ids
+    assert first(["1", "12+34"], padding=True).input_ids[0][0] == first.pad_token_id  # still left-padded
+    with open(export / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config["model_max_length"] = 77  # edited tokenizer files: loaded afresh
+    with open(export / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    assert tiny_model.load_tokenizer(str(export)).model_max_length == 77 and len(calls) == 2

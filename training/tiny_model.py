@@ -10,7 +10,10 @@ Determinism: the tokenizer trainer is deterministic for the same texts, the weig
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 import os
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -131,14 +134,55 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+# Loaded tokenizers of this process, by the content of their folder's files (weights left out): a
+# long-lived job worker parses a 150k-vocabulary tokenizer.json once (~1 s each time), not once per stage
+# and model; exported checkpoints carry identical tokenizer files, so they share the entry.
+_TOKENIZERS: OrderedDict[str, Any] = OrderedDict()
+TOKENIZER_CACHE_SIZE = 4
+
+
+def _tokenizer_key(path: str) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.endswith(WEIGHT_SUFFIXES) or not os.path.isfile(full):
+            continue
+        digest.update(name.encode() + b"\0")
+        with open(full, "rb") as f:
+            digest.update(f.read())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _own_copy(tokenizer: Any) -> Any:
+    """A copy whose settings (padding side, special tokens ...) are its own; the parsed vocabulary (the
+    Rust tokenizer, reconfigured by every call for its padding/truncation) is shared."""
+    twin = copy.copy(tokenizer)
+    for name, value in vars(tokenizer).items():
+        if isinstance(value, (dict, list, set)):
+            setattr(twin, name, copy.copy(value))
+    return twin
+
+
 def load_tokenizer(path: str):
-    """Tokenizer of any HF folder, left-padded, with a pad token (falls back to eos)."""
+    """Tokenizer of any HF folder, left-padded, with a pad token (falls back to eos). Loaded once per
+    process for the same tokenizer files; each caller gets its own copy to configure."""
     from transformers import AutoTokenizer
 
+    key = _tokenizer_key(path) if os.path.isdir(path) else None
+    if key is not None and key in _TOKENIZERS:
+        _TOKENIZERS.move_to_end(key)
+        return _own_copy(_TOKENIZERS[key])
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if key is not None:
+        _TOKENIZERS[key] = tokenizer
+        while len(_TOKENIZERS) > TOKENIZER_CACHE_SIZE:
+            _TOKENIZERS.popitem(last=False)
+        return _own_copy(tokenizer)
     return tokenizer
 
 
