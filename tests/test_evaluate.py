@@ -90,3 +90,30 @@ def test_evaluate_policy_with_reward_model(model_path, pairs, tmp_path):
                              max_new_tokens=4)
     assert isinstance(result["rm_mean_score"], float)
     assert "preference_accuracy" not in result
+
+
+def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pairs, tmp_path, monkeypatch):
+    from batchrl.training import reward_model as rm_module
+    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.trainer.config import RewardModelConfig
+    from batchrl.training.trainer.reward import train_reward_model
+
+    pairs.to_parquet(tmp_path / "pairs.parquet")
+    rm = train_reward_model(RewardModelConfig(epochs=1, micro_batch_size=6), pairs_parquet=str(tmp_path / "pairs.parquet"),
+                            model_path=model_path, out_dir=str(tmp_path / "rm"))
+    prompts = load_rows("eval.jsonl")[:4]
+    other = str(tmp_path / "other")  # a second model: other weights (seed), same tokenizer
+    build_tiny_model([f"{r['prompt']} {r['answer']}" for r in load_rows("train.jsonl")], other, seed=1)
+    models = {"base": model_path, "other": other}
+    alone = {name: evaluate_policy(path, arith_eval=prompts, reward_model_path=rm["model_dir"], max_new_tokens=4)
+             for name, path in models.items()}
+    assert alone["base"]["rm_mean_score"] != alone["other"]["rm_mean_score"]
+    loads = []
+    real_load = rm_module.load_reward_model
+    monkeypatch.setattr(rm_module, "load_reward_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    together = evaluate_models(models, arith_eval=prompts,
+                               reward_model_path=rm["model_dir"], max_new_tokens=4)
+    assert len(loads) == 1
+    for name in alone:  # per-model scores as when each model was evaluated alone
+        assert together[name]["rm_mean_score"] == pytest.approx(alone[name]["rm_mean_score"], abs=1e-5)
+        assert together[name]["arith_accuracy"] == alone[name]["arith_accuracy"]

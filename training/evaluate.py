@@ -79,12 +79,11 @@ def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> 
     }
 
 
-def evaluate_policy(
+def _evaluate(
     model_path: str,
     *,
     arith_eval: list[dict],
     pairs: pd.DataFrame | None = None,
-    reward_model_path: str | None = None,
     max_new_tokens: int = 16,
     seed: int = 0,
     batch_size: int = 32,
@@ -95,10 +94,8 @@ def evaluate_policy(
     device: str = "cpu",
     dtype: str = "float32",
     engine: str = "transformers",
-) -> dict[str, Any]:
-    """Evaluate the causal LM in ``model_path`` (greedy decoding on ``device``); see the module doc.
-    ``reference`` (rows aligned with ``pairs``) holds ``ref_chosen_logp`` and ``ref_rejected_logp``.
-    ``examples`` holds up to ``num_examples`` answers per category."""
+) -> tuple[dict[str, Any], list[dict]]:
+    """``evaluate_policy`` without the RM score: (results, the greedy samples)."""
     # greedy decoding with the named engine ("static" on GPUs: no per-step logits kept, CUDA graphs)
     engine = make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
                                  batch_size=batch_size, device=device, dtype=dtype)
@@ -135,9 +132,35 @@ def evaluate_policy(
             logratio = margin - ref_margin
             results.update(logratio_margin=float(logratio.mean()),
                            logratio_accuracy=float((logratio > 0).double().mean()))
-    if reward_model_path and samples:
-        scores = score_with_reward_model(reward_model_path, [s["prompt"] for s in samples],
-                                         [s["response"] for s in samples], batch_size=batch_size,
-                                         max_length=max_length, device=device)
-        results["rm_mean_score"] = float(scores.mean())
+    del engine
+    return results, samples
+
+
+def evaluate_policy(model_path: str, *, arith_eval: list[dict], reward_model_path: str | None = None,
+                    **options: Any) -> dict[str, Any]:
+    """Evaluate the causal LM in ``model_path`` (greedy decoding on ``device``); see the module doc.
+    ``pairs``/``reference`` (rows aligned with ``pairs``: ``ref_chosen_logp``, ``ref_rejected_logp``),
+    the decoding options: ``_evaluate``'s keywords. ``examples`` holds up to ``num_examples`` answers
+    per category."""
+    return evaluate_models({"model": model_path}, arith_eval=arith_eval, reward_model_path=reward_model_path,
+                           **options)["model"]
+
+
+def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_model_path: str | None = None,
+                    **options: Any) -> dict[str, dict[str, Any]]:
+    """``evaluate_policy`` of each named model folder; the reward model is loaded once and scores every
+    model's greedy answers (``rm_mean_score``)."""
+    results, samples = {}, {}
+    for name, path in models.items():
+        results[name], samples[name] = _evaluate(path, arith_eval=arith_eval, **options)
+    answered = [(name, s) for name in models for s in samples[name]]
+    if reward_model_path and answered:
+        scores = score_with_reward_model(
+            reward_model_path, [s["prompt"] for _, s in answered], [s["response"] for _, s in answered],
+            batch_size=options.get("batch_size", 32), max_length=options.get("max_length", 256),
+            device=options.get("device", "cpu"), dtype=options.get("dtype", "float32"))
+        for name in models:
+            mine = [score for (owner, _), score in zip(answered, scores) if owner == name]
+            if mine:
+                results[name]["rm_mean_score"] = float(np.mean(mine))
     return results

@@ -9,7 +9,7 @@ comes from the config):
 - ``reference_logprobs``: ``model_path``, ``pairs_parquet``, ``out_parquet``, ``max_length``, ``batch_size``,
   ``device``, ``dtype`` — the frozen reference's summed completion log-probs of each pair;
 - ``evaluation``: ``models`` ({name: HF folder}), ``eval_prompts_parquet``, ``pairs_parquet``,
-  ``reference_parquet``, ``options`` (``evaluate_policy`` keywords) — results per model.
+  ``reference_parquet``, ``options`` (``evaluate_models`` keywords) — results per model.
 
 ``run_task`` is also what the asset calls when the stage runs in the Dagster process (CPU).
 """
@@ -36,13 +36,12 @@ def score_rewards(config: dict) -> dict:
 
 
 def evaluate_models(config: dict) -> dict:
-    from batchrl.training.evaluate import evaluate_policy
+    from batchrl.training.evaluate import evaluate_models
 
     prompts = pd.read_parquet(config["eval_prompts_parquet"]).to_dict("records")
     pairs = pd.read_parquet(config["pairs_parquet"])
     reference = pd.read_parquet(config["reference_parquet"])
-    return {name: evaluate_policy(path, arith_eval=prompts, pairs=pairs, reference=reference, **config["options"])
-            for name, path in config["models"].items()}
+    return evaluate_models(config["models"], arith_eval=prompts, pairs=pairs, reference=reference, **config["options"])
 
 
 def reference_logprobs(config: dict) -> dict:
