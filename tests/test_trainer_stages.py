@@ -203,3 +203,23 @@ def test_cpu_jobs_do_not_build_deepspeeds_shared_memory_op():
     init_deepspeed(torch.nn.Linear(4, 4), DPOConfig())
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
     assert dist.cdb is not None and dist.cdb.shm_comm_op is None
+
+
+def test_margin_pass_in_length_sorted_batches_matches_pair_by_pair(setup):
+    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.trainer.batching import encode_pairs
+    from batchrl.training.trainer.dpo import _pair_logps, mean_margin
+
+    model, tok = load_model_and_tokenizer(setup["base"])
+    rows = [{"prompt": r["prompt"], "chosen": r["answer"] + " " * (i % 5) + "ok" * (i % 7), "rejected": "no" * (1 + i % 4)}
+            for i, r in enumerate(ARITH[:23])]  # lengths differ: the sorted batches mix the order up
+    items = encode_pairs(tok, rows, 64)
+    rng = np.random.default_rng(0)
+    ref_c, ref_r = rng.normal(-20, 5, len(items)), rng.normal(-20, 5, len(items))
+    with torch.no_grad():
+        one_by_one = np.array([float(c - r) for c, r, _, _ in
+                               (_pair_logps(model, [it], tok.pad_token_id, "cpu") for it in items)]) - (ref_c - ref_r)
+    got = mean_margin(model, items, ref_c, ref_r, tok.pad_token_id, "cpu", batch_size=4)
+    assert got["margin"] == pytest.approx(one_by_one.mean(), abs=1e-4)
+    assert got["accuracy"] == pytest.approx((one_by_one > 0).mean())
+    assert 0 < got["accuracy"] < 1  # both signs occur: a misaligned scatter would change it

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import dpo_loss, preference_metrics
-from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order,
+from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order, length_sorted_batches,
                                                pair_batch, step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.transfer import to_device_async
@@ -48,16 +48,22 @@ def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
 @torch.no_grad()
 def mean_margin(model: Any, items: list[dict], ref_c: np.ndarray, ref_r: np.ndarray, pad_id: int,
                 device, batch_size: int = 32, fused: bool = True) -> dict[str, float]:
-    """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs."""
+    """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs.
+    Batches of similar length (little padding); read back once at the end (no host sync per batch)."""
     was_training = model.training
     model.eval()
-    margins = []
-    for start in range(0, len(items), batch_size):
-        pc, pr, _, _ = _pair_logps(model, items[start:start + batch_size], pad_id, device, fused)
-        sl = slice(start, start + batch_size)
-        margins.append((pc.double().cpu().numpy() - ref_c[sl]) - (pr.double().cpu().numpy() - ref_r[sl]))
+    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
+    batches = length_sorted_batches(lengths, batch_size)
+    logratios = []
+    for idx in batches:
+        chosen, rejected, _, _ = _pair_logps(model, [items[i] for i in idx], pad_id, device, fused)
+        logratios.append(chosen.double() - rejected.double())
     model.train(was_training)
-    m = np.concatenate(margins)
+    if not batches:
+        return {"margin": float("nan"), "accuracy": float("nan")}
+    policy = np.empty(len(items))
+    policy[np.concatenate(batches)] = torch.cat(logratios).double().cpu().numpy()
+    m = policy - (ref_c - ref_r)
     return {"margin": float(m.mean()), "accuracy": float((m > 0).mean())}
 
 
