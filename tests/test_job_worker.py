@@ -142,3 +142,14 @@ def test_edited_code_gets_a_worker_of_its_own(tmp_path):
     module.write_text("STEP = 2\n")  # same size: the mtime tells
     os.utime(module, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns + 1_000_000))
     assert code_fingerprint(str(tmp_path)) != before
+
+
+def test_preload_imports_what_jobs_would_import_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys; from batchrl.training.jobs.worker import PRELOAD_MODULES, preload; "
+            "assert 'transformers.models.auto.modeling_auto' not in sys.modules; preload(); "
+            "missing = [m for m in PRELOAD_MODULES if m not in sys.modules]; print(missing); assert not missing")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]

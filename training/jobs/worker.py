@@ -80,14 +80,26 @@ def run_request(request: dict) -> dict:
         _release_memory()
 
 
-def preload() -> None:
-    """What every job needs first (torch, transformers, DeepSpeed, the CUDA context), loaded once the socket
-    listens: a client connecting meanwhile waits in the backlog, and a worker started ahead of the first job
-    (``resources.job_worker.prestart``) has it ready by the time the job comes."""
-    import torch
-    import transformers  # noqa: F401
+# What the jobs import lazily (transformers' auto classes alone take seconds): loaded by ``preload``
+PRELOAD_MODULES = (
+    "batchrl.training.jobs._runtime", "batchrl.training.rollout.static_engine", "batchrl.training.evaluate",
+    "batchrl.training.rewards", "batchrl.training.reward_model", "batchrl.training.trainer.reference",
+    "batchrl.training.trainer.dpo", "batchrl.training.trainer.policy", "batchrl.training.trainer.reward",
+    "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+    "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
+)
 
-    importlib.import_module("batchrl.training.jobs._runtime")
+
+def preload() -> None:
+    """What every job needs first (torch, transformers' model classes, DeepSpeed, batchrl's job libraries,
+    the CUDA context), loaded once the socket listens: a client connecting meanwhile waits in the backlog,
+    and a worker started ahead of the first job (``resources.job_worker.prestart``) has it ready by the
+    time the job comes."""
+    import torch
+
+    for name in PRELOAD_MODULES:
+        with contextlib.suppress(ImportError):  # a model family this transformers lacks: loaded on use
+            importlib.import_module(name)
     with contextlib.suppress(ImportError):
         import deepspeed  # noqa: F401
     if torch.cuda.is_available():
