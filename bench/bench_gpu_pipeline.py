@@ -1,7 +1,7 @@
 """The whole asset graph on one GPU at a real job's size, through Dagster, timed per asset.
 
     python3 bench/bench_gpu_pipeline.py --out DIR [--layers 24] [--prompts 512] [--samples 8] [--new-tokens 256]
-        [--pairs 2000] [--engine static|vllm|transformers]
+        [--pairs 2000] [--engine static|vllm|transformers] [--runs 2]
 
 Base model: the Qwen2-0.5B shape with its full 151,936-id vocabulary and random weights (bench/qwen_shape.py).
 Data: `pairs` preference pairs written into a landing folder (correct vs wrong final answers to the
@@ -11,6 +11,8 @@ trainers and rollouts in Pipes subprocesses) while nvidia-smi samples GPU utilis
 reads the run's step start/end events from the Dagster instance: wall time per asset, GPU busy share
 inside each asset's window, peak GPU memory, and orchestration overhead = total wall time minus the
 sum of the asset steps (process start, definitions, Dagster bookkeeping). Writes DIR/pipeline.json.
+``--runs 2``: the graph again into fresh storage, with the compile caches and the job worker the first
+run left (what a scheduled retrain on the same machine finds); each run's report under ``runs``.
 """
 from __future__ import annotations
 
@@ -124,30 +126,12 @@ def _bins(trace, start: float, end: float) -> list[list[float]]:
     return [bins[k] for k in sorted(bins)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    for flag, default in (("--layers", 24), ("--prompts", 512), ("--samples", 8), ("--new-tokens", 256),
-                          ("--pairs", 2000), ("--timeout", 560)):
-        ap.add_argument(flag, type=int, default=default)
-    ap.add_argument("--engine", default="static", choices=["static", "vllm", "transformers"])
-    ap.add_argument("--jobs", default="worker", choices=["subprocess", "worker"],
-                    help="worker: one-process jobs in the long-lived warm job worker (BATCHRL_JOB_BACKEND)")
-    a = ap.parse_args()
-    out = os.path.abspath(a.out)
-    os.makedirs(out, exist_ok=True)
-    work = "/tmp/bench-pipeline"
-    from bench.qwen_shape import build
-
-    t0 = time.time()
-    model = build(os.path.join(work, "model"), layers=a.layers)
-    build_s = time.time() - t0
-    profile = write_profile(out, model, write_inputs(work, a.pairs), a)
-    for folder in ("storage", "home"):  # a run before on this machine would be reused (completed jobs, partitions)
+def run_graph(profile: str, work: str, out: str, a, env: dict) -> dict:
+    """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report."""
+    for folder in ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
         shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
-    env = {**os.environ, "BATCHRL_ENV": "gpu", "BATCHRL_STORAGE": os.path.join(work, "storage"),
-           "DAGSTER_HOME": os.path.join(work, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "BATCHRL_JOB_BACKEND": a.jobs}
+    env = {**env, "BATCHRL_STORAGE": os.path.join(work, "storage"), "DAGSTER_HOME": os.path.join(work, "home")}
+    os.makedirs(out, exist_ok=True)
     trace_path = os.path.join(out, "gpu_trace.csv")
     tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
@@ -161,10 +145,6 @@ def main() -> None:
             rc = "timeout"
     total = time.time() - started
     tracer.terminate()
-    # the warm job worker outlives the run (it waits for the next one): stop it, keep its log
-    subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
-    for log in glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")):
-        shutil.copy(log, os.path.join(out, "worker.log"))
     trace = read_trace(trace_path)
     steps = step_windows(env["DAGSTER_HOME"])
     per_asset = []
@@ -177,20 +157,61 @@ def main() -> None:
                           "gpu_busy_mean_pct": round(sum(inside) / len(inside), 1) if inside else None,
                           "samples": len(inside), "job_timings": s.get("timings", {})})
     in_steps = sum(p["wall_s"] for p in per_asset)
-    report = {"rc": rc, "model_build_s": round(build_s, 1), "total_wall_s": round(total, 1),
-              "sum_of_asset_steps_s": round(in_steps, 1),
-              "orchestration_overhead_s": round(total - in_steps, 1),
-              "orchestration_overhead_pct": round(100 * (total - in_steps) / total, 1) if total else None,
-              "peak_gpu_memory_gib": round(max((m for _, _, m in trace), default=0) / 1024, 1),
-              "gpu_busy_whole_run_pct": round(sum(u for _, u, _ in trace) / len(trace), 1) if trace else None,
-              "per_asset": per_asset, "settings": vars(a)}
+    return {"rc": rc, "total_wall_s": round(total, 1), "sum_of_asset_steps_s": round(in_steps, 1),
+            "orchestration_overhead_s": round(total - in_steps, 1),
+            "orchestration_overhead_pct": round(100 * (total - in_steps) / total, 1) if total else None,
+            "peak_gpu_memory_gib": round(max((m for _, _, m in trace), default=0) / 1024, 1),
+            "gpu_busy_whole_run_pct": round(sum(u for _, u, _ in trace) / len(trace), 1) if trace else None,
+            "per_asset": per_asset}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    for flag, default in (("--layers", 24), ("--prompts", 512), ("--samples", 8), ("--new-tokens", 256),
+                          ("--pairs", 2000), ("--timeout", 560)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--engine", default="static", choices=["static", "vllm", "transformers"])
+    ap.add_argument("--jobs", default="worker", choices=["subprocess", "worker"],
+                    help="worker: one-process jobs in the long-lived warm job worker (BATCHRL_JOB_BACKEND)")
+    ap.add_argument("--runs", type=int, default=1, help=(
+        "runs of the graph, each into fresh storage: the first with empty compile caches and no job worker "
+        "(a first-ever run); later ones keep the caches and the worker of the run before (a retrain on the "
+        "same machine)"))
+    a = ap.parse_args()
+    out = os.path.abspath(a.out)
+    os.makedirs(out, exist_ok=True)
+    work = "/tmp/bench-pipeline"
+    from bench.qwen_shape import build
+
+    t0 = time.time()
+    model = build(os.path.join(work, "model"), layers=a.layers)
+    build_s = time.time() - t0
+    profile = write_profile(out, model, write_inputs(work, a.pairs), a)
+    caches = os.path.join(work, "compile-cache")  # shared by the runs, empty for the first
+    shutil.rmtree(caches, ignore_errors=True)
+    env = {**os.environ, "BATCHRL_ENV": "gpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "BATCHRL_JOB_BACKEND": a.jobs, "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
+           "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
+    runs = []
+    for k in range(a.runs):
+        runs.append({"run": k + 1, "caches": "cold" if k == 0 else "warm",
+                     **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a, env)})
+    # the warm job worker outlives the runs (it waits for the next one): stop it, keep its log
+    subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
+    for log in glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")):
+        shutil.copy(log, os.path.join(out, "worker.log"))
+    report = {**{k: v for k, v in runs[-1].items()}, "model_build_s": round(build_s, 1), "settings": vars(a)}
+    if a.runs > 1:
+        report["runs"] = runs
     with open(os.path.join(out, "pipeline.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(json.dumps({k: v for k, v in report.items() if k != "per_asset"}))
-    for p in per_asset:
-        timings = " ".join(f"{k.removeprefix('phase_s/')}={v:.1f}" for k, v in p["job_timings"].items()
-                           if isinstance(v, (int, float)))
-        print(f"  {p['asset']:<28} {p['wall_s']:>8.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}  {timings}")
+    for r in runs:
+        print(json.dumps({k: v for k, v in r.items() if k != "per_asset"}))
+        for p in r["per_asset"]:
+            timings = " ".join(f"{k.removeprefix('phase_s/')}={v:.1f}" for k, v in p["job_timings"].items()
+                               if isinstance(v, (int, float)))
+            print(f"  {p['asset']:<28} {p['wall_s']:>8.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}  {timings}")
 
 
 if __name__ == "__main__":
