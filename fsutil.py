@@ -64,11 +64,15 @@ def sha256_file(fs: fsspec.AbstractFileSystem, path: str, block: int = 1 << 22) 
 
 def sha256_tree(fs: fsspec.AbstractFileSystem, root: str) -> str:
     """Content hash of every file under ``root`` (relative names + bytes), order-independent."""
-    h = hashlib.sha256()
     files = sorted(p for p in fs.find(root) if not fs.isdir(p))
-    for p in files:
-        rel = p[len(root.rstrip("/")) + 1:]
-        h.update(rel.encode() + b"\0" + sha256_file(fs, p).encode() + b"\n")
+    return tree_hash({p[len(root.rstrip("/")) + 1:]: sha256_file(fs, p) for p in files})
+
+
+def tree_hash(file_sha256: dict[str, str]) -> str:
+    """``sha256_tree`` from the sha256 of each file (relative name -> hex digest), e.g. taken by their writer."""
+    h = hashlib.sha256()
+    for rel in sorted(file_sha256):
+        h.update(rel.encode() + b"\0" + file_sha256[rel].encode() + b"\n")
     return h.hexdigest()
 
 

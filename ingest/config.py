@@ -161,6 +161,8 @@ class StageReport:
     reasons: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
     content_hash: str = ""
+    # sha256 of each output file, by file name, taken while writing (publishing need not read them again)
+    output_sha256: dict[str, str] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
@@ -179,6 +181,7 @@ class StageReport:
 
     def to_metadata(self) -> dict[str, Any]:
         meta = asdict(self)
+        del meta["output_sha256"]  # the published artifact's data version stands for them
         meta["reasons"] = dict(sorted(self.reasons.items()))
         meta["reject_rate"] = round(self.reject_rate, 6)
         meta["invariant_holds"] = self.invariant_holds

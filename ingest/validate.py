@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -256,6 +257,7 @@ class ContractStage:
         report.outputs.update({self.out_name.removesuffix(".parquet"): self.sink.close(),
                                "quarantine": self.quarantine.close()})
         report.content_hash = self.sink.sha256
+        report.output_sha256.update({os.path.basename(sink.path): sink.sha256 for sink in (self.sink, self.quarantine)})
         report.bytes_out = self.sink.size + self.quarantine.size
         report.seconds = time.perf_counter() - self.start
         report.extra.setdefault("kind", self.kind)

@@ -169,3 +169,24 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     assert RESOURCES_BY_ENV["local"]()["landing"].eval_prompts == str(tmp_path / "logs" / "arith" / "eval.jsonl")
     monkeypatch.delenv("BATCHRL_LANDING")
     assert RESOURCES_BY_ENV["local"]()["landing"] == LandingResource()  # the shipped samples
+
+
+def test_validated_drop_published_with_the_hash_its_writers_took(tmp_path, monkeypatch):
+    """The drop's Parquet files are hashed while written, not read again to publish; the data version is
+    the same tree hash the files give when read."""
+    from batchrl import fsutil
+
+    hashed_trees = []
+    real_tree = fsutil.sha256_tree
+    monkeypatch.setattr(fsutil, "sha256_tree", lambda fs, root: hashed_trees.append(root) or real_tree(fs, root))
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run_assets(local_resources(str(tmp_path / "s"), _landing_copy(tmp_path)), instance, DATA).success
+        published = sorted((tmp_path / "s" / "validated_preferences").iterdir())
+        assert len(published) == 2  # one per drop
+        for folder in published:
+            data_files = {p.name: fsutil.sha256_file(fsutil.filesystem_for(str(p))[0], str(p))
+                          for p in folder.iterdir() if p.name.endswith(".parquet")}
+            assert set(data_files) == {"preferences.parquet", "quarantine.parquet"}
+            assert fsutil.tree_hash(data_files)[:16] == folder.name
+    assert not any("validated_preferences" in root for root in hashed_trees)  # publish took the writers' hash
+    assert hashed_trees  # the JSON artifacts (manifest, report) are still hashed at publish
