@@ -223,3 +223,18 @@ def test_margin_pass_in_length_sorted_batches_matches_pair_by_pair(setup):
     assert got["margin"] == pytest.approx(one_by_one.mean(), abs=1e-4)
     assert got["accuracy"] == pytest.approx((one_by_one > 0).mean())
     assert 0 < got["accuracy"] < 1  # both signs occur: a misaligned scatter would change it
+
+
+def test_measurement_batches_fill_a_token_budget():
+    from batchrl.training.trainer.batching import length_sorted_batches
+
+    lengths = list(np.random.default_rng(0).integers(1, 300, 500)) + [5000]  # one row over the budget
+    batches = length_sorted_batches(lengths, max_tokens=4096)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))  # every row once
+    for batch in batches:
+        padded = len(batch) * max(lengths[i] for i in batch)
+        assert padded <= 4096 or len(batch) == 1
+    assert [5000] in [[lengths[i] for i in b] for b in batches]  # the long row alone
+    assert len(batches) < len(lengths) / 10  # short rows share batches: dozens per batch
+    capped = length_sorted_batches(lengths, 8, max_tokens=4096)
+    assert max(len(b) for b in capped) == 8

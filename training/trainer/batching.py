@@ -155,7 +155,20 @@ def step_micro_batches(order: np.ndarray, step: int, micro_batch_size: int, grad
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
 
 
-def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[np.ndarray]:
-    """Indices in batches of similar length (for passes without gradients; callers restore order)."""
+def length_sorted_batches(lengths: Sequence[int], batch_size: int | None = None,
+                          max_tokens: int | None = None) -> list[np.ndarray]:
+    """Indices in batches of similar length (for passes without gradients; callers restore order): at most
+    ``batch_size`` rows, and/or at most ``max_tokens`` padded tokens (rows x the batch's longest; a row
+    longer than the budget goes alone)."""
     order = np.argsort(np.asarray(lengths), kind="stable")
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    if max_tokens is None:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    batches, start = [], 0
+    for k, i in enumerate(order):  # ascending: the row just taken is the batch's longest
+        rows = k - start + 1
+        if rows > 1 and (rows * lengths[i] > max_tokens or (batch_size is not None and rows > batch_size)):
+            batches.append(order[start:k])
+            start = k
+    if start < len(order):
+        batches.append(order[start:])
+    return batches

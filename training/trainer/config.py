@@ -43,6 +43,10 @@ class TrainerConfig(BaseModel):
                                   "micro-batches (less padding; same examples per step)")
     metrics_every: int = Field(10, ge=1, description="optimiser steps between host reads of the metrics (kept on "
                                "the device in between: no host sync inside a step); every step is still recorded")
+    measure_batch_tokens: int = Field(32768, ge=1, description=(
+        "token budget of one batch in the passes without gradients (margins or accuracy before/after, the "
+        "policy's fixed log-probs): larger batches than training's keep the GPU fed; lower it if those passes "
+        "run out of memory"))
     torch_compile: bool = Field(False, description="compile each decoder layer with torch.compile (fuses norms, "
                                 "rotary and activations; pays once at start)")
     # reproducibility / engine

@@ -47,13 +47,15 @@ def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
 
 @torch.no_grad()
 def mean_margin(model: Any, items: list[dict], ref_c: np.ndarray, ref_r: np.ndarray, pad_id: int,
-                device, batch_size: int = 32, fused: bool = True) -> dict[str, float]:
+                device, batch_size: int | None = None, fused: bool = True,
+                max_tokens: int | None = None) -> dict[str, float]:
     """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs.
-    Batches of similar length (little padding); read back once at the end (no host sync per batch)."""
+    Batches of similar length (little padding) of ``batch_size`` pairs and/or ``max_tokens`` padded tokens
+    (both rows of a pair counted); read back once at the end (no host sync per batch)."""
     was_training = model.training
     model.eval()
-    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
-    batches = length_sorted_batches(lengths, batch_size)
+    lengths = [2 * (len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"]))) for it in items]
+    batches = length_sorted_batches(lengths, batch_size or (None if max_tokens else 32), max_tokens)
     logratios = []
     for idx in batches:
         chosen, rejected, _, _ = _pair_logps(model, [items[i] for i in idx], pad_id, device, fused)
@@ -89,7 +91,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
         with loop.measure_context("margin_before"):
             loop.state["before"] = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device,
-                                               fused=cfg.fused_logprobs)
+                                               fused=cfg.fused_logprobs, max_tokens=cfg.measure_batch_tokens)
     before = loop.state["before"]
 
     lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items] \
@@ -119,7 +121,8 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     result = loop.summary()
     if not result["stopped_early"]:
         with loop.measure_context("margin_after"):
-            after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs)
+            after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs,
+                                max_tokens=cfg.measure_batch_tokens)
         result.update(margin_before=before["margin"], margin_after=after["margin"],
                       accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],
                       num_pairs=len(items))

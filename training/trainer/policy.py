@@ -42,13 +42,15 @@ def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, tor
 
 @torch.no_grad()
 def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, device, *,
-                            temperature: float, batch_size: int) -> list[np.ndarray]:
-    """Per-row response token log-probs (unpadded float32 arrays) under ``model`` in eval mode."""
+                            temperature: float, batch_size: int | None = None,
+                            max_tokens: int | None = None) -> list[np.ndarray]:
+    """Per-row response token log-probs (unpadded float32 arrays) under ``model`` in eval mode; batches of
+    ``batch_size`` rows and/or ``max_tokens`` padded tokens."""
     was_training = model.training
     model.eval()
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(rows["prompt_ids"])
     lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
-    batches = length_sorted_batches(lengths, batch_size)  # similar lengths per batch: little padding
+    batches = length_sorted_batches(lengths, batch_size, max_tokens)  # similar lengths per batch: little padding
     # on the device until every batch is queued: a .cpu() per batch would idle the GPU while the host pads
     logps = [completion_logprobs(model, _row_batch(rows, idx, pad_id, device), temperature=temperature).float()
              for idx in batches]
@@ -77,7 +79,7 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
         if cached.get("run_key") == loop.run_key:
             return cached
     pad_id = loop.tokenizer.pad_token_id
-    kw = dict(temperature=cfg.temperature, batch_size=cfg.micro_batch_size)
+    kw = dict(temperature=cfg.temperature, max_tokens=cfg.measure_batch_tokens)
     fixed: dict[str, Any] = {"run_key": loop.run_key}
     if cfg.old_logprobs == "recompute":
         fixed["old"] = sequence_token_logprobs(loop.engine.module, rows, pad_id, loop.device, **kw)
