@@ -107,3 +107,17 @@ def test_rm_scores_and_reward_mix(trained):
 def test_empty_pairs_rejected(base_path, tmp_path):
     with pytest.raises(ValueError, match="no preference pairs"):
         train_on(toy_pairs().iloc[:0], base_path, tmp_path / "x")
+
+
+def test_scores_in_input_order_whatever_the_batching(trained):
+    from batchrl.training.reward_model import load_reward_model, reward_scores, score_texts
+
+    model, tokenizer = load_reward_model(trained["model_dir"])
+    pairs = toy_pairs(13)
+    prompts, responses = pairs["prompt"].tolist(), [c * (1 + i % 4) for i, c in enumerate(pairs["chosen"])]
+    one_by_one = np.array([float(reward_scores(model, tokenizer, [p], [r], max_length=64)[0])
+                           for p, r in zip(prompts, responses)])
+    for options in (dict(batch_size=4), dict(max_tokens=40), dict(batch_size=100)):
+        got = score_texts(model, tokenizer, prompts, responses, max_length=64, **options)
+        np.testing.assert_allclose(got, one_by_one, rtol=1e-4, atol=1e-5)
+    assert len(set(np.round(one_by_one, 4))) > 5  # distinct scores: a misordered result would show

@@ -52,23 +52,37 @@ def reward_scores(model: Any, tokenizer: Any, prompts: list[str], responses: lis
 
 @torch.no_grad()
 def score_texts(
-    model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256
+    model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256,
+    max_tokens: int | None = None,
 ) -> np.ndarray:
-    """Scores of many (prompt, response) pairs in batches, as float32 numpy."""
+    """Scores of many (prompt, response) pairs as float32 numpy, in input order. Tokenised in one call,
+    scored in batches of similar length (``batch_size`` rows, or ``max_tokens`` padded tokens when set),
+    read back once at the end: no host work or sync between the batches' forward passes."""
+    from batchrl.training.trainer.batching import length_sorted_batches
+
+    if not len(prompts):
+        return np.zeros(0, dtype=np.float32)
     was_training = model.training
     model.eval()
-    scores = [
-        reward_scores(model, tokenizer, prompts[i : i + batch_size], responses[i : i + batch_size], max_length=max_length)
-        for i in range(0, len(prompts), batch_size)
-    ]
+    sequences = [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
+    device = next(model.parameters()).device
+    batches = length_sorted_batches([len(s) for s in sequences], None if max_tokens else batch_size, max_tokens)
+    scores = []
+    for idx in batches:
+        ids, mask = right_padded_batch([sequences[i] for i in idx], tokenizer.pad_token_id, device)
+        scores.append(model(input_ids=ids, attention_mask=mask).logits[:, 0].float())
     model.train(was_training)
-    return torch.cat(scores).cpu().numpy().astype(np.float32) if scores else np.zeros(0, dtype=np.float32)
+    out = np.empty(len(sequences), dtype=np.float32)
+    out[np.concatenate(batches)] = torch.cat(scores).cpu().numpy()
+    return out
 
 
-def pair_accuracy(model, tokenizer, pairs: pd.DataFrame, *, batch_size: int, max_length: int) -> tuple[float, float]:
+def pair_accuracy(model, tokenizer, pairs: pd.DataFrame, *, batch_size: int, max_length: int,
+                  max_tokens: int | None = None) -> tuple[float, float]:
     """(accuracy = P[r_chosen > r_rejected], mean Bradley-Terry loss) over all pairs."""
     prompts = pairs["prompt"].tolist()
-    chosen = score_texts(model, tokenizer, prompts, pairs["chosen"].tolist(), batch_size=batch_size, max_length=max_length)
-    rejected = score_texts(model, tokenizer, prompts, pairs["rejected"].tolist(), batch_size=batch_size, max_length=max_length)
+    both = score_texts(model, tokenizer, prompts * 2, pairs["chosen"].tolist() + pairs["rejected"].tolist(),
+                       batch_size=batch_size, max_length=max_length, max_tokens=max_tokens)
+    chosen, rejected = both[:len(prompts)], both[len(prompts):]
     diff = torch.from_numpy(chosen - rejected).double()
     return float((diff > 0).double().mean()), float(-torch.nn.functional.logsigmoid(diff).mean())

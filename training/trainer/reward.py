@@ -51,7 +51,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
                      inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model)
     tokenizer, engine = loop.tokenizer, loop.engine
     prompts, chosen, rejected = (pairs[c].tolist() for c in ("prompt", "chosen", "rejected"))
-    measure = dict(batch_size=2 * cfg.micro_batch_size, max_length=cfg.max_length)
+    measure = dict(batch_size=2 * cfg.micro_batch_size, max_length=cfg.max_length, max_tokens=cfg.measure_batch_tokens)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
         with loop.measure_context("accuracy_before"):
             loop.state["before"] = pair_accuracy(engine.module, tokenizer, pairs, **measure)
