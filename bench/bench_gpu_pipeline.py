@@ -78,7 +78,7 @@ def write_profile(out: str, model: str, landing: dict, a) -> str:
     return path
 
 
-TIMING_KEYS = ("engine_load_s", "generate_s", "generated_tokens_per_s", "job_wall_s")
+TIMING_KEYS = ("engine_load_s", "generate_s", "write_s", "generated_tokens_per_s", "job_wall_s", "hash_s")
 
 
 def step_windows(home: str) -> list[dict]:

@@ -27,6 +27,7 @@ from batchrl.training.reward_model import right_padded_batch
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.text import encode_prompt_completion
+from batchrl.training.trainer.reference import pair_logprobs
 
 
 def sequence_logprobs(
@@ -114,13 +115,10 @@ def _evaluate(
                 results["examples"].append({"category": category, "prompt": s["prompt"], "response": s["response"],
                                             "answer": str(row.get("answer"))})
     if pairs is not None and len(pairs):
-        prompts = pairs["prompt"].tolist()
-        with torch.no_grad():
-            chosen, _ = sequence_logprobs(engine.model, engine.tokenizer, prompts, pairs["chosen"].tolist(),
-                                          batch_size=batch_size, max_length=max_length)
-            rejected, _ = sequence_logprobs(engine.model, engine.tokenizer, prompts, pairs["rejected"].tolist(),
-                                            batch_size=batch_size, max_length=max_length)
-        margin = (chosen - rejected).double().cpu()
+        with torch.no_grad():  # the reference pass's own function: policy and reference margins compare exactly
+            rows = pairs[["prompt", "chosen", "rejected"]].to_dict("records")
+            logps = pair_logprobs(engine.model, engine.tokenizer, rows, max_length=max_length, batch_size=batch_size)
+        margin = torch.from_numpy(logps["chosen_logp"] - logps["rejected_logp"])
         results.update(
             preference_n=len(pairs),
             preference_accuracy=float((margin > 0).double().mean()),

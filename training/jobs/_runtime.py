@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 
@@ -109,9 +110,10 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     with reporter() as rep:
         result, output = work(config, rep)
         meta = metadata_from(result)
+        started = time.perf_counter()
         version = tree_hash(output) if output and os.path.exists(output) and is_rank0() else None
         if version:
-            meta["content_hash"] = version
+            meta.update(content_hash=version, hash_s=round(time.perf_counter() - started, 3))
         rep.materialize(meta, version)
     _close_process_group()
     return 0

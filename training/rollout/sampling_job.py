@@ -22,14 +22,17 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     sampler = make_rollout_engine(options.pop("kind"), **options)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
-    samples = pd.DataFrame(sampler.generate(prompts, n=n, seed=seed))
+    rows = sampler.generate(prompts, n=n, seed=seed)
     generate_s = time.perf_counter() - started
+    started = time.perf_counter()
+    samples = pd.DataFrame(rows)
     samples.to_parquet(out_parquet, index=False)
+    write_s = time.perf_counter() - started
     lengths = samples["response_ids"].map(len)
     shutdown = getattr(sampler, "shutdown", None)
     if shutdown is not None:
         shutdown()
-    return {"samples": len(samples), "engine_load_s": load_s, "generate_s": generate_s,
+    return {"samples": len(samples), "engine_load_s": load_s, "generate_s": generate_s, "write_s": write_s,
             "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
             "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
             "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0}

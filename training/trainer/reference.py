@@ -19,6 +19,34 @@ from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs
 
 
 @torch.no_grad()
+def pair_logprobs(model: Any, tokenizer: Any, rows: list[dict], *, max_length: int,
+                  batch_size: int) -> dict[str, np.ndarray]:
+    """Summed completion log-probs (eos included: the DPO convention) and token counts of each
+    ``prompt/chosen/rejected`` row under ``model``: ``chosen_logp, rejected_logp`` (float64),
+    ``chosen_len, rejected_len`` (int64), in row order."""
+    device = next(model.parameters()).device
+    items = encode_pairs(tokenizer, rows, max_length)
+    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
+    batches = length_sorted_batches(lengths, batch_size)  # similar lengths per batch: little padding
+    # results stay on the device until the end: a per-batch .cpu() would make the host wait for each
+    # forward pass before building the next batch (the GPU then idles while the host pads)
+    logps, counts = [], []
+    for idx in batches:
+        batch = to_device(pair_batch([items[i] for i in idx], tokenizer.pad_token_id), device)
+        logps.append(completion_logprobs(model, batch).sum(-1).double())
+        counts.append(batch["response_mask"].sum(-1).long())
+    cols = {k: np.zeros(len(items), dtype=dtype_) for k, dtype_ in
+            (("chosen_logp", np.float64), ("rejected_logp", np.float64), ("chosen_len", np.int64),
+             ("rejected_len", np.int64))}
+    for idx, logp, count in zip(batches, logps, counts):
+        n = len(idx)
+        logp, count = logp.cpu().numpy(), count.cpu().numpy()
+        cols["chosen_logp"][idx], cols["rejected_logp"][idx] = logp[:n], logp[n:]
+        cols["chosen_len"][idx], cols["rejected_len"][idx] = count[:n], count[n:]
+    return cols
+
+
+@torch.no_grad()
 def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet: str, *,
                                max_length: int = 256, batch_size: int = 16,
                                device: str | None = None, dtype: str = "auto") -> dict[str, Any]:
@@ -35,24 +63,9 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
     pairs = pd.read_parquet(pairs_parquet)
     ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
-    items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
-    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
-    batches = length_sorted_batches(lengths, batch_size)  # similar lengths per batch: little padding
-    # results stay on the device until the end: a per-batch .cpu() would make the host wait for each
-    # forward pass before building the next batch (the GPU then idles while the host pads)
-    logps, counts = [], []
-    for idx in batches:
-        batch = to_device(pair_batch([items[i] for i in idx], tokenizer.pad_token_id), device)
-        logps.append(completion_logprobs(model, batch).sum(-1).double())
-        counts.append(batch["response_mask"].sum(-1).long())
-    cols = {k: np.zeros(len(items), dtype=dtype_) for k, dtype_ in
-            (("ref_chosen_logp", np.float64), ("ref_rejected_logp", np.float64),
-             ("chosen_len", np.int64), ("rejected_len", np.int64))}
-    for idx, logp, count in zip(batches, logps, counts):
-        n = len(idx)
-        logp, count = logp.cpu().numpy(), count.cpu().numpy()
-        cols["ref_chosen_logp"][idx], cols["ref_rejected_logp"][idx] = logp[:n], logp[n:]
-        cols["chosen_len"][idx], cols["rejected_len"][idx] = count[:n], count[n:]
+    logps = pair_logprobs(model, tokenizer, pairs.to_dict("records"), max_length=max_length, batch_size=batch_size)
+    cols = {"ref_chosen_logp": logps["chosen_logp"], "ref_rejected_logp": logps["rejected_logp"],
+            "chosen_len": logps["chosen_len"], "rejected_len": logps["rejected_len"]}
     table = pd.DataFrame({"id": ids, **cols})
     os.makedirs(os.path.dirname(os.path.abspath(out_parquet)), exist_ok=True)
     tmp = f"{out_parquet}.tmp-{os.getpid()}"
