@@ -190,7 +190,7 @@ def main() -> None:
     profile = write_profile(out, model, write_inputs(work, a.pairs), a)
     caches = os.path.join(work, "compile-cache")  # shared by the runs, empty for the first
     shutil.rmtree(caches, ignore_errors=True)
-    env = {**os.environ, "BATCHRL_ENV": "gpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**os.environ, "BATCHRL_ENV": "gpu", "HF_HUB_OFFLINE": "1",
            "BATCHRL_JOB_BACKEND": a.jobs, "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
     runs = []

@@ -147,9 +147,10 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
     local, s3, gpu = (RESOURCES_BY_ENV[env]() for env in ("local", "s3", "gpu"))
-    # compiled kernels are cached beside the storage for the next retrain; a variable already set wins
+    # compiled kernels are cached beside the storage for the next retrain; a variable already set wins; the
+    # jobs tokenise on every core (the console switches that off for its own process)
     assert gpu["trainer"].env == {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "_cache" / "torch" / "inductor"),
-                                  "TRITON_CACHE_DIR": "/elsewhere/triton"}
+                                  "TRITON_CACHE_DIR": "/elsewhere/triton", "TOKENIZERS_PARALLELISM": "true"}
     assert local["storage"].root == str(tmp_path) and local["storage"].is_local()
     assert s3["storage"].root == "s3://team-bucket/batchrl" and not s3["storage"].is_local()
     assert s3["landing"].preferences == "s3://team-bucket/landing/preferences"

@@ -33,8 +33,10 @@ def encode_prompt_completions(tokenizer: Any, prompts: list[str], completions: l
     per-row Python calls dominated the CPU time of a training step on GPUs)."""
     if not prompts:
         return []
-    rendered = [render_prompt(tokenizer, p) for p in prompts]
-    prompt_rows = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    unique = list(dict.fromkeys(prompts))  # rollouts repeat each prompt n times: render and encode it once
+    encoded = dict(zip(unique, tokenizer([render_prompt(tokenizer, p) for p in unique],
+                                         add_special_tokens=False)["input_ids"]))
+    prompt_rows = [encoded[p] for p in prompts]
     completion_rows = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
