@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -62,10 +63,14 @@ def sha256_file(fs: fsspec.AbstractFileSystem, path: str, block: int = 1 << 22) 
     return h.hexdigest()
 
 
-def sha256_tree(fs: fsspec.AbstractFileSystem, root: str) -> str:
-    """Content hash of every file under ``root`` (relative names + bytes), order-independent."""
+def sha256_tree(fs: fsspec.AbstractFileSystem, root: str, threads: int = 8) -> str:
+    """Content hash of every file under ``root`` (relative names + bytes), order-independent. Files are
+    hashed in ``threads`` threads (hashlib releases the GIL): a sharded model export hashes at the speed
+    of several cores instead of one."""
     files = sorted(p for p in fs.find(root) if not fs.isdir(p))
-    return tree_hash({p[len(root.rstrip("/")) + 1:]: sha256_file(fs, p) for p in files})
+    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
+        digests = list(pool.map(lambda p: sha256_file(fs, p), files))
+    return tree_hash({p[len(root.rstrip("/")) + 1:]: digest for p, digest in zip(files, digests)})
 
 
 def tree_hash(file_sha256: dict[str, str]) -> str:

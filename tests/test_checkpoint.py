@@ -200,3 +200,27 @@ def test_result_says_where_the_job_time_went(dpo_inputs, tmp_path):
     assert set(phases) == {"setup", "margin_before", "steps", "margin_after", "export", "other"}
     assert all(v >= 0 for v in phases.values()) and phases["setup"] > 0 and phases["steps"] > 0
     assert sum(phases.values()) <= took and sum(phases.values()) > 0.8 * took
+
+
+def test_large_exports_are_sharded_and_hashed_file_by_file_in_parallel(dpo_inputs, tmp_path, monkeypatch):
+    import hashlib
+
+    from transformers import AutoModelForCausalLM
+
+    from batchrl import fsutil
+    from batchrl.training.trainer import checkpoint
+
+    monkeypatch.setattr(checkpoint, "EXPORT_SHARD_SIZE", "200KB")  # a big model's export, at the tiny model's size
+    model = AutoModelForCausalLM.from_pretrained(dpo_inputs["model_path"])
+    out = checkpoint.export_hf_model(model, None, str(tmp_path / "model"))
+    shards = sorted(p for p in os.listdir(out) if p.endswith(".safetensors"))
+    assert len(shards) > 2 and "model.safetensors.index.json" in os.listdir(out)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for (name, a), b in zip(model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    sequential = hashlib.sha256()  # the tree hash's definition, one file after the other
+    for name in sorted(os.listdir(out)):
+        sequential.update(name.encode() + b"\0" + hashlib.sha256((tmp_path / "model" / name).read_bytes())
+                          .hexdigest().encode() + b"\n")
+    fs = fsutil.filesystem_for(out)[0]
+    assert fsutil.sha256_tree(fs, out, threads=4) == fsutil.sha256_tree(fs, out, threads=1) == sequential.hexdigest()

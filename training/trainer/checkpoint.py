@@ -33,6 +33,10 @@ from batchrl import fsutil
 _LOCAL_FS = fsutil.filesystem_for("/")[0]
 
 LATEST = "latest"
+# HF exports are written in shards of at most this size: the job's content hash of the export (the published
+# data version) then reads the shards in parallel (a 0.5B model's fp32 export, 2 GB in one file, took ~2 s to
+# hash on one core of the H200 host while the GPU idled)
+EXPORT_SHARD_SIZE = "512MB"
 TAG_PREFIX = "step_"
 
 
@@ -232,7 +236,7 @@ def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
     if _rank() == 0:
         tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra_metadata:
