@@ -26,10 +26,22 @@ from typing import Any, Mapping
 
 from batchrl.training.rewards import _NUMBER, _answer_text, final_number, register_reward
 
-try:  # pinned in pyproject.toml and installed by scripts/bootstrap.sh
-    import math_verify
-except ImportError:  # pragma: no cover - exercised only on installs without the package
-    math_verify = None
+_UNLOADED = object()
+# imported on first use (pinned in pyproject.toml, installed by scripts/bootstrap.sh): sympy behind it costs
+# ~0.5 s of every process start that imports the reward registry (the Dagster process, `batchrl run`)
+math_verify: Any = _UNLOADED
+
+
+def _verifier():
+    """``math_verify``, or None on installs without it."""
+    global math_verify
+    if math_verify is _UNLOADED:
+        try:
+            import math_verify as module
+        except ImportError:  # pragma: no cover - exercised only on installs without the package
+            module = None
+        math_verify = module
+    return math_verify
 
 _GSM8K_STRICT = re.compile(r"####\s*\$?\s*(" + _NUMBER.pattern + r")")
 _BOXED_COMMANDS = ("\\boxed", "\\fbox")
@@ -97,14 +109,15 @@ def _timeout() -> int | None:
 
 def math_equivalent(gold: str, predicted: str) -> bool:
     """Whether two answer expressions (LaTeX or plain) are mathematically equal."""
-    if math_verify is None:
+    verifier = _verifier()
+    if verifier is None:
         return _fallback_equivalent(gold, predicted)
     timeout = _timeout()
-    gold_parsed = math_verify.parse(f"${gold}$", parsing_timeout=timeout)
-    pred_parsed = math_verify.parse(f"${predicted}$", parsing_timeout=timeout)
+    gold_parsed = verifier.parse(f"${gold}$", parsing_timeout=timeout)
+    pred_parsed = verifier.parse(f"${predicted}$", parsing_timeout=timeout)
     if not gold_parsed or not pred_parsed:
         return _normalise(gold) == _normalise(predicted)
-    return bool(math_verify.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    return bool(verifier.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
 
 
 def _normalise(expr: str) -> str:
@@ -152,8 +165,8 @@ def _flexible_prediction(response: str) -> str | None:
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1].strip()
-    if math_verify is not None:
-        parsed = math_verify.parse(response, parsing_timeout=_timeout())
+    if _verifier() is not None:
+        parsed = _verifier().parse(response, parsing_timeout=_timeout())
         return parsed[-1] if parsed and isinstance(parsed[-1], str) else None
     numbers = _NUMBER.findall(response)
     return numbers[-1] if numbers else None
