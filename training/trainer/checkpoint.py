@@ -225,7 +225,7 @@ TRAIN_RECORD = "batchrl_train.json"  # next to an export: the run's config and m
 
 def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
                     extra_metadata: dict[str, Any] | None = None) -> str:
-    """Write an HF folder (``model.safetensors``, ``config.json``, tokenizer files) atomically.
+    """Write an HF folder (``model.safetensors`` or its shards, ``config.json``, tokenizer files) atomically.
 
     Loadable by ``AutoModelForCausalLM.from_pretrained(out_dir)`` and vLLM. ``extra_metadata`` goes to
     ``TRAIN_RECORD`` beside the folder, not into it: the folder is exactly the weights' content (the job's
