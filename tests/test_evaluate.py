@@ -5,10 +5,12 @@ import pandas as pd
 import pytest
 import torch
 
-from batchrl.training.evaluate import evaluate_policy, sequence_logprobs
+from batchrl.training.evaluate import evaluate_policy
 from batchrl.training.rewards import REWARD_FUNCTIONS
 from batchrl.training.text import encode_prompt_completion, render_prompt
 from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+from batchrl.training.trainer.batching import encode_pairs
+from batchrl.training.trainer.reference import pair_logprobs
 
 ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 
@@ -33,24 +35,21 @@ def pairs():
 
 
 @torch.no_grad()
-def test_sequence_logprobs_match_unpadded_forward(model_path, pairs):
+def test_pair_logprobs_match_unpadded_forward(model_path, pairs):
+    """What evaluation (and the reference pass) computes per pair: the summed completion log-probs of an
+    unpadded forward pass, whatever the length-sorted batching."""
     model, tokenizer = load_model_and_tokenizer(model_path)
-    prompts, completions = pairs["prompt"].tolist(), pairs["rejected"].tolist()
-    sums, lengths = sequence_logprobs(model, tokenizer, prompts, completions, batch_size=5, max_length=256)
-    assert sums.shape == lengths.shape == (len(pairs),) and sums.dtype == torch.float32
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        ids, start = encode_prompt_completion(tokenizer, p, c)
-        assert ids[-1] == tokenizer.eos_token_id and lengths[i] == len(ids) - start
-        logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], dim=-1)
-        expected = logps[torch.arange(start - 1, len(ids) - 1), torch.tensor(ids[start:])].sum()
-        assert sums[i].item() == pytest.approx(expected.item(), abs=1e-4)
-
-
-def test_sequence_logprobs_has_gradients(model_path, pairs):
-    model, tokenizer = load_model_and_tokenizer(model_path)
-    sums, _ = sequence_logprobs(model, tokenizer, pairs["prompt"].tolist()[:2], pairs["chosen"].tolist()[:2])
-    sums.sum().backward()
-    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    items = encode_pairs(tokenizer, pairs.to_dict("records"), 256)
+    got = pair_logprobs(model, items, tokenizer.pad_token_id, "cpu", batch_size=5)
+    for side in ("chosen", "rejected"):
+        sums, lengths = got[f"{side}_logp"], got[f"{side}_len"]
+        assert sums.shape == lengths.shape == (len(pairs),)
+        for i, (p, c) in enumerate(zip(pairs["prompt"], pairs[side])):
+            ids, start = encode_prompt_completion(tokenizer, p, c)
+            assert ids[-1] == tokenizer.eos_token_id and lengths[i] == len(ids) - start
+            logps = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], dim=-1)
+            expected = logps[torch.arange(start - 1, len(ids) - 1), torch.tensor(ids[start:])].sum()
+            assert sums[i] == pytest.approx(expected.item(), abs=1e-4)
 
 
 def test_evaluate_policy_metrics(model_path, pairs):

@@ -20,45 +20,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
-from batchrl.training.algos import token_logprobs_from_logits
-from batchrl.training.reward_model import right_padded_batch
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.text import encode_prompt_completion
+from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
-
-
-def sequence_logprobs(
-    model: Any, tokenizer: Any, prompts: list[str], completions: list[str], *, batch_size: int = 16, max_length: int = 256
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum_logps [N] float32, lengths [N] long)``: sum over completion tokens (eos included) of
-    ``log pi(y_t | x, y_<t)`` for ``render(prompt) + completion + eos`` (``encode_prompt_completion``).
-
-    Right-padded batches, so real tokens keep positions 0..L-1. Gradients flow unless the caller
-    wraps it in ``torch.no_grad()``.
-    """
-    device = next(model.parameters()).device
-    sums, lengths = [], []
-    for start in range(0, len(prompts), batch_size):
-        encoded = [
-            encode_prompt_completion(tokenizer, p, c, max_length)
-            for p, c in zip(prompts[start : start + batch_size], completions[start : start + batch_size])
-        ]
-        ids, mask = right_padded_batch([seq for seq, _ in encoded], tokenizer.pad_token_id, device)
-        completion_mask = torch.zeros_like(mask)
-        for row, (seq, completion_start) in enumerate(encoded):
-            completion_mask[row, completion_start : len(seq)] = 1
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        # logits at t predict token t+1: score labels ids[:, 1:] against logits[:, :-1].
-        token_logps = token_logprobs_from_logits(logits[:, :-1], ids[:, 1:])
-        label_mask = completion_mask[:, 1:].to(token_logps.dtype)
-        sums.append((token_logps * label_mask).sum(-1))
-        lengths.append(completion_mask.sum(-1))
-    if not sums:
-        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
-    return torch.cat(sums), torch.cat(lengths)
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> dict[str, Any]:
@@ -115,21 +81,15 @@ def _evaluate(
                 results["examples"].append({"category": category, "prompt": s["prompt"], "response": s["response"],
                                             "answer": str(row.get("answer"))})
     if pairs is not None and len(pairs):
-        with torch.no_grad():  # the reference pass's own function: policy and reference margins compare exactly
-            rows = pairs[["prompt", "chosen", "rejected"]].to_dict("records")
-            logps = pair_logprobs(engine.model, engine.tokenizer, rows, max_length=max_length, batch_size=batch_size)
-        margin = torch.from_numpy(logps["chosen_logp"] - logps["rejected_logp"])
-        results.update(
-            preference_n=len(pairs),
-            preference_accuracy=float((margin > 0).double().mean()),
-            preference_margin=float(margin.mean()),
-        )
+        # the reference pass's own function: policy and reference margins are computed alike
+        items = encode_pairs(engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
+        logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device, batch_size=batch_size)
+        margin = logps["chosen_logp"] - logps["rejected_logp"]
+        results.update(preference_n=len(pairs), preference_accuracy=float((margin > 0).mean()),
+                       preference_margin=float(margin.mean()))
         if reference is not None:
-            ref_margin = torch.tensor((reference["ref_chosen_logp"] - reference["ref_rejected_logp"]).to_numpy(),
-                                      dtype=torch.float64)
-            logratio = margin - ref_margin
-            results.update(logratio_margin=float(logratio.mean()),
-                           logratio_accuracy=float((logratio > 0).double().mean()))
+            logratio = margin - (reference["ref_chosen_logp"] - reference["ref_rejected_logp"]).to_numpy(np.float64)
+            results.update(logratio_margin=float(logratio.mean()), logratio_accuracy=float((logratio > 0).mean()))
     del engine
     return results, samples
 

@@ -14,9 +14,10 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import dpo_loss, preference_metrics
-from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order, length_sorted_batches,
-                                               pair_batch, step_micro_batches, steps_per_epoch, to_device)
+from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order, pair_batch,
+                                               step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import DPOConfig
+from batchrl.training.trainer.reference import pair_logprobs
 from batchrl.training.transfer import to_device_async
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 
@@ -45,27 +46,15 @@ def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
     return merged
 
 
-@torch.no_grad()
 def mean_margin(model: Any, items: list[dict], ref_c: np.ndarray, ref_r: np.ndarray, pad_id: int,
                 device, batch_size: int | None = None, fused: bool = True,
                 max_tokens: int | None = None) -> dict[str, float]:
-    """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs.
-    Batches of similar length (little padding) of ``batch_size`` pairs and/or ``max_tokens`` padded tokens
-    (both rows of a pair counted); read back once at the end (no host sync per batch)."""
-    was_training = model.training
-    model.eval()
-    lengths = [2 * (len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"]))) for it in items]
-    batches = length_sorted_batches(lengths, batch_size or (None if max_tokens else 32), max_tokens)
-    logratios = []
-    for idx in batches:
-        chosen, rejected, _, _ = _pair_logps(model, [items[i] for i in idx], pad_id, device, fused)
-        logratios.append(chosen.double() - rejected.double())
-    model.train(was_training)
-    if not batches:
+    """Mean log-ratio margin ``(π_c − ref_c) − (π_r − ref_r)`` and accuracy (margin > 0) over pairs; the
+    policy's log-probs from ``pair_logprobs`` (the reference pass's own function, same batching options)."""
+    if not items:
         return {"margin": float("nan"), "accuracy": float("nan")}
-    policy = np.empty(len(items))
-    policy[np.concatenate(batches)] = torch.cat(logratios).double().cpu().numpy()
-    m = policy - (ref_c - ref_r)
+    logps = pair_logprobs(model, items, pad_id, device, batch_size=batch_size, max_tokens=max_tokens, fused=fused)
+    m = (logps["chosen_logp"] - logps["rejected_logp"]) - (ref_c - ref_r)
     return {"margin": float(m.mean()), "accuracy": float((m > 0).mean())}
 
 

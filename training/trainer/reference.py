@@ -19,22 +19,24 @@ from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs
 
 
 @torch.no_grad()
-def pair_logprobs(model: Any, tokenizer: Any, rows: list[dict], *, max_length: int,
-                  batch_size: int) -> dict[str, np.ndarray]:
-    """Summed completion log-probs (eos included: the DPO convention) and token counts of each
-    ``prompt/chosen/rejected`` row under ``model``: ``chosen_logp, rejected_logp`` (float64),
-    ``chosen_len, rejected_len`` (int64), in row order."""
-    device = next(model.parameters()).device
-    items = encode_pairs(tokenizer, rows, max_length)
-    lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items]
-    batches = length_sorted_batches(lengths, batch_size)  # similar lengths per batch: little padding
+def pair_logprobs(model: Any, items: list[dict], pad_id: int, device: Any, *, batch_size: int | None = None,
+                  max_tokens: int | None = None, fused: bool = True) -> dict[str, np.ndarray]:
+    """Summed completion log-probs (eos included: the DPO convention) and token counts of each encoded pair
+    (``encode_pairs``) under ``model`` in eval mode: ``chosen_logp, rejected_logp`` (float64), ``chosen_len,
+    rejected_len`` (int64), in input order. Batches of similar length: ``batch_size`` pairs and/or
+    ``max_tokens`` padded tokens (both rows of a pair counted; 32 pairs when neither is given)."""
+    was_training = model.training
+    model.eval()
+    lengths = [2 * (len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"]))) for it in items]
+    batches = length_sorted_batches(lengths, batch_size or (None if max_tokens else 32), max_tokens)
     # results stay on the device until the end: a per-batch .cpu() would make the host wait for each
     # forward pass before building the next batch (the GPU then idles while the host pads)
     logps, counts = [], []
     for idx in batches:
-        batch = to_device(pair_batch([items[i] for i in idx], tokenizer.pad_token_id), device)
-        logps.append(completion_logprobs(model, batch).sum(-1).double())
+        batch = to_device(pair_batch([items[i] for i in idx], pad_id), device)
+        logps.append(completion_logprobs(model, batch, fused=fused).sum(-1).double())
         counts.append(batch["response_mask"].sum(-1).long())
+    model.train(was_training)
     cols = {k: np.zeros(len(items), dtype=dtype_) for k, dtype_ in
             (("chosen_logp", np.float64), ("rejected_logp", np.float64), ("chosen_len", np.int64),
              ("rejected_len", np.int64))}
@@ -63,7 +65,8 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
     pairs = pd.read_parquet(pairs_parquet)
     ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
-    logps = pair_logprobs(model, tokenizer, pairs.to_dict("records"), max_length=max_length, batch_size=batch_size)
+    items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
+    logps = pair_logprobs(model, items, tokenizer.pad_token_id, device, batch_size=batch_size)
     cols = {"ref_chosen_logp": logps["chosen_logp"], "ref_rejected_logp": logps["rejected_logp"],
             "chosen_len": logps["chosen_len"], "rejected_len": logps["rejected_len"]}
     table = pd.DataFrame({"id": ids, **cols})
