@@ -224,3 +224,23 @@ def test_large_exports_are_sharded_and_hashed_file_by_file_in_parallel(dpo_input
                           .hexdigest().encode() + b"\n")
     fs = fsutil.filesystem_for(out)[0]
     assert fsutil.sha256_tree(fs, out, threads=4) == fsutil.sha256_tree(fs, out, threads=1) == sequential.hexdigest()
+
+
+def test_library_phases_are_recorded_only_while_a_job_records():
+    """``phase`` marks in library code: summed per name into the recording clock, ``other`` the rest; a
+    no-op when nobody records (the functions stay usable anywhere)."""
+    from batchrl.training import phases
+
+    with phases.phase("load_model"):  # nobody records: nothing to check but that it runs
+        pass
+    with phases.recording() as clock:
+        for _ in range(2):
+            with phases.phase("load_model"):
+                time.sleep(0.02)
+        time.sleep(0.02)
+    summary = clock.summary()
+    assert set(summary) == {"load_model", "other"}
+    assert 0.04 <= summary["load_model"] < 0.5 and summary["other"] >= 0.015
+    with phases.recording() as fresh:
+        pass
+    assert fresh.summary() == {"other": fresh.summary()["other"]} and "load_model" not in fresh.seconds

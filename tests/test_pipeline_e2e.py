@@ -240,6 +240,13 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         assert latest_metadata(instance, "rollouts")["samples"] == 12
         versions.append([latest_metadata(instance, asset)["data_version"] for asset in selection])
     assert versions[0] == versions[1]
+    # the jobs say where their time went (a GPU stage's idle parts), on the asset's materialisation
+    for asset, parts in (("rewards", {"load_model", "tokenise", "rm_score", "rule_rewards"}),
+                         ("reference_logprobs", {"load_model", "tokenise", "logprobs"}),
+                         ("evaluation", {"load_model", "generate", "tokenise", "logprobs", "rm_score"})):
+        timings = {k.removeprefix("phase_s/"): v for k, v in latest_metadata(instance, asset).items()
+                   if k.startswith("phase_s/")}
+        assert parts | {"other"} == set(timings) and all(v >= 0 for v in timings.values()), (asset, timings)
     messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
     for reported in ("sampling 6 prompts x 2 with static", "inference task rewards",
                      "inference task reference_logprobs", "inference task evaluation"):

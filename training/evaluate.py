@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.trainer.batching import encode_pairs
@@ -64,12 +65,14 @@ def _evaluate(
 ) -> tuple[dict[str, Any], list[dict]]:
     """``evaluate_policy`` without the RM score: (results, the greedy samples)."""
     # greedy decoding with the named engine ("static" on GPUs: no per-step logits kept, CUDA graphs)
-    engine = make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
-                                 batch_size=batch_size, device=device, dtype=dtype)
+    with phase("load_model"):
+        engine = make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
+                                     batch_size=batch_size, device=device, dtype=dtype)
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
-        samples = engine.generate([row["prompt"] for row in arith_eval], n=1, seed=seed)
+        with phase("generate"):
+            samples = engine.generate([row["prompt"] for row in arith_eval], n=1, seed=seed)
         results.update(_arith_metrics(samples, arith_eval, reward))
         shown: dict[str, int] = {}
         results["examples"] = []
@@ -82,8 +85,12 @@ def _evaluate(
                                             "answer": str(row.get("answer"))})
     if pairs is not None and len(pairs):
         # the reference pass's own function: policy and reference margins are computed alike
-        items = encode_pairs(engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
-        logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device, batch_size=batch_size)
+        with phase("tokenise"):
+            items = encode_pairs(engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"),
+                                 max_length)
+        with phase("logprobs"):
+            logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
+                                  batch_size=batch_size)
         margin = logps["chosen_logp"] - logps["rejected_logp"]
         results.update(preference_n=len(pairs), preference_accuracy=float((margin > 0).mean()),
                        preference_margin=float(margin.mean()))

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from batchrl.training.phases import phase
 from batchrl.training.text import encode_prompt_completions
 from batchrl.training.tiny_model import load_tokenizer, resolve_dtype
 
@@ -36,10 +37,12 @@ def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, de
     """Any HF folder as a scalar-head sequence classifier, with the pad token id set in its config."""
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, dtype=resolve_dtype(dtype))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return model.to(device), tokenizer
+    with phase("load_model"):
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
+                                                                   dtype=resolve_dtype(dtype))
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return model.to(device), tokenizer
 
 
 def reward_scores(model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, max_length: int) -> torch.Tensor:
@@ -64,16 +67,18 @@ def score_texts(
         return np.zeros(0, dtype=np.float32)
     was_training = model.training
     model.eval()
-    sequences = [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
+    with phase("tokenise"):
+        sequences = [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
     device = next(model.parameters()).device
     batches = length_sorted_batches([len(s) for s in sequences], None if max_tokens else batch_size, max_tokens)
     scores = []
-    for idx in batches:
-        ids, mask = right_padded_batch([sequences[i] for i in idx], tokenizer.pad_token_id, device)
-        scores.append(model(input_ids=ids, attention_mask=mask).logits[:, 0].float())
+    with phase("rm_score"):
+        for idx in batches:
+            ids, mask = right_padded_batch([sequences[i] for i in idx], tokenizer.pad_token_id, device)
+            scores.append(model(input_ids=ids, attention_mask=mask).logits[:, 0].float())
+        out = np.empty(len(sequences), dtype=np.float32)
+        out[np.concatenate(batches)] = torch.cat(scores).cpu().numpy()
     model.train(was_training)
-    out = np.empty(len(sequences), dtype=np.float32)
-    out[np.concatenate(batches)] = torch.cat(scores).cpu().numpy()
     return out
 
 

@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
+from batchrl.training.phases import phase
+
 RewardFn = Callable[[str, str, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 # What each registered reward reads from a row besides prompt/response (e.g. "answer", "tests"),
@@ -212,9 +214,10 @@ def compute_rewards(
     records = frame.to_dict(orient="records")
     rule_specs = {RULE: cfg.rule, **cfg.custom}
     components: dict[str, np.ndarray] = {}
-    for name, spec in rule_specs.items():
-        fn = get_reward_function(spec)
-        components[name] = np.array([float(fn(r["prompt"], r["response"], r)) for r in records], dtype=np.float64)
+    with phase("rule_rewards"):
+        for name, spec in rule_specs.items():
+            fn = get_reward_function(spec)
+            components[name] = np.array([float(fn(r["prompt"], r["response"], r)) for r in records], dtype=np.float64)
     if cfg.reward_model_path:
         components[REWARD_MODEL] = score_with_reward_model(
             cfg.reward_model_path, frame["prompt"].tolist(), frame["response"].tolist(),

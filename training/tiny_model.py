@@ -18,6 +18,8 @@ from typing import Any, Iterable
 
 import torch
 
+from batchrl.training.phases import phase
+
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -190,8 +192,9 @@ def load_model_and_tokenizer(path: str, *, dtype: torch.dtype | str = torch.floa
     """Load any HF causal-LM folder (the tiny default or a real model) in eval mode on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(device).eval()
+    with phase("load_model"):
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype)).to(device).eval()
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import pandas as pd
 
+from batchrl.training import phases
 from batchrl.training.jobs._runtime import Reporter, run_job
 
 
@@ -70,9 +71,10 @@ def run_task(config: dict) -> dict[str, Any]:
 
 def work(config: dict, rep: Reporter):
     rep.log(f"inference task {config['task']}")
-    result = run_task(config)
+    with phases.recording() as clock:
+        result = run_task(config)
     summary = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool))}
-    return summary, None
+    return {**summary, "phase_s": clock.summary()}, None
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from batchrl.training.phases import PhaseClock
 from batchrl.training.trainer.batching import world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
                                                  save_checkpoint, seed_everything, write_completion)
@@ -103,8 +104,7 @@ class TrainLoop:
                  inputs: dict[str, str] | None = None, report: Report | None = None,
                  load_model: Callable[[str], tuple[Any, Any]] = load_trainable):
         self.cfg, self.out_dir, self.total_steps, self.model_path = cfg, out_dir, total_steps, model_path
-        self._started = time.perf_counter()
-        self._phase_s: dict[str, float] = {}  # where the job's wall time went (metadata: a GPU's idle parts)
+        self._clock = PhaseClock()  # where the job's wall time went (metadata: a GPU's idle parts)
         self._steps_from: float | None = None
         self.run_key = run_key(cfg, model_path, inputs or {})
         self.report = report or (lambda metrics, step: None)
@@ -135,7 +135,7 @@ class TrainLoop:
                 self.state = restored
                 self.resumed_from = restored["global_step"]
         self._t0 = time.time()
-        self._phase_s["setup"] = time.perf_counter() - self._started  # model load, compile wrap, engine, resume
+        self._clock.add("setup", time.perf_counter() - self._clock.started)  # model load, compile, engine, resume
 
     @property
     def global_step(self) -> int:
@@ -179,11 +179,8 @@ class TrainLoop:
     @contextlib.contextmanager
     def phase(self, name: str):
         """Time a part of the job into ``phase_s/<name>`` of its result (added up over repeats)."""
-        started = time.perf_counter()
-        try:
+        with self._clock.phase(name):
             yield
-        finally:
-            self._phase_s[name] = self._phase_s.get(name, 0.0) + time.perf_counter() - started
 
     def measure_context(self, phase: str = "measure"):
         """Forward passes outside the training steps (margins before/after, fixed log-probs): autocast as in
@@ -267,18 +264,15 @@ class TrainLoop:
     def complete(self, result: dict[str, Any]) -> dict[str, Any]:
         """Record a finished run's result next to its checkpoints (``completed_run`` reads it back); a run
         stopped early (``stop_after_steps``) resumes from its checkpoint instead."""
-        phases = dict(self._phase_s)
-        total = time.perf_counter() - self._started
-        phases["other"] = max(0.0, total - sum(phases.values()))  # tokenisation, data loading, checkpoints
-        result["phase_s"] = {k: round(v, 3) for k, v in phases.items()}
+        result["phase_s"] = self._clock.summary()  # "other": tokenisation, data loading, checkpoints
         if not result["stopped_early"]:
             write_completion(self.ckpt_dir, self.run_key, result)
         return result
 
     def summary(self) -> dict[str, Any]:
         self.flush_metrics()  # reads the last steps' metrics: the device has finished them
-        if self._steps_from is not None and "steps" not in self._phase_s:
-            self._phase_s["steps"] = time.perf_counter() - self._steps_from
+        if self._steps_from is not None and "steps" not in self._clock.seconds:
+            self._clock.add("steps", time.perf_counter() - self._steps_from)
         hist = self.state["history"]
         return {"global_step": self.global_step, "total_steps": self.total_steps,
                 "optimizer_steps": int(self.engine.global_steps),  # DeepSpeed's own count

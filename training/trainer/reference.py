@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from batchrl.training.phases import phase
 from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, length_sorted_batches, pair_batch,
                                                to_device)
 
@@ -63,10 +64,12 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
-    pairs = pd.read_parquet(pairs_parquet)
-    ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
-    items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
-    logps = pair_logprobs(model, items, tokenizer.pad_token_id, device, batch_size=batch_size)
+    with phase("tokenise"):
+        pairs = pd.read_parquet(pairs_parquet)
+        ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
+        items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
+    with phase("logprobs"):
+        logps = pair_logprobs(model, items, tokenizer.pad_token_id, device, batch_size=batch_size)
     cols = {"ref_chosen_logp": logps["chosen_logp"], "ref_rejected_logp": logps["rejected_logp"],
             "chosen_len": logps["chosen_len"], "rejected_len": logps["rejected_len"]}
     table = pd.DataFrame({"id": ids, **cols})

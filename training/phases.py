@@ -1,0 +1,58 @@
+"""Where a job's wall time went: named phases, summed over repeats, reported as ``phase_s/<name>``.
+
+A GPU job's idle parts (model loads, tokenisation, writes) are only visible if the job says how long
+each took. Library code marks its parts with ``phase(name)``; that is a no-op unless a caller is
+``recording()`` (the jobs are), so the functions stay usable anywhere. Times are host wall-clock: a
+phase that ends with a device read-back includes the device work it waited for.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from typing import Iterator
+
+
+class PhaseClock:
+    """Seconds per named phase since ``started``; ``other`` is the rest of the wall time."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - started)
+
+    def summary(self) -> dict[str, float]:
+        total = time.perf_counter() - self.started
+        out = dict(self.seconds)
+        out["other"] = max(0.0, total - sum(self.seconds.values()))
+        return {k: round(v, 3) for k, v in out.items()}
+
+
+_ACTIVE: contextvars.ContextVar[PhaseClock | None] = contextvars.ContextVar("batchrl_phase_clock", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[PhaseClock]:
+    """Make a fresh clock the one ``phase`` records into, for the duration of the block."""
+    clock = PhaseClock()
+    token = _ACTIVE.set(clock)
+    try:
+        yield clock
+    finally:
+        _ACTIVE.reset(token)
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """Time the block into the active clock's ``name`` (nothing when no one is recording)."""
+    clock = _ACTIVE.get()
+    return clock.phase(name) if clock is not None else contextlib.nullcontext()
