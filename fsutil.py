@@ -55,7 +55,27 @@ def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         fs.pipe_file(path, data)
 
 
+# sha256 of local files this process wrote and hashed while writing them (a trainer's export): keyed by
+# (device, inode, size, mtime_ns), so a rename keeps the entry and any later change of the file drops it
+_WRITTEN_SHA256: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def note_written_sha256(path: str, digest: str) -> None:
+    """Record the sha256 a writer took of the bytes it just wrote to the local file ``path`` (closed):
+    ``sha256_file`` returns it without reading the file again while the file is unchanged."""
+    _WRITTEN_SHA256[_identity(path)] = digest
+
+
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, block: int = 1 << 22) -> str:
+    if is_local(fs) and _WRITTEN_SHA256:
+        known = _WRITTEN_SHA256.get(_identity(path))
+        if known is not None:
+            return known
     h = hashlib.sha256()
     with fs.open(path, "rb") as f:
         while chunk := f.read(block):

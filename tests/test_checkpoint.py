@@ -226,6 +226,49 @@ def test_large_exports_are_sharded_and_hashed_file_by_file_in_parallel(dpo_input
     assert fsutil.sha256_tree(fs, out, threads=4) == fsutil.sha256_tree(fs, out, threads=1) == sequential.hexdigest()
 
 
+def test_shards_written_by_threads_are_safetensors_hashed_as_written(dpo_inputs, tmp_path, monkeypatch):
+    """The export's own writer: files safetensors reads back exactly (every dtype a model has, 0-d and
+    empty tensors, metadata), whose sha256 is taken while writing — the job's content hash then reads
+    nothing again, and a file changed afterwards is hashed from its bytes."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from batchrl import fsutil
+    from batchrl.training.trainer import checkpoint
+    from batchrl.training.trainer.safetensors_writer import write_safetensors
+
+    tensors = {"w": torch.randn(3, 5), "h": torch.randn(7, dtype=torch.float64).to(torch.bfloat16),
+               "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3), "mask": torch.tensor([True, False, True]),
+               "scale": torch.tensor(2.5), "empty": torch.zeros(0, 4), "t": torch.randn(4, 3).t()}
+    path = str(tmp_path / "w.safetensors")
+    digest = write_safetensors(tensors, path, {"format": "pt"})
+    assert digest == hashlib.sha256(open(path, "rb").read()).hexdigest()
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(f.get_tensor(name), tensor) and f.get_tensor(name).dtype == tensor.dtype, name
+    fs = fsutil.filesystem_for(path)[0]
+    reads = []
+    monkeypatch.setattr(fs, "open", lambda *a, **k: reads.append(a) or open(a[0], "rb"))
+    assert fsutil.sha256_file(fs, path) == digest and not reads  # known from the write
+    with open(path, "r+b") as f:  # changed afterwards (other size): hashed from the bytes again
+        f.seek(0, 2)
+        f.write(b"x")
+    assert fsutil.sha256_file(fs, path) == hashlib.sha256(open(path, "rb").read()).hexdigest() and reads
+    with pytest.raises(TypeError, match="bad.safetensors.*'z'.*complex"):
+        write_safetensors({"z": torch.zeros(2, dtype=torch.complex64)}, str(tmp_path / "bad.safetensors"))
+
+    monkeypatch.setattr(checkpoint, "EXPORT_SHARD_SIZE", "200KB")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dpo_inputs["model_path"])
+    out = checkpoint.export_hf_model(model, None, str(tmp_path / "model"))
+    shards = [os.path.join(out, p) for p in os.listdir(out) if p.endswith(".safetensors")]
+    assert len(shards) > 2
+    assert all(fsutil._identity(p) in fsutil._WRITTEN_SHA256 for p in shards)  # hashed while written, renamed since
+
+
 def test_library_phases_are_recorded_only_while_a_job_records():
     """``phase`` marks in library code: summed per name into the recording clock, ``other`` the rest; a
     no-op when nobody records (the functions stay usable anywhere)."""
@@ -238,9 +281,14 @@ def test_library_phases_are_recorded_only_while_a_job_records():
             with phases.phase("load_model"):
                 time.sleep(0.02)
         time.sleep(0.02)
+        with phases.phase("evaluate"):
+            time.sleep(0.02)
+            with phases.phase("load_model"):  # nested: counts for itself only
+                time.sleep(0.05)
     summary = clock.summary()
-    assert set(summary) == {"load_model", "other"}
-    assert 0.04 <= summary["load_model"] < 0.5 and summary["other"] >= 0.015
+    assert set(summary) == {"load_model", "evaluate", "other"}
+    assert 0.09 <= summary["load_model"] < 0.5 and summary["other"] >= 0.015
+    assert 0.015 <= summary["evaluate"] < 0.045  # its own 0.02 s, not the nested load's 0.05 s
     with phases.recording() as fresh:
         pass
     assert fresh.summary() == {"other": fresh.summary()["other"]} and "load_model" not in fresh.seconds

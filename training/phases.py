@@ -14,11 +14,13 @@ from typing import Iterator
 
 
 class PhaseClock:
-    """Seconds per named phase since ``started``; ``other`` is the rest of the wall time."""
+    """Seconds per named phase since ``started``; ``other`` is the rest of the wall time. A phase inside
+    another counts for itself only (its time is taken out of the enclosing one), so phases add up."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self._inner_s: list[float] = []  # per open phase: the time of the phases inside it so far
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -26,10 +28,14 @@ class PhaseClock:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
+        self._inner_s.append(0.0)
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self.add(name, took - self._inner_s.pop())
+            if self._inner_s:
+                self._inner_s[-1] += took
 
     def summary(self) -> dict[str, float]:
         total = time.perf_counter() - self.started

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from batchrl import fsutil
+from batchrl.training.trainer.safetensors_writer import parallel_shard_writes
 
 _LOCAL_FS = fsutil.filesystem_for("/")[0]
 
@@ -236,7 +237,9 @@ def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
     if _rank() == 0:
         tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=EXPORT_SHARD_SIZE)
+        with parallel_shard_writes():  # shards written side by side and hashed as written
+            module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
+                                   max_shard_size=EXPORT_SHARD_SIZE)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra_metadata:
