@@ -75,6 +75,27 @@ def test_load_model_and_tokenizer_dtype(built):
     assert tokenizer.padding_side == "left"
 
 
+def test_weights_are_loaded_onto_the_device_they_run_on(built, monkeypatch):
+    """On an accelerator the loaders hand the device to from_pretrained (weights read and cast there, no
+    host copy); on the CPU the default loading. Checked through the keywords from_pretrained receives."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from batchrl.training.reward_model import load_reward_model
+    from batchrl.training.tiny_model import placed_on
+
+    assert placed_on("cpu") == {} and placed_on(torch.device("cpu")) == {}
+    assert placed_on("cuda") == {"device_map": "cuda"} and placed_on("cuda:1") == {"device_map": "cuda:1"}
+    seen = []
+    for cls in (AutoModelForCausalLM, AutoModelForSequenceClassification):
+        original = cls.from_pretrained.__func__
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(
+            lambda c, *a, _original=original, **k: seen.append(k.get("device_map")) or _original(c, *a, **k)))
+    model, _ = load_model_and_tokenizer(built["path"], device="cpu")
+    reward_model, _ = load_reward_model(built["path"], device="cpu")
+    assert seen == [None, None] and not hasattr(model, "hf_device_map")
+    assert next(reward_model.parameters()).device.type == "cpu"
+
+
 def test_tokenizer_loaded_once_per_content_each_caller_its_own_settings(built, tmp_path, monkeypatch):
     import shutil
 

@@ -17,7 +17,7 @@ import torch
 
 from batchrl.training.phases import phase
 from batchrl.training.text import encode_prompt_completions
-from batchrl.training.tiny_model import load_tokenizer, resolve_dtype
+from batchrl.training.tiny_model import load_tokenizer, placed_on, resolve_dtype
 
 
 def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, de
     with phase("load_model"):
         tokenizer = load_tokenizer(path)
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
-                                                                   dtype=resolve_dtype(dtype))
+                                                                   dtype=resolve_dtype(dtype), **placed_on(device))
         model.config.pad_token_id = tokenizer.pad_token_id
         return model.to(device), tokenizer
 
