@@ -52,6 +52,15 @@ def _package_modules(name: str) -> list[str]:
 
 def _imported_names(path: str, module: str) -> set[str]:
     """batchrl modules ``path`` imports, anywhere in the file (relative imports resolved)."""
+    st = os.stat(path)
+    return _parsed_imports(path, module, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed_imports(path: str, module: str, mtime_ns: int, size: int) -> frozenset[str]:
+    """``_imported_names`` of one version of the file (the stat fields key it): every asset's
+    ``code_version`` walks the shared helpers again, and parsing them each time made up most of the
+    definitions' import time (~1.6 s of 1.9 s for the asset modules on a 2-core box)."""
     with open(path, "rb") as f:
         tree = ast.parse(f.read(), filename=path)
     is_package = path.endswith("__init__.py")
@@ -66,7 +75,7 @@ def _imported_names(path: str, module: str) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
-    return {n for n in names if n == PACKAGE or n.startswith(PACKAGE + ".")}
+    return frozenset(n for n in names if n == PACKAGE or n.startswith(PACKAGE + "."))
 
 
 def module_closure(*modules: str) -> list[str]:
