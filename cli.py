@@ -329,5 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def console_main(argv: list[str] | None = None) -> None:
+    """The ``batchrl`` command: ``main``, then a prompt exit. A process that has loaded torch, transformers
+    and Dagster spends ~0.5-1 s after its work tearing those modules down; the exit handlers still run
+    (log handlers, temporary files, child processes) and the output is flushed, then the process ends
+    without the teardown. An exception takes the normal way out (traceback, exit status 1)."""
+    import atexit
+
+    code = main(argv)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -136,7 +136,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict) -> dict:
     tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
     started = time.time()
-    cmd = [sys.executable, "-c", "import sys; from batchrl.cli import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])",
            "run", "--profile", profile]
     with open(os.path.join(out, "run.log"), "w") as log:
         try:
