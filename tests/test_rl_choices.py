@@ -313,3 +313,33 @@ def test_a_new_critic_can_start_from_the_reward_model(upstream):
     assert critic["data_version"] == latest_metadata(instance, "reward_model")["data_version"]
     batch = pd.read_parquet(StorageResource(root=root).localize(_ref(instance, "advantages")) + "/advantages.parquet")
     assert np.abs(np.concatenate(batch["values"].tolist())).max() > 0  # the RM head, not a zero head
+
+
+def test_config_choices_are_the_registered_functions_and_need_no_torch():
+    """Run configs choose from ``algos.names`` (torch-free: the definitions load without torch, which took
+    ~3-4 s of every run's start on the GPU host); every name there has its registered function with the
+    same needs, and a function cannot register under a name run configs do not know."""
+    import subprocess
+    import sys
+
+    from batchrl.training.algos import POLICY_LOSSES, register_adv_estimator, register_policy_loss
+    from batchrl.training.algos.names import POLICY_LOSS_NAMES
+    from batchrl.training.trainer.config import PolicyConfig
+
+    assert set(ADV_ESTIMATORS) == set(ADV_ESTIMATOR_NEEDS) and set(POLICY_LOSSES) == set(POLICY_LOSS_NAMES)
+    assert set(PolicyConfig.model_fields["adv_estimator"].annotation.__args__) == set(ADV_ESTIMATOR_NEEDS)
+    with pytest.raises(ValueError, match="declare it in algos/names.py"):
+        register_adv_estimator("grpo_variant", needs=("groups",))
+    with pytest.raises(ValueError, match="declare it in algos/names.py"):
+        register_adv_estimator("grpo", needs=())  # declared with other needs
+    with pytest.raises(ValueError, match="declare it in algos/names.py"):
+        register_policy_loss("clip_higher")
+    probe = ("import sys; import batchrl.definitions as d; d.build_definitions(); "
+             "heavy = [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]; print(heavy); "
+             "from batchrl.resources.launcher import import_while_waiting; import threading; "
+             "import_while_waiting('torch'); "
+             "[t.join() for t in threading.enumerate() if t.name == 'import-while-waiting']; "
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "True"]  # nothing heavy at load; torch once a job is waited for

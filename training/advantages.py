@@ -9,15 +9,17 @@ reference is subtracted from the token rewards first (``kl_reward.fold_kl_into_r
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pandas as pd
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batchrl.training.algos import ADV_ESTIMATORS, KL_KINDS, estimator_needs, get_adv_estimator
+from batchrl.training.algos import ADV_ESTIMATOR_NEEDS, KL_KINDS, estimator_needs, get_adv_estimator
 from batchrl.training.remax import split_baselines
+
+if TYPE_CHECKING:
+    import torch
 
 GROUP_COLUMNS = ("group_id", "uid", "prompt_index", "prompt_id", "prompt")
 
@@ -27,7 +29,7 @@ class AdvantageSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: Literal[tuple(ADV_ESTIMATORS)] = Field(  # type: ignore[valid-type]
+    estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = Field(  # type: ignore[valid-type]
         "grpo", description="advantage estimator (registry name); gae needs a critic, remax greedy baselines")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
@@ -61,6 +63,8 @@ def group_index(table: pd.DataFrame) -> np.ndarray:
 
 def token_level_rewards(table: pd.DataFrame, reward_column: str = "reward") -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, T]`` rewards (outcome on the last response token) and the response mask."""
+    import torch  # here, not at module level: the definitions load this module without torch
+
     lengths = [len(ids) for ids in table["response_ids"]]
     T = max([1, *lengths])
     rewards = torch.zeros(len(table), T, dtype=torch.float32)
@@ -73,6 +77,8 @@ def token_level_rewards(table: pd.DataFrame, reward_column: str = "reward") -> t
 
 
 def _padded(column: pd.Series, width: int) -> torch.Tensor:
+    import torch  # here, not at module level: the definitions load this module without torch
+
     out = torch.zeros(len(column), width, dtype=torch.float32)
     for i, seq in enumerate(column):
         seq = np.asarray(seq, dtype=np.float32)[:width]
@@ -89,6 +95,8 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
     ``{"ref_logprobs": [...] per row of table, "controller": ..., "kind": ...}`` (old log-probs are
     the ``rollout_logprobs`` column). Missing inputs of the estimator are errors that say where
     they come from."""
+    import torch  # here, not at module level: the definitions load this module without torch
+
     if kl is not None:
         table = table.assign(_ref_logprobs=list(kl["ref_logprobs"]))
     sampled, baselines = split_baselines(table.reset_index(drop=True), reward_column)

@@ -19,8 +19,7 @@ import torch
 
 from .utils import agg_loss, as_float, masked_mean
 
-_KIND_ALIASES = {"k1": "kl", "kl": "kl", "k2": "mse", "mse": "mse", "k3": "low_var_kl", "low_var_kl": "low_var_kl", "abs": "abs"}
-KL_KINDS = (*_KIND_ALIASES, *(f"{kind}+" for kind in _KIND_ALIASES))  # every name kl_penalty accepts
+from .names import KL_ALIASES as _KIND_ALIASES, KL_KINDS  # noqa: F401  (KL_KINDS: every name kl_penalty accepts)
 
 
 def kl_penalty(logprob, ref_logprob, kind="low_var_kl"):

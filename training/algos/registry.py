@@ -1,7 +1,8 @@
 """Name -> function registries for advantage estimators and policy losses (config strings).
 
 Each estimator registers itself next to its definition with what its inputs need beyond
-token-level rewards and the response mask, so a run config can be checked before anything runs:
+token-level rewards and the response mask (the same as declared in ``names.py``, where run configs find
+their choices without importing torch), so a run config can be checked before anything runs:
 
 - ``groups``: several responses per prompt (``index``); the estimator compares within a group;
 - ``values``: per-token critic predictions (a value model);
@@ -10,28 +11,35 @@ token-level rewards and the response mask, so a run config can be checked before
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
-NEEDS = ("groups", "values", "reward_baselines")
-ADV_ESTIMATORS: dict[str, Callable] = {}
-ADV_ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {}
+from .names import ADV_ESTIMATOR_NEEDS, NEEDS, POLICY_LOSS_NAMES
+
+ADV_ESTIMATORS: dict[str, Callable] = {}  # filled as the definitions are imported (``_definitions``)
 POLICY_LOSSES: dict[str, Callable] = {}
+_DEFINITIONS = ("batchrl.training.algos.advantages", "batchrl.training.algos.policy_loss")
 
 
 def register_adv_estimator(name: str, *, needs: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     unknown = set(needs) - set(NEEDS)
     if unknown:
         raise ValueError(f"estimator {name!r}: unknown needs {sorted(unknown)}; expected some of {NEEDS}")
+    if ADV_ESTIMATOR_NEEDS.get(name) != frozenset(needs):
+        raise ValueError(f"estimator {name!r} with needs {sorted(needs)}: declare it in algos/names.py "
+                         "(ADV_ESTIMATOR_NEEDS: what run configs may choose, known without torch)")
 
     def decorate(fn: Callable) -> Callable:
         ADV_ESTIMATORS[name] = fn
-        ADV_ESTIMATOR_NEEDS[name] = frozenset(needs)
         return fn
 
     return decorate
 
 
 def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
+    if name not in POLICY_LOSS_NAMES:
+        raise ValueError(f"policy loss {name!r}: declare it in algos/names.py (POLICY_LOSS_NAMES)")
+
     def decorate(fn: Callable) -> Callable:
         POLICY_LOSSES[name] = fn
         return fn
@@ -39,7 +47,14 @@ def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     return decorate
 
 
+def _definitions() -> None:
+    """Import the modules that register the functions (torch), once, at the first lookup."""
+    for module in _DEFINITIONS:
+        importlib.import_module(module)
+
+
 def _lookup(registry: dict, kind: str, name: str):
+    _definitions()
     try:
         return registry[name]
     except KeyError:
@@ -47,20 +62,19 @@ def _lookup(registry: dict, kind: str, name: str):
 
 
 def get_adv_estimator(name: str):
-    """Advantage estimator by name (keys of ``ADV_ESTIMATORS``)."""
+    """Advantage estimator by name (keys of ``names.ADV_ESTIMATOR_NEEDS``)."""
     return _lookup(ADV_ESTIMATORS, "advantage estimator", name)
 
 
 def estimator_needs(name: str) -> frozenset[str]:
-    """What estimator ``name`` needs besides rewards and mask (subset of ``NEEDS``)."""
-    _lookup(ADV_ESTIMATORS, "advantage estimator", name)
-    return ADV_ESTIMATOR_NEEDS[name]
+    """What estimator ``name`` needs besides rewards and mask (subset of ``NEEDS``); no torch import."""
+    try:
+        return ADV_ESTIMATOR_NEEDS[name]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {name!r}; expected one of {sorted(ADV_ESTIMATOR_NEEDS)}") \
+            from None
 
 
 def get_policy_loss(name: str):
-    """Policy loss by name (keys of ``POLICY_LOSSES``); all share ``compute_policy_loss``'s signature."""
+    """Policy loss by name (``names.POLICY_LOSS_NAMES``); all share ``compute_policy_loss``'s signature."""
     return _lookup(POLICY_LOSSES, "policy loss", name)
-
-
-# The definitions register themselves on import.
-from . import advantages as _advantages, policy_loss as _policy_loss  # noqa: E402,F401

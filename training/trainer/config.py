@@ -11,8 +11,8 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from batchrl.training.algos.kl import KL_KINDS
-from batchrl.training.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, estimator_needs
+from batchrl.training.algos.names import ADV_ESTIMATOR_NEEDS, KL_KINDS, POLICY_LOSS_NAMES
+from batchrl.training.algos.registry import estimator_needs
 
 T = TypeVar("T", bound="TrainerConfig")
 
@@ -116,8 +116,8 @@ class PolicyConfig(TrainerConfig):
     """
 
     # allowed values come from the registries: an unknown name fails when the config is written
-    adv_estimator: Literal[tuple(ADV_ESTIMATORS)] = "grpo"  # type: ignore[valid-type]
-    policy_loss: Literal[tuple(POLICY_LOSSES)] = "vanilla"  # type: ignore[valid-type]
+    adv_estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = "grpo"  # type: ignore[valid-type]
+    policy_loss: Literal[POLICY_LOSS_NAMES] = "vanilla"  # type: ignore[valid-type]
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1)
