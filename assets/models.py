@@ -40,8 +40,6 @@ RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: Artifact,
                prompts: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder)."""
-    from batchrl.training.tiny_model import build_tiny_model
-
     if config.model_path and config.gguf_file:
         raise dg.Failure("base_model: set model_path or gguf_file, not both")
     input_files = []
@@ -57,6 +55,8 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
             shutil.copytree(config.model_path, staging, dirs_exist_ok=True)
             info = {"source": config.model_path}
         else:
+            from batchrl.training.tiny_model import build_tiny_model  # torch: only to build the tiny default
+
             # the window's first drop only: a new drop rebuilds the same model (same version, same policy chain)
             prefs = first_drop(preference_window.read_table())
             texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"], *prompts.read_table()["prompt"]]

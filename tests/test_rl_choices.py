@@ -2,6 +2,8 @@
 before anything runs."""
 from __future__ import annotations
 
+import os
+
 import dagster as dg
 import numpy as np
 import pandas as pd
@@ -315,7 +317,7 @@ def test_a_new_critic_can_start_from_the_reward_model(upstream):
     assert np.abs(np.concatenate(batch["values"].tolist())).max() > 0  # the RM head, not a zero head
 
 
-def test_config_choices_are_the_registered_functions_and_need_no_torch():
+def test_config_choices_are_the_registered_functions_and_need_no_torch(arith_model, tmp_path):
     """Run configs choose from ``algos.names`` (torch-free: the definitions load without torch, which took
     ~3-4 s of every run's start on the GPU host); every name there has its registered function with the
     same needs, and a function cannot register under a name run configs do not know."""
@@ -334,12 +336,26 @@ def test_config_choices_are_the_registered_functions_and_need_no_torch():
         register_adv_estimator("grpo", needs=())  # declared with other needs
     with pytest.raises(ValueError, match="declare it in algos/names.py"):
         register_policy_loss("clip_higher")
-    probe = ("import sys; import batchrl.definitions as d; d.build_definitions(); "
-             "heavy = [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]; print(heavy); "
-             "from batchrl.resources.launcher import import_while_waiting; import threading; "
-             "import_while_waiting('torch'); "
-             "[t.join() for t in threading.enumerate() if t.name == 'import-while-waiting']; "
-             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["[]", "True"]  # nothing heavy at load; torch once a job is waited for
+    # the definitions, then the data stages and a given base model (lineage records included) run in a
+    # Dagster process that has not imported torch; it comes once a job is waited for
+    probe = f"""
+import sys, threading
+import dagster as dg
+import batchrl.definitions as d
+from pipeline_helpers import local_resources, run_assets
+d.build_definitions()
+print([m for m in ("torch", "transformers", "deepspeed") if m in sys.modules])
+with dg.DagsterInstance.ephemeral() as instance:
+    result = run_assets(local_resources({str(tmp_path / "storage")!r}), instance, UPSTREAM[:-1],
+                        {{"ops": {{"base_model": {{"config": {{"model_path": {arith_model!r}}}}}}}}})
+    print(result.success, [m for m in ("torch", "transformers", "deepspeed") if m in sys.modules])
+from batchrl.resources.launcher import import_while_waiting
+import_while_waiting("torch")
+[t.join() for t in threading.enumerate() if t.name == "import-while-waiting"]
+print("torch" in sys.modules)
+"""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", f"UPSTREAM = {UPSTREAM!r}\n" + probe], capture_output=True,
+                         text=True, timeout=600, cwd=tests_dir, env={**os.environ, "PYTHONPATH": tests_dir})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-4:] == ["[]", "True []", "True", ""], out.stdout[-2000:]
