@@ -11,7 +11,11 @@ configs against them, does not import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # never executed; code versions (lineage.module_closure reads imports statically) follow
+    # every module below from whatever imports this package, as when they were imported eagerly
+    from . import advantages, kl, logprobs, names, policy_loss, preference, registry, utils  # noqa: F401
 
 _EXPORTS = {
     "advantages": ("compute_drgrpo_outcome_advantage", "compute_gae_advantage_return",
