@@ -107,12 +107,50 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
     alone = {name: evaluate_policy(path, arith_eval=prompts, reward_model_path=rm["model_dir"], max_new_tokens=4)
              for name, path in models.items()}
     assert alone["base"]["rm_mean_score"] != alone["other"]["rm_mean_score"]
-    loads = []
+    loads, policy_loads = [], []
     real_load = rm_module.load_reward_model
     monkeypatch.setattr(rm_module, "load_reward_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    from batchrl.training.rollout import transformers_engine
+
+    real_policy_load = transformers_engine.load_model_and_tokenizer
+    monkeypatch.setattr(transformers_engine, "load_model_and_tokenizer",
+                        lambda *a, **k: policy_loads.append(a) or real_policy_load(*a, **k))
     together = evaluate_models(models, arith_eval=prompts,
                                reward_model_path=rm["model_dir"], max_new_tokens=4)
     assert len(loads) == 1
+    # the two checkpoints of one model (same config and tokenizer): loaded once, the second's weights copied in
+    assert len(policy_loads) == 1
     for name in alone:  # per-model scores as when each model was evaluated alone
         assert together[name]["rm_mean_score"] == pytest.approx(alone[name]["rm_mean_score"], abs=1e-5)
         assert together[name]["arith_accuracy"] == alone[name]["arith_accuracy"]
+
+
+def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tmp_path):
+    """Another checkpoint of the same model is copied into the loaded one (equal to loading it afresh);
+    files that do not cover the model exactly (a tensor missing, another shape) leave it untouched."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from batchrl.training.weights import load_weights_in_place, same_model_files
+
+    def variant(name, change):
+        folder = tmp_path / name
+        shutil.copytree(model_path, folder)
+        tensors = load_file(str(folder / "model.safetensors"))
+        save_file(change(tensors), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return str(folder)
+
+    shifted = variant("shifted", lambda t: {k: v + 0.01 for k, v in t.items()})
+    missing = variant("missing", lambda t: {k: v for i, (k, v) in enumerate(sorted(t.items())) if i})
+    reshaped = variant("reshaped", lambda t: {k: (v[:1] if v.dim() == 2 else v) for k, v in t.items()})
+    assert same_model_files(model_path, shifted) and not same_model_files(model_path, str(tmp_path))
+    model, _ = load_model_and_tokenizer(model_path, dtype="bfloat16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for unfit in (missing, reshaped):
+        assert not load_weights_in_place(model, unfit)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert load_weights_in_place(model, shifted)
+    fresh, _ = load_model_and_tokenizer(shifted, dtype="bfloat16")
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())

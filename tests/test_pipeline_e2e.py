@@ -246,7 +246,9 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
                          ("evaluation", {"load_model", "generate", "tokenise", "logprobs", "rm_score"})):
         timings = {k.removeprefix("phase_s/"): v for k, v in latest_metadata(instance, asset).items()
                    if k.startswith("phase_s/")}
-        assert parts | {"other"} == set(timings) and all(v >= 0 for v in timings.values()), (asset, timings)
+        optional = {"load_weights"} if asset == "evaluation" else set()  # checkpoints of one model share an engine
+        assert parts | {"other"} <= set(timings) <= parts | optional | {"other"}, (asset, timings)
+        assert all(v >= 0 for v in timings.values())
     messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
     for reported in ("sampling 6 prompts x 2 with static", "inference task rewards",
                      "inference task reference_logprobs", "inference task evaluation"):

@@ -26,6 +26,7 @@ from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
+from batchrl.training.weights import load_weights_in_place, same_model_files
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> dict[str, Any]:
@@ -47,27 +48,33 @@ def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> 
     }
 
 
+def _engine_for(model_path: str, same_model: Any, *, engine: str, max_new_tokens: int, batch_size: int,
+                device: str, dtype: str) -> Any:
+    """A greedy-decoding engine of ``engine`` kind ("static" on GPUs: no per-step logits kept, CUDA graphs)
+    for ``model_path``: ``same_model`` (an engine of a folder with the same model but other weights) with
+    these weights copied in (no second load, its CUDA graphs stay valid), else a new one."""
+    if getattr(same_model, "model", None) is not None:  # an engine over a transformers model
+        with phase("load_weights"):
+            if load_weights_in_place(same_model.model, model_path):
+                return same_model
+    with phase("load_model"):
+        return make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
+                                   batch_size=batch_size, device=device, dtype=dtype)
+
+
 def _evaluate(
-    model_path: str,
+    engine: Any,
     *,
     arith_eval: list[dict],
     pairs: pd.DataFrame | None = None,
-    max_new_tokens: int = 16,
     seed: int = 0,
     batch_size: int = 32,
     max_length: int = 256,
     num_examples: int = 5,
     reference: pd.DataFrame | None = None,
     reward: str = "arith_exact",
-    device: str = "cpu",
-    dtype: str = "float32",
-    engine: str = "transformers",
 ) -> tuple[dict[str, Any], list[dict]]:
-    """``evaluate_policy`` without the RM score: (results, the greedy samples)."""
-    # greedy decoding with the named engine ("static" on GPUs: no per-step logits kept, CUDA graphs)
-    with phase("load_model"):
-        engine = make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
-                                     batch_size=batch_size, device=device, dtype=dtype)
+    """``evaluate_policy`` without the RM score, with a loaded engine: (results, the greedy samples)."""
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
@@ -97,7 +104,6 @@ def _evaluate(
         if reference is not None:
             logratio = margin - (reference["ref_chosen_logp"] - reference["ref_rejected_logp"]).to_numpy(np.float64)
             results.update(logratio_margin=float(logratio.mean()), logratio_accuracy=float((logratio > 0).mean()))
-    del engine
     return results, samples
 
 
@@ -112,18 +118,28 @@ def evaluate_policy(model_path: str, *, arith_eval: list[dict], reward_model_pat
 
 
 def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_model_path: str | None = None,
+                    engine: str = "transformers", max_new_tokens: int = 16, batch_size: int = 32,
+                    max_length: int = 256, device: str = "cpu", dtype: str = "float32",
                     **options: Any) -> dict[str, dict[str, Any]]:
-    """``evaluate_policy`` of each named model folder; the reward model is loaded once and scores every
-    model's greedy answers (``rm_mean_score``)."""
-    results, samples = {}, {}
+    """``evaluate_policy`` of each named model folder; checkpoints of the same model share one engine
+    (weights copied in place), and the reward model is loaded once and scores every model's greedy
+    answers (``rm_mean_score``)."""
+    results, samples, current = {}, {}, None  # current: (folder, engine) of the last model
     for name, path in models.items():
-        results[name], samples[name] = _evaluate(path, arith_eval=arith_eval, **options)
+        same = current is not None and same_model_files(current[0], path)
+        previous = current[1] if same else None
+        current = None  # another model: the last one's memory is free before this one loads
+        current = (path, _engine_for(path, previous, engine=engine, max_new_tokens=max_new_tokens,
+                                     batch_size=batch_size, device=device, dtype=dtype))
+        previous = None
+        results[name], samples[name] = _evaluate(current[1], arith_eval=arith_eval, batch_size=batch_size,
+                                                 max_length=max_length, **options)
+    current = None  # the policies' memory is free before the reward model loads
     answered = [(name, s) for name in models for s in samples[name]]
     if reward_model_path and answered:
         scores = score_with_reward_model(
             reward_model_path, [s["prompt"] for _, s in answered], [s["response"] for _, s in answered],
-            batch_size=options.get("batch_size", 32), max_length=options.get("max_length", 256),
-            device=options.get("device", "cpu"), dtype=options.get("dtype", "float32"))
+            batch_size=batch_size, max_length=max_length, device=device, dtype=dtype)
         for name in models:
             mine = [score for (owner, _), score in zip(answered, scores) if owner == name]
             if mine:

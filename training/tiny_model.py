@@ -151,7 +151,8 @@ _TOKENIZERS: OrderedDict[str, Any] = OrderedDict()
 TOKENIZER_CACHE_SIZE = 4
 
 
-def _tokenizer_key(path: str) -> str:
+def folder_key(path: str) -> str:
+    """Hash of an HF folder's files other than its weights (config, tokenizer, generation config)."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
@@ -179,7 +180,7 @@ def load_tokenizer(path: str):
     process for the same tokenizer files; each caller gets its own copy to configure."""
     from transformers import AutoTokenizer
 
-    key = _tokenizer_key(path) if os.path.isdir(path) else None
+    key = folder_key(path) if os.path.isdir(path) else None
     if key is not None and key in _TOKENIZERS:
         _TOKENIZERS.move_to_end(key)
         return _own_copy(_TOKENIZERS[key])
