@@ -177,8 +177,13 @@ def _torch_build() -> dict[str, Any] | None:
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
         if isinstance(target, ast.Name) and isinstance(getattr(node, "value", None), ast.Constant):
             values[target.id] = node.value.value
-    cudnn = next((importlib.metadata.version(p) for p in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12") if _installed(p)),
-                 None)
+    cudnn = None
+    for wheel in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12"):
+        try:
+            cudnn = importlib.metadata.version(wheel)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
     return {"version": values.get("__version__"), "cuda": values.get("cuda"), "cudnn": cudnn}
 
 

@@ -19,6 +19,9 @@ import dagster as dg
 from pydantic import Field
 
 
+_IMPORTING: set[str] = set()  # modules import_while_waiting has started
+
+
 def import_while_waiting(*modules: str) -> None:
     """Import ``modules`` in a daemon thread, once, while this process only waits for a job: the
     definitions load without torch (~3-4 s of a run's start on the GPU host), and the in-process steps
@@ -29,9 +32,6 @@ def import_while_waiting(*modules: str) -> None:
         _IMPORTING.update(pending)
         threading.Thread(target=lambda: [importlib.import_module(m) for m in pending], name="import-while-waiting",
                          daemon=True).start()
-
-
-_IMPORTING: set[str] = set()
 
 
 class TrainerLauncherResource(dg.ConfigurableResource):

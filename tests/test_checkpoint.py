@@ -284,11 +284,11 @@ def test_library_phases_are_recorded_only_while_a_job_records():
         with phases.phase("evaluate"):
             time.sleep(0.02)
             with phases.phase("load_model"):  # nested: counts for itself only
-                time.sleep(0.05)
+                time.sleep(0.3)
     summary = clock.summary()
     assert set(summary) == {"load_model", "evaluate", "other"}
-    assert 0.09 <= summary["load_model"] < 0.5 and summary["other"] >= 0.015
-    assert 0.015 <= summary["evaluate"] < 0.045  # its own 0.02 s, not the nested load's 0.05 s
+    assert summary["load_model"] >= 0.34 and summary["other"] >= 0.015
+    assert 0.015 <= summary["evaluate"] < 0.2  # its own 0.02 s, not the nested load's 0.3 s
     with phases.recording() as fresh:
         pass
     assert fresh.summary() == {"other": fresh.summary()["other"]} and "load_model" not in fresh.seconds

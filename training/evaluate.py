@@ -131,7 +131,6 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
         current = None  # another model: the last one's memory is free before this one loads
         current = (path, _engine_for(path, previous, engine=engine, max_new_tokens=max_new_tokens,
                                      batch_size=batch_size, device=device, dtype=dtype))
-        previous = None
         results[name], samples[name] = _evaluate(current[1], arith_eval=arith_eval, batch_size=batch_size,
                                                  max_length=max_length, **options)
     current = None  # the policies' memory is free before the reward model loads

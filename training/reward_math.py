@@ -165,8 +165,9 @@ def _flexible_prediction(response: str) -> str | None:
     tagged = _ANSWER_TAG.findall(response)
     if tagged:
         return tagged[-1].strip()
-    if _verifier() is not None:
-        parsed = _verifier().parse(response, parsing_timeout=_timeout())
+    verifier = _verifier()
+    if verifier is not None:
+        parsed = verifier.parse(response, parsing_timeout=_timeout())
         return parsed[-1] if parsed and isinstance(parsed[-1], str) else None
     numbers = _NUMBER.findall(response)
     return numbers[-1] if numbers else None

@@ -64,9 +64,9 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
+    pairs = pd.read_parquet(pairs_parquet)
+    ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
     with phase("tokenise"):
-        pairs = pd.read_parquet(pairs_parquet)
-        ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
         items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
     with phase("logprobs"):
         logps = pair_logprobs(model, items, tokenizer.pad_token_id, device, batch_size=batch_size)
