@@ -38,8 +38,6 @@ class RolloutEngineResource(dg.ConfigurableResource):
     def sample(self, context: dg.AssetExecutionContext, launcher, *, model_path: str, prompts: list[str], n: int,
                seed: int, workdir: str, cache_dir: str) -> tuple[pd.DataFrame, dict]:
         """Samples (the engine contract's rows) and the sampling statistics."""
-        from batchrl.training.rollout.sampling_job import sample_to_parquet
-
         out = os.path.join(workdir, "samples.parquet")
         engine = self.engine_options(model_path, cache_dir)
         if self.in_subprocess:
@@ -51,7 +49,9 @@ class RolloutEngineResource(dg.ConfigurableResource):
                                      # gives them back when the stage ends, the warm worker would not
                                      fresh_process=self.kind == "vllm")
             stats = {k: getattr(v, "value", v) for k, v in (result.metadata or {}).items()}
-        else:
+        else:  # imported here: the engines' torch and transformers stay out of a Dagster process that hands off
+            from batchrl.training.rollout.sampling_job import sample_to_parquet
+
             stats = sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out)
             from batchrl.resources.compute import release_accelerator_memory
 

@@ -343,12 +343,19 @@ import sys, threading
 import dagster as dg
 import batchrl.definitions as d
 from pipeline_helpers import local_resources, run_assets
+from batchrl.resources import RolloutEngineResource
 d.build_definitions()
 print([m for m in ("torch", "transformers", "deepspeed") if m in sys.modules])
 with dg.DagsterInstance.ephemeral() as instance:
     result = run_assets(local_resources({str(tmp_path / "storage")!r}), instance, UPSTREAM[:-1],
                         {{"ops": {{"base_model": {{"config": {{"model_path": {arith_model!r}}}}}}}}})
     print(result.success, [m for m in ("torch", "transformers", "deepspeed") if m in sys.modules])
+    # a stage handed off to a job (rollouts in a Pipes subprocess, as on a GPU host) imports neither the
+    # engines nor a model library here (torch comes in a thread while the job runs)
+    engine = RolloutEngineResource(in_subprocess=True, max_new_tokens=4)
+    result = run_assets(local_resources({str(tmp_path / "storage")!r}, rollout_engine=engine), instance,
+                        ["rollouts"], {{"ops": {{"rollouts": {{"config": {SMALL_ROLLOUTS!r}}}}}}})
+    print(result.success, [m for m in ("batchrl.training.rollout", "transformers", "deepspeed") if m in sys.modules])
 from batchrl.resources.launcher import import_while_waiting
 import_while_waiting("torch")
 [t.join() for t in threading.enumerate() if t.name == "import-while-waiting"]
@@ -358,4 +365,4 @@ print("torch" in sys.modules)
     out = subprocess.run([sys.executable, "-c", f"UPSTREAM = {UPSTREAM!r}\n" + probe], capture_output=True,
                          text=True, timeout=600, cwd=tests_dir, env={**os.environ, "PYTHONPATH": tests_dir})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split("\n")[-4:] == ["[]", "True []", "True", ""], out.stdout[-2000:]
+    assert out.stdout.split("\n")[-5:] == ["[]", "True []", "True []", "True", ""], out.stdout[-2000:]
