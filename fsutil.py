@@ -14,6 +14,10 @@ from typing import Any
 
 import fsspec
 
+# batchrl's records published beside a model (its lineage, training run and metrics): about the model, not
+# part of it, so two folders that differ only in these hold the same model
+RECORD_FILES = frozenset({"lineage.json", "batchrl_train.json", "train_metrics.json", "companions.json"})
+
 
 def filesystem_for(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return (filesystem, path-without-protocol) for a local path or an ``s3://`` URI."""

@@ -142,9 +142,14 @@ def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tm
         return str(folder)
 
     shifted = variant("shifted", lambda t: {k: v + 0.01 for k, v in t.items()})
+    for record in ("lineage.json", "train_metrics.json"):  # a published checkpoint's own records: not the model
+        (tmp_path / "shifted" / record).write_text('{"run": "another"}')
     missing = variant("missing", lambda t: {k: v for i, (k, v) in enumerate(sorted(t.items())) if i})
     reshaped = variant("reshaped", lambda t: {k: (v[:1] if v.dim() == 2 else v) for k, v in t.items()})
     assert same_model_files(model_path, shifted) and not same_model_files(model_path, str(tmp_path))
+    (tmp_path / "shifted" / "config.json").write_text("{}")  # a file of the model itself differs
+    assert not same_model_files(model_path, shifted)
+    shutil.copy(Path(model_path) / "config.json", tmp_path / "shifted")
     model, _ = load_model_and_tokenizer(model_path, dtype="bfloat16")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for unfit in (missing, reshaped):

@@ -243,11 +243,12 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
     # the jobs say where their time went (a GPU stage's idle parts), on the asset's materialisation
     for asset, parts in (("rewards", {"load_model", "tokenise", "rm_score", "rule_rewards"}),
                          ("reference_logprobs", {"load_model", "tokenise", "logprobs"}),
-                         ("evaluation", {"load_model", "generate", "tokenise", "logprobs", "rm_score"})):
+                         # the DPO and policy checkpoints (one model, their own records): one engine, weights copied
+                         ("evaluation", {"load_model", "load_weights", "generate", "tokenise", "logprobs",
+                                         "rm_score"})):
         timings = {k.removeprefix("phase_s/"): v for k, v in latest_metadata(instance, asset).items()
                    if k.startswith("phase_s/")}
-        optional = {"load_weights"} if asset == "evaluation" else set()  # checkpoints of one model share an engine
-        assert parts | {"other"} <= set(timings) <= parts | optional | {"other"}, (asset, timings)
+        assert set(timings) == parts | {"other"}, (asset, timings)
         assert all(v >= 0 for v in timings.values())
     messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
     for reported in ("sampling 6 prompts x 2 with static", "inference task rewards",

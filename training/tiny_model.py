@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
+from batchrl import fsutil
 from batchrl.training.phases import phase
 
 PAD_TOKEN = "<|endoftext|>"
@@ -152,11 +153,13 @@ TOKENIZER_CACHE_SIZE = 4
 
 
 def folder_key(path: str) -> str:
-    """Hash of an HF folder's files other than its weights (config, tokenizer, generation config)."""
+    """Hash of an HF folder's files other than its weights (config, tokenizer, generation config): equal for
+    checkpoints of one model (batchrl's records beside them, ``fsutil.RECORD_FILES``, left out too)."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
-        if name.endswith(WEIGHT_SUFFIXES) or not os.path.isfile(full):
+        if name.endswith(WEIGHT_SUFFIXES + (".safetensors.index.json",)) or name in fsutil.RECORD_FILES \
+                or not os.path.isfile(full):
             continue
         digest.update(name.encode() + b"\0")
         with open(full, "rb") as f:
