@@ -14,7 +14,8 @@ Parts:
             baseline = last session's trainer, then fused log-probs, no host syncs, ZeRO-0, bf16 autocast,
             torch.compile), one epoch each.
   profile_<v>  torch profile of the steady DPO step of variant v (GPU time per kernel category and phase).
-  reward_model, policy  the same trainer's RM and policy-update jobs with the fastest DPO variant.
+  reward_model, policy  the same trainer's RM and policy-update jobs with the fastest DPO variant
+            (profile_reward_model: the RM step's torch profile, as profile_<v>).
   trl_*     TRL DPOTrainer (precompute_ref_log_probs / default; TRL's defaults include gradient
             checkpointing and its fused chunked LM head; ``_nogc``: precompute without checkpointing),
             one epoch; the constructor (which runs TRL's reference precompute) and train() are timed
@@ -44,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu_train as train_parts  # noqa: E402  (batchrl's trainer parts)
 
 PARTS = ("logprobs", "prepare", *(f"dpo_{v}" for v in train_parts.DPO_VARIANTS), "dpo_compile_warm", "profile_baseline",
-         "profile_best", "reward_model", "policy", "trl_precompute", "trl_precompute_nogc", "trl_default")
+         "profile_best", "reward_model", "profile_reward_model", "policy", "trl_precompute", "trl_precompute_nogc", "trl_default")
 DEFAULT_PARTS = tuple(p for p in PARTS if p != "trl_default")
 ANCHORS_K = {"trl_precompute_epoch": 64.7, "trl_default_epoch": 34.9, "eager_torch_dpo_step": 59.5,
              "deepspeed_zero2_sft_step": 85.8}
@@ -232,6 +233,8 @@ def run_part(args) -> None:
     helpers = (peak_gib, reset_peak)
     if args.part.startswith("dpo_"):
         fn = lambda a: train_parts.part_dpo(a, args.part[4:], *helpers)
+    elif args.part == "profile_reward_model":
+        fn = lambda a: train_parts.part_reward_model(a, *helpers, profile=True)
     elif args.part.startswith("profile_"):
         variant = args.best_variant if args.part == "profile_best" else args.part[8:]
         fn = lambda a: train_parts.part_dpo(a, variant, *helpers, profile=True)

@@ -248,20 +248,23 @@ def profile_breakdown(prof, steps: int, out_dir: str, variant: str) -> dict:
             "gpu_ms_per_step_total": sum(by_cat.values()), "phases": phases, "top_kernels_ms_per_step": kernels[:25]}
 
 
-def part_reward_model(args, peak_gib, reset_peak) -> dict:
+def part_reward_model(args, peak_gib, reset_peak, profile: bool = False) -> dict:
     from batchrl.training.trainer.config import RewardModelConfig
     from batchrl.training.trainer.reward import train_reward_model
 
     cfg = RewardModelConfig(micro_batch_size=args.batch, lr=1e-6, max_length=args.seq, epochs=1,
                             **{k: v for k, v in variant_config(args.best_variant).items() if k != "fused_logprobs"})
-    report, stamps, _ = _clock(args, False)
+    report, stamps, prof = _clock(args, profile)
     reset_peak(args.device)
     result = train_reward_model(cfg, pairs_parquet=f"{WORK}/pairs.parquet", model_path=f"{WORK}/model",
                                 out_dir=_fresh("rm"), report=report)
     steady_s, steady_tps = _steady(stamps, 2 * args.batch * args.seq)
-    return {"config": cfg.model_dump(include={"zero_stage", "precision", "torch_compile", "metrics_every"}),
-            "steps": result["global_step"], "steady_step_s": steady_s, "steady_tokens_per_s": steady_tps,
-            "peak_gib": peak_gib(args.device), "accuracy_after": result.get("train_accuracy_after")}
+    out = {"config": cfg.model_dump(include={"zero_stage", "precision", "torch_compile", "metrics_every"}),
+           "steps": result["global_step"], "steady_step_s": steady_s, "steady_tokens_per_s": steady_tps,
+           "peak_gib": peak_gib(args.device), "accuracy_after": result.get("train_accuracy_after")}
+    if "done" in prof:  # as part_dpo's: the profiled steps' timings are not the figures
+        out["profile"] = profile_breakdown(prof["prof"], prof["done"], os.environ.get("OUT", "/tmp"), "reward_model")
+    return out
 
 
 def part_policy(args, peak_gib, reset_peak) -> dict:

@@ -111,6 +111,11 @@ def test_tokenizer_loaded_once_per_content_each_caller_its_own_settings(built, t
     first = tiny_model.load_tokenizer(built["path"])
     export = tmp_path / "export"  # an exported checkpoint: the same tokenizer files, other weights
     shutil.copytree(built["path"], export, ignore=shutil.ignore_patterns("*.safetensors"))
+    (export / "lineage.json").write_text("{}")  # its own records beside it
+    with open(export / "config.json") as f:  # a reward model: another head and architecture, same tokenizer
+        model_config = json.load(f)
+    with open(export / "config.json", "w") as f:
+        json.dump({**model_config, "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}, f)
     second = tiny_model.load_tokenizer(str(export))
     assert len(calls) == 1  # parsed once
     second.padding_side, second.pad_token = "right", "<|im_end|>"

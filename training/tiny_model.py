@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 from collections import OrderedDict
 from typing import Any, Iterable
@@ -145,26 +146,34 @@ def placed_on(device: str | torch.device) -> dict[str, Any]:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
-# Loaded tokenizers of this process, by the content of their folder's files (weights left out): a
-# long-lived job worker parses a 150k-vocabulary tokenizer.json once (~1 s each time), not once per stage
-# and model; exported checkpoints carry identical tokenizer files, so they share the entry.
+# Loaded tokenizers of this process, by the content of their folder's tokenizer files: a long-lived job
+# worker parses a 150k-vocabulary tokenizer.json once (~1 s each time), not once per stage and model;
+# exported checkpoints and the reward model carry identical tokenizer files, so they share the entry.
 _TOKENIZERS: OrderedDict[str, Any] = OrderedDict()
 TOKENIZER_CACHE_SIZE = 4
 
 
-def folder_key(path: str) -> str:
+MODEL_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def folder_key(path: str, *, tokenizer_only: bool = False) -> str:
     """Hash of an HF folder's files other than its weights (config, tokenizer, generation config): equal for
-    checkpoints of one model (batchrl's records beside them, ``fsutil.RECORD_FILES``, left out too)."""
+    checkpoints of one model (batchrl's records beside them, ``fsutil.RECORD_FILES``, left out too).
+    ``tokenizer_only``: the tokenizer's files and the config's ``model_type`` (which AutoTokenizer may
+    fall back on), so a reward model (another head and architecture) shares its base model's tokenizer."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
         if name.endswith(WEIGHT_SUFFIXES + (".safetensors.index.json",)) or name in fsutil.RECORD_FILES \
                 or not os.path.isfile(full):
             continue
-        digest.update(name.encode() + b"\0")
         with open(full, "rb") as f:
-            digest.update(f.read())
-        digest.update(b"\0")
+            content = f.read()
+        if tokenizer_only and name in MODEL_CONFIG_FILES:
+            if name != "config.json":
+                continue
+            content = str(json.loads(content).get("model_type")).encode()
+        digest.update(name.encode() + b"\0" + content + b"\0")
     return digest.hexdigest()
 
 
@@ -183,7 +192,7 @@ def load_tokenizer(path: str):
     process for the same tokenizer files; each caller gets its own copy to configure."""
     from transformers import AutoTokenizer
 
-    key = folder_key(path) if os.path.isdir(path) else None
+    key = folder_key(path, tokenizer_only=True) if os.path.isdir(path) else None
     if key is not None and key in _TOKENIZERS:
         _TOKENIZERS.move_to_end(key)
         return _own_copy(_TOKENIZERS[key])

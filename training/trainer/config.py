@@ -54,8 +54,8 @@ class TrainerConfig(BaseModel):
     zero_stage: Literal[0, 1, 2, 3] = 0
     precision: Literal["fp32", "bf16", "bf16_amp"] = Field(
         "bf16_amp", description="GPU only (CPU stays fp32): bf16_amp = fp32 weights, bf16 autocast compute, no "
-        "second copy (the fastest on one H200, bench/RESULTS.md); bf16 = bf16 weights with DeepSpeed's fp32 "
-        "master copy; fp32 = no bf16 at all")
+        "second copy (the fastest on one H200, bench/RESULTS.md; runs as bf16 at ZeRO-3, whose engine forward turns "
+        "autocast off); bf16 = bf16 weights with DeepSpeed's fp32 master copy; fp32 = no bf16 at all")
     num_gpus: int = Field(1, ge=1)  # >1: the job is started by the deepspeed launcher
     # checkpoints
     save_every: int = Field(0, ge=0)  # optimiser steps between checkpoints; 0 = only at the end

@@ -70,7 +70,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     n_steps = steps_per_epoch(len(frame), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
                      inputs=inputs, report=report)
-    tok, engine = loop.tokenizer, loop.engine
+    tok = loop.tokenizer
     pad_id = tok.pad_token_id
     items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)
     ref_c = frame["ref_chosen_logp"].to_numpy(np.float64, copy=True)
@@ -79,7 +79,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     ref_r_t = torch.as_tensor(ref_r, dtype=torch.float32)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
         with loop.measure_context("margin_before"):
-            loop.state["before"] = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device,
+            loop.state["before"] = mean_margin(loop.model, items, ref_c, ref_r, pad_id, loop.device,
                                                fused=cfg.fused_logprobs, max_tokens=cfg.measure_batch_tokens)
     before = loop.state["before"]
 
@@ -92,7 +92,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
                 break
             for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
                 with loop.forward_context():
-                    pc, pr, lc, lr_ = _pair_logps(engine, [items[i] for i in idx], pad_id, loop.device,
+                    pc, pr, lc, lr_ = _pair_logps(loop.model, [items[i] for i in idx], pad_id, loop.device,
                                                   cfg.fused_logprobs)
                     losses, rc, rr = dpo_loss(pc, pr, to_device_async(ref_c_t[idx], loop.device),
                                               to_device_async(ref_r_t[idx], loop.device), beta=cfg.beta,
@@ -110,7 +110,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     result = loop.summary()
     if not result["stopped_early"]:
         with loop.measure_context("margin_after"):
-            after = mean_margin(engine.module, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs,
+            after = mean_margin(loop.model, items, ref_c, ref_r, pad_id, loop.device, fused=cfg.fused_logprobs,
                                 max_tokens=cfg.measure_batch_tokens)
         result.update(margin_before=before["margin"], margin_after=after["margin"],
                       accuracy_before=before["accuracy"], accuracy_after=after["accuracy"],

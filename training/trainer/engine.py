@@ -44,10 +44,17 @@ def use_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_precision(cfg: Any) -> str:
+    """The precision a GPU job runs in: ``bf16_amp`` becomes ``bf16`` at ZeRO-3, where forward passes must
+    go through DeepSpeed's engine (it gathers the partitioned and tied weights) and the engine turns a
+    surrounding autocast off (``bf16_amp`` would compute in fp32 there)."""
+    return "bf16" if cfg.precision == "bf16_amp" and cfg.zero_stage == 3 else cfg.precision
+
+
 def trainer_clips(cfg: Any) -> bool:
     """ZeRO-0 with fp32 weights: the trainer clips the gradients itself (torch's foreach kernels, a few
     launches) instead of DeepSpeed's loop of one norm and one scale per parameter."""
-    return cfg.zero_stage == 0 and not (use_cuda() and cfg.precision == "bf16")
+    return cfg.zero_stage == 0 and not (use_cuda() and gpu_precision(cfg) == "bf16")
 
 
 def deepspeed_config(cfg: Any, universal: bool = False) -> dict:
@@ -58,7 +65,7 @@ def deepspeed_config(cfg: Any, universal: bool = False) -> dict:
     universal checkpoint (a ZeRO run resumed on another number of ranks).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    bf16 = use_cuda() and cfg.precision == "bf16"
+    bf16 = use_cuda() and gpu_precision(cfg) == "bf16"
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,

@@ -82,7 +82,7 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
     kw = dict(temperature=cfg.temperature, max_tokens=cfg.measure_batch_tokens)
     fixed: dict[str, Any] = {"run_key": loop.run_key}
     if cfg.old_logprobs == "recompute":
-        fixed["old"] = sequence_token_logprobs(loop.engine.module, rows, pad_id, loop.device, **kw)
+        fixed["old"] = sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
     else:
         fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
     if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
@@ -159,7 +159,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     n_steps = steps_per_epoch(n, cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
                      inputs={"batch": batch_parquet}, report=report)
-    engine, pad_id = loop.engine, loop.tokenizer.pad_token_id
+    pad_id = loop.tokenizer.pad_token_id
     with loop.measure_context("fixed_logprobs"):
         fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
     use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
@@ -178,7 +178,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
                 mask, R = batch["response_mask"], batch["response_mask"].shape[1]
                 old = to_device_async(pad_floats([fixed["old"][i] for i in idx], R), loop.device)
                 with loop.forward_context():
-                    logp, entropy = completion_logprobs(engine, batch, temperature=cfg.temperature,
+                    logp, entropy = completion_logprobs(loop.model, batch, temperature=cfg.temperature,
                                                         with_entropy=True, fused=cfg.fused_logprobs)
                     loss, parts = _policy_loss(cfg, policy_loss_fn, rows, fixed, idx, batch, old, logp, entropy,
                                                use_is, loop.device)

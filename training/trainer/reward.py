@@ -49,12 +49,12 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     n_steps = steps_per_epoch(len(pairs), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
                      inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model)
-    tokenizer, engine = loop.tokenizer, loop.engine
+    tokenizer = loop.tokenizer
     prompts, chosen, rejected = (pairs[c].tolist() for c in ("prompt", "chosen", "rejected"))
     measure = dict(batch_size=2 * cfg.micro_batch_size, max_length=cfg.max_length, max_tokens=cfg.measure_batch_tokens)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
         with loop.measure_context("accuracy_before"):
-            loop.state["before"] = pair_accuracy(engine.module, tokenizer, pairs, **measure)
+            loop.state["before"] = pair_accuracy(loop.model, tokenizer, pairs, **measure)
 
     # characters as the length proxy (the texts are tokenised per micro-batch)
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)] \
@@ -68,7 +68,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
                 both = [prompts[i] for i in idx] * 2
                 responses = [chosen[i] for i in idx] + [rejected[i] for i in idx]
                 with loop.forward_context():
-                    scores = reward_scores(engine, tokenizer, both, responses, max_length=cfg.max_length)
+                    scores = reward_scores(loop.model, tokenizer, both, responses, max_length=cfg.max_length)
                     loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
                 loop.backward(loss)
                 loop.accumulate({"loss": loss, **metrics})
@@ -80,7 +80,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     result = loop.summary()
     if not result["stopped_early"]:
         with loop.measure_context("accuracy_after"):
-            before, after = loop.state["before"], pair_accuracy(engine.module, tokenizer, pairs, **measure)
+            before, after = loop.state["before"], pair_accuracy(loop.model, tokenizer, pairs, **measure)
         result.update(num_pairs=len(pairs), train_accuracy_before=before[0], train_loss_before=before[1],
                       train_accuracy_after=after[0], train_loss_after=after[1])
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
