@@ -104,8 +104,8 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
     other = str(tmp_path / "other")  # a second model: other weights (seed), same tokenizer
     build_tiny_model([f"{r['prompt']} {r['answer']}" for r in load_rows("train.jsonl")], other, seed=1)
     models = {"base": model_path, "other": other}
-    alone = {name: evaluate_policy(path, arith_eval=prompts, reward_model_path=rm["model_dir"], max_new_tokens=4)
-             for name, path in models.items()}
+    alone = {name: evaluate_policy(path, arith_eval=prompts, reward_model_path=rm["model_dir"], max_new_tokens=4,
+                                   pairs=pairs) for name, path in models.items()}
     assert alone["base"]["rm_mean_score"] != alone["other"]["rm_mean_score"]
     loads, policy_loads = [], []
     real_load = rm_module.load_reward_model
@@ -115,14 +115,21 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
     real_policy_load = transformers_engine.load_model_and_tokenizer
     monkeypatch.setattr(transformers_engine, "load_model_and_tokenizer",
                         lambda *a, **k: policy_loads.append(a) or real_policy_load(*a, **k))
+    from batchrl.training import evaluate as evaluate_module
+
+    encodes = []
+    real_encode = evaluate_module.encode_pairs
+    monkeypatch.setattr(evaluate_module, "encode_pairs", lambda *a, **k: encodes.append(a) or real_encode(*a, **k))
     together = evaluate_models(models, arith_eval=prompts,
-                               reward_model_path=rm["model_dir"], max_new_tokens=4)
+                               reward_model_path=rm["model_dir"], max_new_tokens=4, pairs=pairs)
     assert len(loads) == 1
+    assert len(encodes) == 1  # one tokenizer: the pairs are tokenised once for both models
     # the two checkpoints of one model (same config and tokenizer): loaded once, the second's weights copied in
     assert len(policy_loads) == 1
     for name in alone:  # per-model scores as when each model was evaluated alone
         assert together[name]["rm_mean_score"] == pytest.approx(alone[name]["rm_mean_score"], abs=1e-5)
         assert together[name]["arith_accuracy"] == alone[name]["arith_accuracy"]
+        assert together[name]["preference_margin"] == pytest.approx(alone[name]["preference_margin"], abs=1e-5)
 
 
 def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tmp_path):

@@ -16,6 +16,7 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ import pandas as pd
 from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
+from batchrl.training.tiny_model import folder_key
 from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
 from batchrl.training.weights import load_weights_in_place, same_model_files
@@ -73,8 +75,11 @@ def _evaluate(
     num_examples: int = 5,
     reference: pd.DataFrame | None = None,
     reward: str = "arith_exact",
+    encoded: dict[str, list[dict]] | None = None,
+    tokenizer_key: str = "",
 ) -> tuple[dict[str, Any], list[dict]]:
-    """``evaluate_policy`` without the RM score, with a loaded engine: (results, the greedy samples)."""
+    """``evaluate_policy`` without the RM score, with a loaded engine: (results, the greedy samples).
+    ``encoded``: the pairs tokenised so far, by ``tokenizer_key`` (models with one tokenizer share them)."""
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
@@ -92,9 +97,12 @@ def _evaluate(
                                             "answer": str(row.get("answer"))})
     if pairs is not None and len(pairs):
         # the reference pass's own function: policy and reference margins are computed alike
+        encoded = {} if encoded is None else encoded
         with phase("tokenise"):
-            items = encode_pairs(engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"),
-                                 max_length)
+            if tokenizer_key not in encoded:
+                encoded[tokenizer_key] = encode_pairs(
+                    engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
+            items = encoded[tokenizer_key]
         with phase("logprobs"):
             logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
                                   batch_size=batch_size)
@@ -124,16 +132,17 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
     """``evaluate_policy`` of each named model folder; checkpoints of the same model share one engine
     (weights copied in place), and the reward model is loaded once and scores every model's greedy
     answers (``rm_mean_score``)."""
-    results, samples, current = {}, {}, None  # current: (folder, engine) of the last model
+    results, samples, current, encoded = {}, {}, None, {}  # current: (folder, engine) of the last model
     for name, path in models.items():
-        same = current is not None and same_model_files(current[0], path)
-        previous = current[1] if same else None
+        reuse = current[1] if current is not None and same_model_files(current[0], path) else None
         current = None  # another model: the last one's memory is free before this one loads
-        current = (path, _engine_for(path, previous, engine=engine, max_new_tokens=max_new_tokens,
+        current = (path, _engine_for(path, reuse, engine=engine, max_new_tokens=max_new_tokens,
                                      batch_size=batch_size, device=device, dtype=dtype))
-        results[name], samples[name] = _evaluate(current[1], arith_eval=arith_eval, batch_size=batch_size,
-                                                 max_length=max_length, **options)
-    current = None  # the policies' memory is free before the reward model loads
+        reuse = None
+        results[name], samples[name] = _evaluate(
+            current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=max_length, encoded=encoded,
+            tokenizer_key=folder_key(path, tokenizer_only=True) if os.path.isdir(path) else path, **options)
+    current = None  # the policies' memory (engine, CUDA graphs) is free before the reward model loads
     answered = [(name, s) for name in models for s in samples[name]]
     if reward_model_path and answered:
         scores = score_with_reward_model(
