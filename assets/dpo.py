@@ -2,7 +2,7 @@
 
 import hashlib
 import os
-from typing import Literal
+from typing import Literal, Optional
 
 import dagster as dg
 import pandas as pd
@@ -19,7 +19,10 @@ DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
 
 class ReferenceConfig(dg.Config):
     max_length: int = Field(256, description="tokens per prompt + completion")
-    batch_size: int = Field(16, description="pairs per forward pass")
+    batch_size: int = Field(16, description="pairs per forward pass (at most)")
+    batch_tokens: Optional[int] = Field(None, ge=1, description="padded tokens per forward pass, both rows of a "
+                                        "pair counted: set, short pairs go in larger batches (up to batch_size "
+                                        "pairs), which keeps a GPU busy; unset, batch_size alone")
     dtype: str = Field("auto", description="auto = bfloat16 on GPU, float32 on CPU")
 
 
@@ -87,8 +90,8 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
     with storage.staging_dir("reference_work") as workdir, storage.staging_dir("reference_logprobs") as staging:
         stats = compute.run(context, trainer, "reference_logprobs", {
             "model_path": base_model.path, "pairs_parquet": dpo_pairs.file(), "out_parquet": output_file(context, staging),
-            "max_length": config.max_length, "batch_size": config.batch_size, "device": compute.device,
-            "dtype": config.dtype}, workdir=workdir)
+            "max_length": config.max_length, "batch_size": config.batch_size, "batch_tokens": config.batch_tokens,
+            "device": compute.device, "dtype": config.dtype}, workdir=workdir)
         return publish(context, storage, catalog, staging, config=config.model_dump(),
                        inputs={"dpo_pairs": dpo_pairs, "reference": base_model},
                        metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str)) and k != "path"})

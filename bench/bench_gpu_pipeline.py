@@ -67,7 +67,8 @@ def write_profile(out: str, model: str, landing: dict, a) -> str:
             "policy_checkpoint": {"config": {"lr": 1e-6, "micro_batch_size": 32, "grad_accum": 4,
                                              "max_length": 384}},
             "dpo_pairs": {"config": {"source": "logged"}},
-            "reference_logprobs": {"config": {"max_length": 128, "batch_size": 64}},
+            # short pairs: batches by tokens (32k padded tokens, ~250 pairs here) rather than 64 pairs
+            "reference_logprobs": {"config": {"max_length": 128, "batch_size": 512, "batch_tokens": 32768}},
             "dpo_checkpoint": {"config": {"lr": 1e-6, "epochs": 1, "micro_batch_size": 32, "max_length": 128}},
             "evaluation": {"config": {"reward": "final_answer", "max_new_tokens": 64, "max_eval_prompts": 200}},
         },

@@ -292,3 +292,19 @@ def test_library_phases_are_recorded_only_while_a_job_records():
     with phases.recording() as fresh:
         pass
     assert fresh.summary() == {"other": fresh.summary()["other"]} and "load_model" not in fresh.seconds
+
+
+def test_reference_logprobs_by_token_budget_equal_fixed_batches(dpo_inputs, tmp_path):
+    """``batch_tokens``: short pairs go in larger batches (fewer forward passes); the log-probs are the
+    same pair for pair, in input order."""
+    import pandas as pd
+
+    fixed = pd.read_parquet(dpo_inputs["reference_parquet"])
+    out = str(tmp_path / "ref_tokens.parquet")
+    compute_reference_logprobs(dpo_inputs["model_path"], dpo_inputs["pairs_parquet"], out, max_length=64,
+                               batch_size=1000, batch_tokens=600)
+    budget = pd.read_parquet(out)
+    assert list(budget["id"]) == list(fixed["id"])
+    for column in ("ref_chosen_logp", "ref_rejected_logp"):
+        assert budget[column].to_numpy() == pytest.approx(fixed[column].to_numpy(), abs=1e-4)
+    assert (budget[["chosen_len", "rejected_len"]] == fixed[["chosen_len", "rejected_len"]]).all().all()

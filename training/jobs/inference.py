@@ -50,7 +50,8 @@ def reference_logprobs(config: dict) -> dict:
 
     return compute_reference_logprobs(config["model_path"], config["pairs_parquet"], config["out_parquet"],
                                       max_length=config["max_length"], batch_size=config["batch_size"],
-                                      device=config.get("device"), dtype=config.get("dtype", "auto"))
+                                      batch_tokens=config.get("batch_tokens"), device=config.get("device"),
+                                      dtype=config.get("dtype", "auto"))
 
 
 TASKS: dict[str, Callable[[dict], dict]] = {"rewards": score_rewards, "reference_logprobs": reference_logprobs,

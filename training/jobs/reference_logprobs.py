@@ -1,5 +1,5 @@
 """Job: reference log-probs of preference pairs. Config JSON: ``{"model_path", "pairs_parquet",
-"out_parquet", "max_length", "batch_size"}``."""
+"out_parquet", "max_length", "batch_size", "batch_tokens"}``."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,8 @@ def work(config: dict, rep: Reporter):
 
     stats = compute_reference_logprobs(config["model_path"], config["pairs_parquet"], config["out_parquet"],
                                        max_length=config.get("max_length", 256),
-                                       batch_size=config.get("batch_size", 16))
+                                       batch_size=config.get("batch_size", 16),
+                                       batch_tokens=config.get("batch_tokens"))
     return stats, os.path.dirname(os.path.abspath(config["out_parquet"]))
 
 
