@@ -45,12 +45,20 @@ def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, de
         return model.to(device), tokenizer
 
 
+def encode_scored(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int) -> list[list[int]]:
+    """Token ids the reward model scores for each (prompt, response): ``render(prompt) + response + eos``."""
+    return [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
+
+
+def sequence_scores(model: Any, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Scalar score per token sequence (``encode_scored``), shape ``[B]``, differentiable (one forward pass)."""
+    ids, mask = right_padded_batch(sequences, pad_id, next(model.parameters()).device)
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
 def reward_scores(model: Any, tokenizer: Any, prompts: list[str], responses: list[str], *, max_length: int) -> torch.Tensor:
     """Scalar score per (prompt, response), shape ``[B]``, differentiable (one forward pass)."""
-    sequences = [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
-    device = next(model.parameters()).device
-    ids, mask = right_padded_batch(sequences, tokenizer.pad_token_id, device)
-    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    return sequence_scores(model, encode_scored(tokenizer, prompts, responses, max_length), tokenizer.pad_token_id)
 
 
 @torch.no_grad()
@@ -61,33 +69,40 @@ def score_texts(
     """Scores of many (prompt, response) pairs as float32 numpy, in input order. Tokenised in one call,
     scored in batches of similar length (``batch_size`` rows, or ``max_tokens`` padded tokens when set),
     read back once at the end: no host work or sync between the batches' forward passes."""
+    with phase("tokenise"):
+        sequences = encode_scored(tokenizer, prompts, responses, max_length)
+    return score_sequences(model, sequences, tokenizer.pad_token_id, batch_size=batch_size, max_tokens=max_tokens)
+
+
+@torch.no_grad()
+def score_sequences(model: Any, sequences: list[list[int]], pad_id: int, *, batch_size: int = 32,
+                    max_tokens: int | None = None) -> np.ndarray:
+    """``score_texts`` of sequences already tokenised (``encode_scored``)."""
     from batchrl.training.trainer.batching import length_sorted_batches
 
-    if not len(prompts):
+    if not len(sequences):
         return np.zeros(0, dtype=np.float32)
     was_training = model.training
     model.eval()
-    with phase("tokenise"):
-        sequences = [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
-    device = next(model.parameters()).device
     batches = length_sorted_batches([len(s) for s in sequences], None if max_tokens else batch_size, max_tokens)
-    scores = []
     with phase("rm_score"):
-        for idx in batches:
-            ids, mask = right_padded_batch([sequences[i] for i in idx], tokenizer.pad_token_id, device)
-            scores.append(model(input_ids=ids, attention_mask=mask).logits[:, 0].float())
+        scores = [sequence_scores(model, [sequences[i] for i in idx], pad_id) for idx in batches]
         out = np.empty(len(sequences), dtype=np.float32)
         out[np.concatenate(batches)] = torch.cat(scores).cpu().numpy()
     model.train(was_training)
     return out
 
 
-def pair_accuracy(model, tokenizer, pairs: pd.DataFrame, *, batch_size: int, max_length: int,
-                  max_tokens: int | None = None) -> tuple[float, float]:
-    """(accuracy = P[r_chosen > r_rejected], mean Bradley-Terry loss) over all pairs."""
+def encode_pairs_scored(tokenizer: Any, pairs: pd.DataFrame, max_length: int) -> list[list[int]]:
+    """The scored sequences of every pair: the chosen ones (pair order), then the rejected ones."""
     prompts = pairs["prompt"].tolist()
-    both = score_texts(model, tokenizer, prompts * 2, pairs["chosen"].tolist() + pairs["rejected"].tolist(),
-                       batch_size=batch_size, max_length=max_length, max_tokens=max_tokens)
-    chosen, rejected = both[:len(prompts)], both[len(prompts):]
+    return encode_scored(tokenizer, prompts * 2, pairs["chosen"].tolist() + pairs["rejected"].tolist(), max_length)
+
+
+def pair_accuracy(model, pad_id: int, sequences: list[list[int]], *, batch_size: int,
+                  max_tokens: int | None = None) -> tuple[float, float]:
+    """(accuracy = P[r_chosen > r_rejected], mean Bradley-Terry loss) over all pairs (``encode_pairs_scored``)."""
+    both = score_sequences(model, sequences, pad_id, batch_size=batch_size, max_tokens=max_tokens)
+    chosen, rejected = both[:len(both) // 2], both[len(both) // 2:]
     diff = torch.from_numpy(chosen - rejected).double()
     return float((diff > 0).double().mean()), float(-torch.nn.functional.logsigmoid(diff).mean())

@@ -90,7 +90,7 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
     ``out_dir/critic`` and returns its loss curve and metrics."""
     from batchrl.training.trainer.checkpoint import export_hf_model, seed_everything
     from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler
-    from batchrl.training.trainer.loop import compute_autocast, fit_batch
+    from batchrl.training.trainer.loop import compute_autocast, fit_batch, forward_module
     from batchrl.training.trainer.batching import steps_per_epoch
 
     missing = {"values", "returns"} - set(rows)
@@ -117,8 +117,8 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
                 mask, R = batch["response_mask"], batch["response_mask"].shape[1]
                 old = pad_floats([rows["values"][i] for i in idx], R).to(engine.device)
                 returns = pad_floats([rows["returns"][i] for i in idx], R).to(engine.device)
-                with compute_autocast(ccfg, engine.device):  # the module itself: see TrainLoop.model
-                    values = value_predictions(engine.module, batch)
+                with compute_autocast(ccfg, engine.device):
+                    values = value_predictions(forward_module(engine, ccfg), batch)
                 loss, metrics = compute_value_loss(values, old, returns, mask, cliprange_value=cfg.cliprange_value,
                                                    loss_agg_mode=cfg.loss_agg_mode)
                 engine.backward(loss)

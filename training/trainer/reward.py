@@ -40,7 +40,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     """Train a Bradley-Terry RM from ``model_path`` on ``pairs_parquet`` (prompt/chosen/rejected);
     checkpoints in ``out_dir/checkpoints``, the HF classifier in ``out_dir/model``."""
     from batchrl.training.algos import bradley_terry_loss
-    from batchrl.training.reward_model import pair_accuracy, reward_scores
+    from batchrl.training.reward_model import encode_pairs_scored, pair_accuracy, sequence_scores
 
     pairs = load_pairs(pairs_parquet, cfg)
     cfg = fit_batch(cfg, len(pairs))
@@ -49,15 +49,16 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     n_steps = steps_per_epoch(len(pairs), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
                      inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model)
-    tokenizer = loop.tokenizer
-    prompts, chosen, rejected = (pairs[c].tolist() for c in ("prompt", "chosen", "rejected"))
-    measure = dict(batch_size=2 * cfg.micro_batch_size, max_length=cfg.max_length, max_tokens=cfg.measure_batch_tokens)
+    pad_id, n = loop.tokenizer.pad_token_id, len(pairs)
+    with loop.phase("tokenise"):  # once, for the accuracy passes and every step (no tokenising inside a step)
+        sequences = encode_pairs_scored(loop.tokenizer, pairs, cfg.max_length)
+    measure = dict(batch_size=2 * cfg.micro_batch_size, max_tokens=cfg.measure_batch_tokens)
     if "before" not in loop.state:  # measured once, before any update (kept across resumes)
         with loop.measure_context("accuracy_before"):
-            loop.state["before"] = pair_accuracy(loop.model, tokenizer, pairs, **measure)
+            loop.state["before"] = pair_accuracy(loop.model, pad_id, sequences, **measure)
 
-    # characters as the length proxy (the texts are tokenised per micro-batch)
-    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(prompts, chosen, rejected)] \
+    # characters as the length proxy (the grouping the trainer has always used: same batches, same results)
+    lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(pairs["prompt"], pairs["chosen"], pairs["rejected"])] \
         if cfg.group_by_length else None
     for epoch in range(loop.state["epoch"], cfg.epochs):
         order = epoch_order(len(pairs), cfg.seed, epoch)
@@ -65,10 +66,9 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
             if loop.finished():
                 break
             for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
-                both = [prompts[i] for i in idx] * 2
-                responses = [chosen[i] for i in idx] + [rejected[i] for i in idx]
+                rows = [sequences[i] for i in idx] + [sequences[n + i] for i in idx]  # chosen, then rejected
                 with loop.forward_context():
-                    scores = reward_scores(loop.model, tokenizer, both, responses, max_length=cfg.max_length)
+                    scores = sequence_scores(loop.model, rows, pad_id)
                     loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
                 loop.backward(loss)
                 loop.accumulate({"loss": loss, **metrics})
@@ -80,7 +80,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     result = loop.summary()
     if not result["stopped_early"]:
         with loop.measure_context("accuracy_after"):
-            before, after = loop.state["before"], pair_accuracy(loop.model, tokenizer, pairs, **measure)
+            before, after = loop.state["before"], pair_accuracy(loop.model, pad_id, sequences, **measure)
         result.update(num_pairs=len(pairs), train_accuracy_before=before[0], train_loss_before=before[1],
                       train_accuracy_after=after[0], train_loss_after=after[1])
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
