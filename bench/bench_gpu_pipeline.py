@@ -198,10 +198,11 @@ def main() -> None:
     for k in range(a.runs):
         runs.append({"run": k + 1, "caches": "cold" if k == 0 else "warm",
                      **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a, env)})
-    # the warm job worker outlives the runs (it waits for the next one): stop it, keep its log
+    # the warm job workers outlive the runs (they wait for the next one): stop them, keep their logs
     subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
-    for log in glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")):
-        shutil.copy(log, os.path.join(out, "worker.log"))
+    logs = sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")))
+    for k, log in enumerate(logs):
+        shutil.copy(log, os.path.join(out, "worker.log" if k == 0 else f"worker-{k}.log"))
     report = {**{k: v for k, v in runs[-1].items()}, "model_build_s": round(build_s, 1), "settings": vars(a)}
     if a.runs > 1:
         report["runs"] = runs

@@ -5,7 +5,9 @@ uses), hands the job and the session's bootstrap variables to the worker over it
 returns the completed invocation: the asset sees the same Pipes logs and materialisation as from a
 subprocess. The worker is found by a socket path keyed by the interpreter and the environment that
 matters to a job; when none answers, one is started (a file lock keeps two steps from starting two).
-Jobs queue on the socket: one runs at a time, which is what one GPU wants.
+Jobs queue on the socket: one runs at a time per worker. ``slots`` > 1 (the launcher's ``gpu_job_slots``)
+keeps that many workers, so steps that Dagster runs side by side (a multiprocess run from the UI or the
+daemon) share the GPU instead of queueing: each job takes a worker that runs nothing now.
 """
 from __future__ import annotations
 
@@ -49,6 +51,37 @@ def socket_path(env: dict[str, str]) -> str:
     folder = os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16] + ".sock")
+
+
+def slot_path(env: dict[str, str], slot: int) -> str:
+    """The socket of GPU job slot ``slot`` (``TrainerLauncherResource.gpu_job_slots``): slot 0 is
+    ``socket_path``'s, each further slot a worker of its own."""
+    path = socket_path(env)
+    return path if slot == 0 else path.removesuffix(".sock") + f"-{slot}.sock"
+
+
+@contextlib.contextmanager
+def free_slot(env: dict[str, str], slots: int):
+    """The socket of a worker among ``slots`` that runs no job now (slot 0 first), held for the caller's
+    job; waits while all are busy. One slot: the one worker, whose socket queues the jobs itself."""
+    if slots <= 1:
+        yield socket_path(env)
+        return
+    while True:
+        for slot in range(slots):
+            path = slot_path(env, slot)
+            busy = open(path + ".busy", "w")
+            try:
+                fcntl.flock(busy, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy.close()
+                continue
+            try:
+                yield path
+            finally:
+                busy.close()  # releases the lock: the next step's job may take this worker
+            return
+        time.sleep(0.1)
 
 
 def _connect(path: str) -> socket.socket | None:
@@ -117,11 +150,11 @@ def _tail(path: str, n: int = 4000) -> str:
 
 
 def run_in_worker(context: dg.AssetExecutionContext, job: str, config_path: str, workdir: str,
-                  env: dict[str, str], idle_s: float) -> dg.PipesClientCompletedInvocation:
-    """Run ``job`` in the warm worker for ``env`` and return Pipes' completed invocation."""
-    path = socket_path(env)
-    with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                               message_reader=dg.PipesTempFileMessageReader()) as session:
+                  env: dict[str, str], idle_s: float, slots: int = 1) -> dg.PipesClientCompletedInvocation:
+    """Run ``job`` in a warm worker for ``env`` (a free one of ``slots``) and return Pipes' completed invocation."""
+    with free_slot(env, slots) as path, dg.open_pipes_session(
+            context=context, context_injector=dg.PipesTempFileContextInjector(),
+            message_reader=dg.PipesTempFileMessageReader()) as session:
         job_env = {k: v for k, v in env.items() if os.environ.get(k) != v}  # what this job sets on top
         answer = request(path, {"job": job, "config": config_path, "cwd": workdir,
                                 "env": {**job_env, **session.get_bootstrap_env_vars()}}, env, idle_s)

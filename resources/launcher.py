@@ -45,6 +45,10 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         "and multi-node jobs still start their own processes); k8s: each job in a GPU pod through "
         "PipesK8sClient (extra .[k8s])")
     worker_idle_s: float = Field(600.0, gt=0, description="worker: seconds without a job before it exits")
+    gpu_job_slots: int = Field(1, ge=1, description="worker: one-process jobs that may run at once, each in a warm "
+                               "worker of its own (steps a multiprocess run from the UI or the daemon executes side by "
+                               "side, e.g. the DPO branch beside the RL branch, then share the GPU instead of "
+                               "queueing; each worker keeps its CUDA context and cached memory); 1 = one at a time")
     k8s_image: str = Field("", description="k8s: the container image with batchrl installed")
     k8s_namespace: str = Field("default", description="k8s: namespace of the job pods")
     k8s_volume_claim: str = Field("batchrl-cache", description="k8s: a ReadWriteMany claim holding the storage "
@@ -67,7 +71,8 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             invocation = client.run(context=context, **options, **self.pod_request(job, config_path))
         elif self.backend == "worker" and self.one_process(job) and not fresh_process:
             from batchrl.resources.job_worker import run_in_worker
-            invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s)
+            invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s,
+                                       self.gpu_job_slots)
         else:
             client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
             invocation = client.run(context=context, command=self.command(job, config_path))

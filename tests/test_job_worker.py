@@ -93,6 +93,30 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     os.kill(new_pid, signal.SIGTERM)
 
 
+def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
+    """gpu_job_slots 2: while one worker runs a job (its slot held, as by another step of a multiprocess
+    run), the next job goes to a second warm worker instead of queueing; once the slot is free, jobs go to
+    the first again. Both give the same numbers."""
+    import fcntl
+
+    from batchrl.resources.job_worker import slot_path
+
+    worker = TrainerLauncherResource(backend="worker", worker_idle_s=60, gpu_job_slots=2,
+                                     env={"BATCHRL_STORAGE": str(tmp_path)})
+    run = lambda name: dg.materialize(_graph(inputs, tmp_path / name)[:1], resources={"trainer": worker})
+    pid = lambda result: _metadata(result, "reference_logprobs")["worker_pid"]
+    first = pid(run("first"))
+    with open(slot_path(worker.job_env(), 0) + ".busy", "w") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)  # slot 0 is running another step's job
+        beside = pid(run("beside"))
+    again = pid(run("again"))
+    assert beside != first and again == first
+    read = lambda name: pd.read_parquet(tmp_path / name / "ref" / "reference_logprobs.parquet")
+    pd.testing.assert_frame_equal(read("first"), read("beside"))
+    for worker_pid in (first, beside):
+        os.kill(worker_pid, signal.SIGTERM)
+
+
 def test_prestart_starts_one_worker_ahead_of_the_first_job(tmp_path):
     """`batchrl run` starts the worker before its first step: one worker, whatever the number of calls, that
     has its imports done when the first job comes; the subprocess backend starts none."""
