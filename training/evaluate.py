@@ -16,7 +16,6 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -25,7 +24,7 @@ import pandas as pd
 from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import folder_key
+from batchrl.training.tiny_model import tokenizer_key
 from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
 from batchrl.training.weights import load_weights_in_place, same_model_files
@@ -76,10 +75,10 @@ def _evaluate(
     reference: pd.DataFrame | None = None,
     reward: str = "arith_exact",
     encoded: dict[str, list[dict]] | None = None,
-    tokenizer_key: str = "",
+    pairs_key: str = "",
 ) -> tuple[dict[str, Any], list[dict]]:
     """``evaluate_policy`` without the RM score, with a loaded engine: (results, the greedy samples).
-    ``encoded``: the pairs tokenised so far, by ``tokenizer_key`` (models with one tokenizer share them)."""
+    ``encoded``: the pairs tokenised so far, by ``pairs_key`` (the tokenizer's key: models sharing it share them)."""
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
@@ -99,10 +98,10 @@ def _evaluate(
         # the reference pass's own function: policy and reference margins are computed alike
         encoded = {} if encoded is None else encoded
         with phase("tokenise"):
-            if tokenizer_key not in encoded:
-                encoded[tokenizer_key] = encode_pairs(
+            if pairs_key not in encoded:
+                encoded[pairs_key] = encode_pairs(
                     engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
-            items = encoded[tokenizer_key]
+            items = encoded[pairs_key]
         with phase("logprobs"):
             logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
                                   batch_size=batch_size)
@@ -141,7 +140,7 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
         reuse = None
         results[name], samples[name] = _evaluate(
             current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=max_length, encoded=encoded,
-            tokenizer_key=folder_key(path, tokenizer_only=True) if os.path.isdir(path) else path, **options)
+            pairs_key=tokenizer_key(path), **options)
     current = None  # the policies' memory (engine, CUDA graphs) is free before the reward model loads
     answered = [(name, s) for name in models for s in samples[name]]
     if reward_model_path and answered:

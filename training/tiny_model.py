@@ -153,9 +153,6 @@ _TOKENIZERS: OrderedDict[str, Any] = OrderedDict()
 TOKENIZER_CACHE_SIZE = 4
 
 
-MODEL_CONFIG_FILES = ("config.json", "generation_config.json")
-
-
 def folder_key(path: str, *, tokenizer_only: bool = False) -> str:
     """Hash of an HF folder's files other than its weights (config, tokenizer, generation config): equal for
     checkpoints of one model (batchrl's records beside them, ``fsutil.RECORD_FILES``, left out too).
@@ -167,14 +164,19 @@ def folder_key(path: str, *, tokenizer_only: bool = False) -> str:
         if name.endswith(WEIGHT_SUFFIXES + (".safetensors.index.json",)) or name in fsutil.RECORD_FILES \
                 or not os.path.isfile(full):
             continue
+        if tokenizer_only and name == "generation_config.json":
+            continue
         with open(full, "rb") as f:
             content = f.read()
-        if tokenizer_only and name in MODEL_CONFIG_FILES:
-            if name != "config.json":
-                continue
+        if tokenizer_only and name == "config.json":
             content = str(json.loads(content).get("model_type")).encode()
         digest.update(name.encode() + b"\0" + content + b"\0")
     return digest.hexdigest()
+
+
+def tokenizer_key(path: str) -> str:
+    """What identifies a folder's tokenizer: its tokenizer files' key, or the name for a hub id."""
+    return folder_key(path, tokenizer_only=True) if os.path.isdir(path) else path
 
 
 def _own_copy(tokenizer: Any) -> Any:
@@ -192,7 +194,7 @@ def load_tokenizer(path: str):
     process for the same tokenizer files; each caller gets its own copy to configure."""
     from transformers import AutoTokenizer
 
-    key = folder_key(path, tokenizer_only=True) if os.path.isdir(path) else None
+    key = tokenizer_key(path) if os.path.isdir(path) else None  # a hub id is not cached: its files may change
     if key is not None and key in _TOKENIZERS:
         _TOKENIZERS.move_to_end(key)
         return _own_copy(_TOKENIZERS[key])

@@ -17,8 +17,8 @@ from batchrl.training.tiny_model import folder_key
 
 
 def same_model_files(a: str, b: str) -> bool:
-    """Both folders hold the same model but for its weights: every other file (config, generation
-    config, tokenizer) byte-identical."""
+    """Both folders hold the same model but for its weights: config, generation config and tokenizer files
+    byte-identical (batchrl's records beside a checkpoint do not count, ``folder_key``)."""
     return os.path.isdir(a) and os.path.isdir(b) and folder_key(a) == folder_key(b)
 
 
@@ -41,12 +41,11 @@ def load_weights_in_place(model: Any, path: str) -> bool:
 
     files = _weight_files(path)
     state = model.state_dict()
-    stored: dict[str, tuple[str, tuple[int, ...]]] = {}
+    stored: dict[str, tuple[int, ...]] = {}  # name -> shape, from the files' headers
     for file in files:
         with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                stored[key] = (file, tuple(f.get_slice(key).get_shape()))
-    if not files or any(key not in state or tuple(state[key].shape) != shape for key, (_, shape) in stored.items()):
+            stored.update((key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
+    if not files or any(key not in state or tuple(state[key].shape) != shape for key, shape in stored.items()):
         return False
     # a tensor absent from the files must share its storage with one present (tied embeddings)
     present = {state[key].untyped_storage().data_ptr() for key in stored}
