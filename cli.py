@@ -95,7 +95,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from batchrl.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
-    from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job
+    from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job, start_step_server
     from batchrl.runconfig import RunConfigError, check_op_names, config_file_tags, validate_run_config
 
     defs = build_definitions()
@@ -108,8 +108,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2
     quiet_libraries()
-    if _runs_jobs(defs, [selection for _, selection, _ in plan]):
-        defs.resources["trainer"].prestart_worker()  # its imports overlap the data-only first steps
     tags = config_file_tags(args.config or [])
     log_path = run_log_path(home)
     started = time.monotonic()
@@ -117,6 +115,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     with dg.DagsterInstance.get() as instance:
         with contextlib.ExitStack() as stack:
             out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
+            if args.concurrent_steps > 1:  # its step processes write to the log; the job workers share the CPUs
+                start_step_server()
+            if _runs_jobs(defs, [selection for _, selection, _ in plan]):
+                # its imports overlap the data-only first steps
+                defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
             drops = len(drops_to_ingest(defs, instance))  # each new log drop's run gives three lines
             counts = [_step_count(defs, sel, drops) for _, sel, _ in plan]
             steps = sum(counts)
@@ -133,7 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 with RunProgress(instance, run_id, assets, out) as progress:
                     progress.total = counts[plan.index((title, selection, config))]
                     result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags,
-                                            on_run=progress.follow)
+                                            on_run=progress.follow, concurrent_steps=args.concurrent_steps)
                 done += progress.done
                 if not result.success:
                     break
@@ -296,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
     run.add_argument("--max-minutes", type=float, default=None,
                      help="start no further RL iteration after this many minutes (then evaluate)")
+    run.add_argument("--concurrent-steps", type=int, default=int(os.environ.get("BATCHRL_CONCURRENT_STEPS", "1")),
+                     metavar="N", help="steps that may run at once, each in a process of its own (Dagster's "
+                     "multiprocess executor, as from the UI): independent branches, e.g. DPO beside RL, overlap; "
+                     "1 (default, or BATCHRL_CONCURRENT_STEPS): one at a time in this process")
     run.add_argument("-v", "--verbose", action="store_true",
                      help="stream Dagster's events and the libraries' output here (default: a log file under "
                           "DAGSTER_HOME/logs; one line per asset here)")

@@ -1,7 +1,8 @@
 """The whole asset graph on one GPU at a real job's size, through Dagster, timed per asset.
 
     python3 bench/bench_gpu_pipeline.py --out DIR [--layers 24] [--prompts 512] [--samples 8] [--new-tokens 256]
-        [--pairs 2000] [--engine static|vllm|transformers] [--runs 2]
+        [--pairs 2000] [--engine static|vllm|transformers] [--runs 2] [--concurrent-steps 1,1,3]
+        [--gpu-job-slots 2]
 
 Base model: the Qwen2-0.5B shape with its full 151,936-id vocabulary and random weights (bench/qwen_shape.py).
 Data: `pairs` preference pairs written into a landing folder (correct vs wrong final answers to the
@@ -10,9 +11,12 @@ Runs `batchrl run --profile DIR/pipeline.yaml` with BATCHRL_ENV=gpu (every model
 trainers and rollouts in Pipes subprocesses) while nvidia-smi samples GPU utilisation every 200 ms, then
 reads the run's step start/end events from the Dagster instance: wall time per asset, GPU busy share
 inside each asset's window, peak GPU memory, and orchestration overhead = total wall time minus the
-sum of the asset steps (process start, definitions, Dagster bookkeeping). Writes DIR/pipeline.json.
+time some asset step was running (process start, definitions, Dagster bookkeeping; for a sequential run
+that is total minus the sum of the steps). Writes DIR/pipeline.json.
 ``--runs 2``: the graph again into fresh storage, with the compile caches and the job worker the first
 run left (what a scheduled retrain on the same machine finds); each run's report under ``runs``.
+``--concurrent-steps``: `batchrl run --concurrent-steps` per run (one value for all, or one per run), with
+``--gpu-job-slots`` warm job workers (BATCHRL_GPU_JOB_SLOTS): independent branches share the GPU.
 """
 from __future__ import annotations
 
@@ -127,7 +131,17 @@ def _bins(trace, start: float, end: float) -> list[list[float]]:
     return [bins[k] for k in sorted(bins)]
 
 
-def run_graph(profile: str, work: str, out: str, a, env: dict) -> dict:
+def busy_time(windows: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) windows."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(windows):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
+
+
+def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps: int = 1) -> dict:
     """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report."""
     for folder in ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
         shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
@@ -138,7 +152,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict) -> dict:
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
     started = time.time()
     cmd = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])",
-           "run", "--profile", profile]
+           "run", "--profile", profile, "--concurrent-steps", str(concurrent_steps)]
     with open(os.path.join(out, "run.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
@@ -157,8 +171,10 @@ def run_graph(profile: str, work: str, out: str, a, env: dict) -> dict:
                           "busy_per_s": [round(sum(b) / len(b)) for b in _bins(trace, s["start"], s["end"])],
                           "gpu_busy_mean_pct": round(sum(inside) / len(inside), 1) if inside else None,
                           "samples": len(inside), "job_timings": s.get("timings", {})})
-    in_steps = sum(p["wall_s"] for p in per_asset)
-    return {"rc": rc, "total_wall_s": round(total, 1), "sum_of_asset_steps_s": round(in_steps, 1),
+    in_steps = busy_time([(s["start"], s["end"]) for s in steps])
+    return {"rc": rc, "concurrent_steps": concurrent_steps, "total_wall_s": round(total, 1),
+            "sum_of_asset_steps_s": round(sum(p["wall_s"] for p in per_asset), 1),
+            "some_step_running_s": round(in_steps, 1),
             "orchestration_overhead_s": round(total - in_steps, 1),
             "orchestration_overhead_pct": round(100 * (total - in_steps) / total, 1) if total else None,
             "peak_gpu_memory_gib": round(max((m for _, _, m in trace), default=0) / 1024, 1),
@@ -179,7 +195,14 @@ def main() -> None:
         "runs of the graph, each into fresh storage: the first with empty compile caches and no job worker "
         "(a first-ever run); later ones keep the caches and the worker of the run before (a retrain on the "
         "same machine)"))
+    ap.add_argument("--concurrent-steps", default="1", help=(
+        "batchrl run --concurrent-steps: one value for every run, or comma-separated, one per run"))
+    ap.add_argument("--gpu-job-slots", type=int, default=1, help="warm job workers sharing the GPU")
     a = ap.parse_args()
+    concurrency = [int(v) for v in a.concurrent_steps.split(",")]
+    concurrency = concurrency * a.runs if len(concurrency) == 1 else concurrency
+    if len(concurrency) != a.runs:
+        ap.error(f"--concurrent-steps: {len(concurrency)} values for {a.runs} runs")
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     work = "/tmp/bench-pipeline"
@@ -192,28 +215,32 @@ def main() -> None:
     caches = os.path.join(work, "compile-cache")  # shared by the runs, empty for the first
     shutil.rmtree(caches, ignore_errors=True)
     env = {**os.environ, "BATCHRL_ENV": "gpu", "HF_HUB_OFFLINE": "1",
-           "BATCHRL_JOB_BACKEND": a.jobs, "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
+           "BATCHRL_JOB_BACKEND": a.jobs, "BATCHRL_GPU_JOB_SLOTS": str(a.gpu_job_slots),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(caches, "triton")}
     runs = []
-    for k in range(a.runs):
+    for k in range(a.runs):  # the report is rewritten after each run: a run cut short keeps the ones before
         runs.append({"run": k + 1, "caches": "cold" if k == 0 else "warm",
-                     **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a, env)})
+                     **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a, env,
+                                 concurrency[k])})
+        report = {**runs[-1], "model_build_s": round(build_s, 1), "settings": vars(a)}
+        with open(os.path.join(out, "pipeline.json"), "w") as f:
+            json.dump({**report, "runs": runs} if a.runs > 1 else report, f, indent=1)
+        print_run(runs[-1])
     # the warm job workers outlive the runs (they wait for the next one): stop them, keep their logs
     subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
     logs = sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")))
     for k, log in enumerate(logs):
         shutil.copy(log, os.path.join(out, "worker.log" if k == 0 else f"worker-{k}.log"))
-    report = {**{k: v for k, v in runs[-1].items()}, "model_build_s": round(build_s, 1), "settings": vars(a)}
-    if a.runs > 1:
-        report["runs"] = runs
-    with open(os.path.join(out, "pipeline.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    for r in runs:
-        print(json.dumps({k: v for k, v in r.items() if k != "per_asset"}))
-        for p in r["per_asset"]:
-            timings = " ".join(f"{k.removeprefix('phase_s/')}={v:.1f}" for k, v in p["job_timings"].items()
-                               if isinstance(v, (int, float)))
-            print(f"  {p['asset']:<28} {p['wall_s']:>8.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}  {timings}")
+
+
+def print_run(run: dict) -> None:
+    print(json.dumps({k: v for k, v in run.items() if k != "per_asset"}), flush=True)
+    for p in run["per_asset"]:
+        timings = " ".join(f"{k.removeprefix('phase_s/')}={v:.1f}" for k, v in p["job_timings"].items()
+                           if isinstance(v, (int, float)))
+        print(f"  {p['asset']:<28} {p['start_s']:>6.1f} +{p['wall_s']:>6.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  "
+              f"ok={p['ok']}  {timings}", flush=True)
 
 
 if __name__ == "__main__":

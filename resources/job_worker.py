@@ -120,10 +120,11 @@ def connect_or_start(path: str, env: dict[str, str], idle_s: float) -> socket.so
     return sock
 
 
-def prestart(env: dict[str, str], idle_s: float) -> None:
-    """Have the worker for ``env`` starting now, without waiting for its imports (it preloads torch and the
-    CUDA context while the run's first, data-only steps execute); a running one is left as it is."""
-    connect_or_start(socket_path(env), env, idle_s).close()  # an empty request: the worker just goes on
+def prestart(env: dict[str, str], idle_s: float, slots: int = 1) -> None:
+    """Have the workers of ``slots`` for ``env`` starting now, without waiting for their imports (each preloads
+    torch and the CUDA context while the run's first, data-only steps execute); running ones are left as they are."""
+    for slot in range(slots):
+        connect_or_start(slot_path(env, slot), env, idle_s).close()  # an empty request: the worker just goes on
 
 
 def worker_log(path: str) -> str:

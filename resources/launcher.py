@@ -78,12 +78,13 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             invocation = client.run(context=context, command=self.command(job, config_path))
         return invocation.get_materialize_result()
 
-    def prestart_worker(self) -> None:
-        """backend worker: start the warm worker ahead of the first job (a run calls this before its first step)."""
+    def prestart_worker(self, concurrent: bool = False) -> None:
+        """backend worker: start the warm worker ahead of the first job (a run calls this before its first step);
+        ``concurrent`` (a run that executes steps side by side): the worker of every GPU job slot."""
         if self.backend == "worker":
             from batchrl.resources.job_worker import prestart
 
-            prestart(self.job_env(), self.worker_idle_s)
+            prestart(self.job_env(), self.worker_idle_s, self.gpu_job_slots if concurrent else 1)
 
     def one_process(self, job: str) -> bool:
         """The job runs as one process here (not data-parallel, not over a hostfile)."""

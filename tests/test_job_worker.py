@@ -140,6 +140,23 @@ def test_prestart_starts_one_worker_ahead_of_the_first_job(tmp_path):
     assert not os.path.exists(socket_path(plain.job_env()))
 
 
+def test_a_concurrent_run_prestarts_the_worker_of_every_gpu_job_slot(tmp_path):
+    """gpu_job_slots 2: a run of one step at a time starts slot 0's worker only; a concurrent run starts both,
+    so the job that runs beside another finds its worker warm too."""
+    from batchrl.resources.job_worker import request, slot_path
+
+    worker = TrainerLauncherResource(backend="worker", worker_idle_s=30, gpu_job_slots=2,
+                                     env={"BATCHRL_STORAGE": str(tmp_path)})
+    env = worker.job_env()
+    worker.prestart_worker()
+    assert os.path.exists(slot_path(env, 0)) and not os.path.exists(slot_path(env, 1))
+    worker.prestart_worker(concurrent=True)
+    pids = [request(slot_path(env, slot), {"ping": True}, env, 30)["pid"] for slot in (0, 1)]
+    assert pids[0] != pids[1]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+
+
 def _cmdline_has(pid: str, text: str) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
