@@ -89,13 +89,20 @@ def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
 def cmd_run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
+    from batchrl.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
+
+    quiet_libraries()
+    log_path = run_log_path(home)
+    if args.concurrent_steps > 1:  # first thing: the step server's imports overlap this process's
+        from batchrl import step_server
+
+        step_server.start(None if args.verbose else log_path)
     import contextlib
     import uuid
 
     import dagster as dg
 
-    from batchrl.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
-    from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job, start_step_server
+    from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job
     from batchrl.runconfig import RunConfigError, check_op_names, config_file_tags, validate_run_config
 
     defs = build_definitions()
@@ -107,19 +114,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2
-    quiet_libraries()
+    if _runs_jobs(defs, [selection for _, selection, _ in plan]):
+        # its imports overlap the data-only first steps
+        defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
     tags = config_file_tags(args.config or [])
-    log_path = run_log_path(home)
     started = time.monotonic()
     done: list[dict] = []
     with dg.DagsterInstance.get() as instance:
         with contextlib.ExitStack() as stack:
             out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
-            if args.concurrent_steps > 1:  # its step processes write to the log; the job workers share the CPUs
-                start_step_server()
-            if _runs_jobs(defs, [selection for _, selection, _ in plan]):
-                # its imports overlap the data-only first steps
-                defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
             drops = len(drops_to_ingest(defs, instance))  # each new log drop's run gives three lines
             counts = [_step_count(defs, sel, drops) for _, sel, _ in plan]
             steps = sum(counts)

@@ -12,6 +12,7 @@ import uuid
 
 import dagster as dg
 
+from batchrl import step_server
 from batchrl.assets import automation, data, dpo, evaluation, models, policy_chain, rl
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP, landing_drops
@@ -20,18 +21,12 @@ from batchrl.resources import (
     TrainerLauncherResource,
 )
 
-STEP_PRELOAD = ["batchrl.step_server"]
-
-
 @dg.configured(dg.multiprocess_executor, config_schema={"max_concurrent": dg.Field(
     int, default_value=0, description="steps that may run at once (0: one per CPU core)")})
 def step_executor(config: dict) -> dict:
-    """Dagster's multiprocess executor with step processes forked from a server that has loaded
-    ``batchrl.step_server`` (the code location, torch, the instance's storage code) once per run; the default,
-    a spawned interpreter per step, paid those imports in every step (dev box: 2.9 s for Dagster and the
-    definitions, 6.8 s with torch)."""
+    """Dagster's multiprocess executor with its step processes forked from ``batchrl.step_server``."""
     return {"max_concurrent": config["max_concurrent"],
-            "start_method": {"forkserver": {"preload_modules": STEP_PRELOAD}}}
+            "start_method": {"forkserver": {"preload_modules": step_server.PRELOAD}}}
 
 
 def _storage_root() -> str:
@@ -172,7 +167,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
 
     check_rl_run_config(run_config, selection)
     if concurrent_steps > 1:
-        start_step_server()  # its imports overlap the per-drop runs
+        step_server.start()  # its imports overlap the per-drop runs (a no-op when `batchrl run` started it)
     job = selected_job(defs, selection)
     graph = defs.resolve_asset_graph()
     keys = set(job.asset_layer.executable_asset_keys)
@@ -203,16 +198,6 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
         result = (job.get_subset(asset_selection=rest) if per_drop else job).execute_in_process(
             instance=instance, run_config=rest_config, raise_on_error=False, **execute_kwargs)
     return result
-
-
-def start_step_server() -> None:
-    """Start the server a concurrent run's step processes fork from now, before the first step: it loads
-    ``batchrl.step_server`` while the per-drop runs execute instead of when the first step waits for it."""
-    import multiprocessing
-    import multiprocessing.forkserver
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(STEP_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
 
 
 def execute_concurrently(keys: set[dg.AssetKey], instance: dg.DagsterInstance, run_config: dict, steps: int,

@@ -39,7 +39,8 @@ def _run(tmp_path, name: str, steps: int) -> dict:
         os.environ.pop("DAGSTER_HOME") if saved is None else os.environ.__setitem__("DAGSTER_HOME", saved)
     # the console's asset lines: "[ k/n] ok   <asset>   <seconds> s  <data version>  <headline numbers>"
     lines = [re.match(r"\[\s*\d+/\d+\] (\w+)\s+(\w+)\s+[\d.]+ s\s+(\w+)", line) for line in done.stdout.splitlines()]
-    return {"steps": steps_seen, "versions": sorted((m[2], m[3]) for m in lines if m and m[1] == "ok")}
+    return {"steps": steps_seen, "versions": sorted((m[2], m[3]) for m in lines if m and m[1] == "ok"),
+            "console": done.stdout + done.stderr}
 
 
 def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_results(tmp_path):
@@ -49,4 +50,5 @@ def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_resul
     assert overlapping >= 1, three["steps"]  # prompts, scored_logs and preference_window need nothing of each other
     assert len({s["pid"] for s in three["steps"].values()}) >= 3  # a process per step
     assert len({s["pid"] for s in one["steps"].values()}) == 1  # one at a time, in the run's process
+    assert "DEBUG" not in three["console"]  # the step processes' own output goes to the run's log
     assert len(one["versions"]) == 10 and three["versions"] == one["versions"]  # 3 per-drop assets x 2 drops + 4
