@@ -86,6 +86,18 @@ def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
                for selection in selections for key in selected_job(defs, selection).asset_layer.executable_asset_keys)
 
 
+# a GPU's stages leave it partly idle, so the GPU environment overlaps independent steps (their jobs share the GPU
+# through gpu_job_slots: whole graph 107 -> 94 s warm, 162-168 -> 130 s cold on one H200, bench/RESULTS.md); on CPU
+# the steps would only divide the same cores
+CONCURRENT_STEPS_BY_ENV = {"local": 1, "s3": 1, "gpu": 3}
+
+
+def default_concurrent_steps() -> int:
+    """``batchrl run --concurrent-steps``' default: BATCHRL_CONCURRENT_STEPS, else BATCHRL_ENV's."""
+    explicit = os.environ.get("BATCHRL_CONCURRENT_STEPS")
+    return int(explicit) if explicit else CONCURRENT_STEPS_BY_ENV[os.environ.get("BATCHRL_ENV", "local")]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
@@ -302,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
     run.add_argument("--max-minutes", type=float, default=None,
                      help="start no further RL iteration after this many minutes (then evaluate)")
-    run.add_argument("--concurrent-steps", type=int, default=int(os.environ.get("BATCHRL_CONCURRENT_STEPS", "1")),
-                     metavar="N", help="steps that may run at once, each in a process of its own (Dagster's "
-                     "multiprocess executor, as from the UI): independent branches, e.g. DPO beside RL, overlap; "
-                     "1 (default, or BATCHRL_CONCURRENT_STEPS): one at a time in this process")
+    run.add_argument("--concurrent-steps", type=int, default=default_concurrent_steps(), metavar="N",
+                     help="steps that may run at once, each in a process of its own (Dagster's multiprocess "
+                     "executor, as from the UI): independent branches, e.g. DPO beside RL, overlap; 1: one at a "
+                     "time in this process. Default: BATCHRL_CONCURRENT_STEPS, else the environment's (gpu 3, "
+                     "local and s3 1)")
     run.add_argument("-v", "--verbose", action="store_true",
                      help="stream Dagster's events and the libraries' output here (default: a log file under "
                           "DAGSTER_HOME/logs; one line per asset here)")

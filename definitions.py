@@ -78,7 +78,8 @@ def _gpu() -> dict:
             # imports + CUDA context per stage (bench/RESULTS.md); BATCHRL_JOB_BACKEND=subprocess for those
             "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
                                                backend=os.environ.get("BATCHRL_JOB_BACKEND", "worker"),
-                                               gpu_job_slots=int(os.environ.get("BATCHRL_GPU_JOB_SLOTS", "1")),
+                                               # two jobs share the GPU when a run overlaps steps
+                                               gpu_job_slots=int(os.environ.get("BATCHRL_GPU_JOB_SLOTS", "2")),
                                                env=_job_env(os.path.join(_storage_root(), "_cache"))),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 

@@ -52,3 +52,18 @@ def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_resul
     assert len({s["pid"] for s in one["steps"].values()}) == 1  # one at a time, in the run's process
     assert "DEBUG" not in three["console"]  # the step processes' own output goes to the run's log
     assert len(one["versions"]) == 10 and three["versions"] == one["versions"]  # 3 per-drop assets x 2 drops + 4
+
+
+def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
+    """`batchrl run` overlaps independent steps in the GPU environment (their jobs share the GPU), not on CPU;
+    BATCHRL_CONCURRENT_STEPS overrides either."""
+    from batchrl.cli import default_concurrent_steps
+
+    monkeypatch.delenv("BATCHRL_CONCURRENT_STEPS", raising=False)
+    defaults = {}
+    for env in ("local", "s3", "gpu"):
+        monkeypatch.setenv("BATCHRL_ENV", env)
+        defaults[env] = default_concurrent_steps()
+    assert defaults == {"local": 1, "s3": 1, "gpu": 3}
+    monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "1")
+    assert default_concurrent_steps() == 1

@@ -165,6 +165,7 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
     assert not local["compute"].in_subprocess and local["compute"].generation_engine == "transformers"
     assert (gpu["compute"].device, local["compute"].device) == ("cuda", "cpu")
     assert (local["rollout_engine"].kind, local["trainer"].num_gpus) == ("transformers", 0)
+    assert (gpu["trainer"].gpu_job_slots, local["trainer"].gpu_job_slots) == (2, 1)
     assert local["landing"].preferences == "s3://team-bucket/landing/preferences"  # BATCHRL_LANDING in every env
     monkeypatch.setenv("BATCHRL_LANDING", str(tmp_path / "logs") + "/")
     assert RESOURCES_BY_ENV["local"]()["landing"].eval_prompts == str(tmp_path / "logs" / "arith" / "eval.jsonl")
