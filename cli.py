@@ -88,7 +88,7 @@ def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
 
 # a GPU's stages leave it partly idle, so the GPU environment overlaps independent steps (their jobs share the GPU
 # through gpu_job_slots: whole graph 107 -> 94 s warm, 162-168 -> 130 s cold on one H200, bench/RESULTS.md); on CPU
-# the steps would only divide the same cores
+# they divide the same cores (README job 140 -> 132 s on 2 cores: too little for a process per step)
 CONCURRENT_STEPS_BY_ENV = {"local": 1, "s3": 1, "gpu": 3}
 
 
