@@ -92,10 +92,16 @@ def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
 CONCURRENT_STEPS_BY_ENV = {"local": 1, "s3": 1, "gpu": 3}
 
 
+def _steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of steps, at least 1")
+    return int(text)
+
+
 def default_concurrent_steps() -> int:
     """``batchrl run --concurrent-steps``' default: BATCHRL_CONCURRENT_STEPS, else BATCHRL_ENV's."""
     explicit = os.environ.get("BATCHRL_CONCURRENT_STEPS")
-    return int(explicit) if explicit else CONCURRENT_STEPS_BY_ENV[os.environ.get("BATCHRL_ENV", "local")]
+    return _steps(explicit) if explicit else CONCURRENT_STEPS_BY_ENV[os.environ.get("BATCHRL_ENV", "local")]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -314,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
     run.add_argument("--max-minutes", type=float, default=None,
                      help="start no further RL iteration after this many minutes (then evaluate)")
-    run.add_argument("--concurrent-steps", type=int, default=default_concurrent_steps(), metavar="N",
+    try:
+        concurrent_default = default_concurrent_steps()
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"BATCHRL_CONCURRENT_STEPS: {error}")
+    run.add_argument("--concurrent-steps", type=_steps, default=concurrent_default, metavar="N",
                      help="steps that may run at once, each in a process of its own (Dagster's multiprocess "
                      "executor, as from the UI): independent branches, e.g. DPO beside RL, overlap; 1: one at a "
                      "time in this process. Default: BATCHRL_CONCURRENT_STEPS, else the environment's (gpu 3, "

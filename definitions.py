@@ -21,6 +21,7 @@ from batchrl.resources import (
     TrainerLauncherResource,
 )
 
+
 @dg.configured(dg.multiprocess_executor, config_schema={"max_concurrent": dg.Field(
     int, default_value=0, description="steps that may run at once (0: one per CPU core)")})
 def step_executor(config: dict) -> dict:

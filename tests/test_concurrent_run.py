@@ -2,12 +2,14 @@
 multiprocess executor, as from the UI), with the same results as one step at a time."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
 import sys
 
 import dagster as dg
+import pytest
 
 SELECTION = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "scored_logs",
              "scored_pairs"]
@@ -67,3 +69,6 @@ def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
     assert defaults == {"local": 1, "s3": 1, "gpu": 3}
     monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "1")
     assert default_concurrent_steps() == 1
+    monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "0")
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+        default_concurrent_steps()
