@@ -5,9 +5,9 @@ uses), hands the job and the session's bootstrap variables to the worker over it
 returns the completed invocation: the asset sees the same Pipes logs and materialisation as from a
 subprocess. The worker is found by a socket path keyed by the interpreter and the environment that
 matters to a job; when none answers, one is started (a file lock keeps two steps from starting two).
-Jobs queue on the socket: one runs at a time per worker. ``slots`` > 1 (the launcher's ``gpu_job_slots``)
-keeps that many workers, so steps that Dagster runs side by side (a multiprocess run from the UI or the
-daemon) share the GPU instead of queueing: each job takes a worker that runs nothing now.
+One job runs at a time per worker. ``slots`` (the launcher's ``gpu_job_slots``) bounds the jobs on this host:
+each holds a slot (``free_slot``, a file lock) and runs in that slot's worker, or in processes of its own;
+with more than one, steps that Dagster runs side by side (a multiprocess run) share the GPU instead of queueing.
 """
 from __future__ import annotations
 
@@ -63,10 +63,7 @@ def slot_path(env: dict[str, str], slot: int) -> str:
 @contextlib.contextmanager
 def free_slot(env: dict[str, str], slots: int):
     """The socket of a worker among ``slots`` that runs no job now (slot 0 first), held for the caller's
-    job; waits while all are busy. One slot: the one worker, whose socket queues the jobs itself."""
-    if slots <= 1:
-        yield socket_path(env)
-        return
+    job (which may also run in processes of its own, the slot only counting it); waits while all are busy."""
     while True:
         for slot in range(slots):
             path = slot_path(env, slot)
@@ -151,9 +148,10 @@ def _tail(path: str, n: int = 4000) -> str:
 
 
 def run_in_worker(context: dg.AssetExecutionContext, job: str, config_path: str, workdir: str,
-                  env: dict[str, str], idle_s: float, slots: int = 1) -> dg.PipesClientCompletedInvocation:
-    """Run ``job`` in a warm worker for ``env`` (a free one of ``slots``) and return Pipes' completed invocation."""
-    with free_slot(env, slots) as path, dg.open_pipes_session(
+                  env: dict[str, str], idle_s: float, path: str) -> dg.PipesClientCompletedInvocation:
+    """Run ``job`` in the warm worker of socket ``path`` (a slot ``free_slot`` holds for it) and return Pipes'
+    completed invocation."""
+    with dg.open_pipes_session(
             context=context, context_injector=dg.PipesTempFileContextInjector(),
             message_reader=dg.PipesTempFileMessageReader()) as session:
         job_env = {k: v for k, v in env.items() if os.environ.get(k) != v}  # what this job sets on top

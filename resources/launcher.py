@@ -45,10 +45,11 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         "and multi-node jobs still start their own processes); k8s: each job in a GPU pod through "
         "PipesK8sClient (extra .[k8s])")
     worker_idle_s: float = Field(600.0, gt=0, description="worker: seconds without a job before it exits")
-    gpu_job_slots: int = Field(1, ge=1, description="worker: one-process jobs that may run at once, each in a warm "
-                               "worker of its own (steps a multiprocess run from the UI or the daemon executes side by "
-                               "side, e.g. the DPO branch beside the RL branch, then share the GPU instead of "
-                               "queueing; each worker keeps its CUDA context and cached memory); 1 = one at a time")
+    gpu_job_slots: int = Field(1, ge=1, description="worker: jobs that may run at once on this host, one-process "
+                               "ones each in a warm worker of its own, the others (vLLM rollouts, data-parallel "
+                               "training) in their own processes (steps a multiprocess run executes side by side, e.g. "
+                               "the DPO branch beside the RL branch, then share the GPU instead of queueing; each "
+                               "worker keeps its CUDA context and cached memory); 1 = one at a time")
     k8s_image: str = Field("", description="k8s: the container image with batchrl installed")
     k8s_namespace: str = Field("default", description="k8s: namespace of the job pods")
     k8s_volume_claim: str = Field("batchrl-cache", description="k8s: a ReadWriteMany claim holding the storage "
@@ -69,14 +70,23 @@ class TrainerLauncherResource(dg.ConfigurableResource):
 
             client, options = k8s_client(self.k8s_namespace)
             invocation = client.run(context=context, **options, **self.pod_request(job, config_path))
-        elif self.backend == "worker" and self.one_process(job) and not fresh_process:
-            from batchrl.resources.job_worker import run_in_worker
-            invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s,
-                                       self.gpu_job_slots)
+        elif self.backend == "worker":
+            from batchrl.resources.job_worker import free_slot, run_in_worker
+
+            # every job here holds a GPU job slot, in its warm worker or in processes of its own (vLLM
+            # rollouts, data-parallel training): what shares the GPUs at once stays within gpu_job_slots
+            with free_slot(self.job_env(), self.gpu_job_slots) as slot:
+                invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s,
+                                           slot) if self.one_process(job) and not fresh_process \
+                    else self._run_in_subprocesses(context, job, config_path, workdir)
         else:
-            client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
-            invocation = client.run(context=context, command=self.command(job, config_path))
+            invocation = self._run_in_subprocesses(context, job, config_path, workdir)
         return invocation.get_materialize_result()
+
+    def _run_in_subprocesses(self, context: dg.AssetExecutionContext, job: str, config_path: str,
+                             workdir: str) -> dg.PipesClientCompletedInvocation:
+        client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
+        return client.run(context=context, command=self.command(job, config_path))
 
     def prestart_worker(self, concurrent: bool = False) -> None:
         """backend worker: start the warm worker ahead of the first job (a run calls this before its first step);

@@ -117,6 +117,38 @@ def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
         os.kill(worker_pid, signal.SIGTERM)
 
 
+def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(inputs, tmp_path):
+    """A job outside the warm workers (vLLM rollouts, data-parallel training) holds a GPU job slot too: while
+    the only slot runs another step's job, it does not start; once the slot is free, it runs."""
+    import fcntl
+    import threading
+    import time
+
+    from batchrl.resources.job_worker import slot_path
+
+    worker = TrainerLauncherResource(backend="worker", worker_idle_s=30, env={"BATCHRL_STORAGE": str(tmp_path)})
+    config_path = str(tmp_path / "own" / "reference_logprobs.json")
+
+    @dg.asset
+    def own_process(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
+        os.makedirs(tmp_path / "own", exist_ok=True)
+        return trainer.run_job(context, "reference_logprobs", {
+            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
+            "out_parquet": str(tmp_path / "own" / "ref.parquet"), "max_length": 64}, str(tmp_path / "own"),
+            fresh_process=True)
+
+    results = []
+    with open(slot_path(worker.job_env(), 0) + ".busy", "w") as busy:
+        fcntl.flock(busy, fcntl.LOCK_EX)  # the one slot runs another step's job
+        step = threading.Thread(target=lambda: results.append(dg.materialize([own_process], resources={"trainer": worker})))
+        step.start()
+        time.sleep(4)
+        assert step.is_alive() and not os.path.exists(tmp_path / "own" / "ref.parquet")
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, config_path)]
+    step.join(timeout=240)
+    assert results and results[0].success and os.path.exists(tmp_path / "own" / "ref.parquet")
+
+
 def test_prestart_starts_one_worker_ahead_of_the_first_job(tmp_path):
     """`batchrl run` starts the worker before its first step: one worker, whatever the number of calls, that
     has its imports done when the first job comes; the subprocess backend starts none."""
