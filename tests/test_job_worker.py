@@ -42,6 +42,20 @@ def _graph(inputs, root):
     return [reference_logprobs, dpo_checkpoint]
 
 
+def _own_process_asset(inputs, folder):
+    """Reference log-probs as a job in a process of its own, writing ``folder``/ref.parquet."""
+
+    @dg.asset
+    def own_process(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
+        os.makedirs(folder, exist_ok=True)
+        return trainer.run_job(context, "reference_logprobs", {
+            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
+            "out_parquet": str(folder / "ref.parquet"), "max_length": 64}, str(folder),
+            fresh_process=True)  # e.g. vLLM rollouts: their engine process and memory must go with the job
+
+    return own_process
+
+
 def _metadata(result, node):
     return {k: v.value for k, v in result.asset_materializations_for_node(node)[-1].metadata.items()}
 
@@ -80,13 +94,7 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     new_pid = _metadata(again, "reference_logprobs")["worker_pid"]
     assert new_pid != pid  # the failed worker exited; a fresh one took the next job
 
-    @dg.asset
-    def own_process(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
-        os.makedirs(tmp_path / "own", exist_ok=True)
-        return trainer.run_job(context, "reference_logprobs", {
-            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
-            "out_parquet": str(tmp_path / "own" / "ref.parquet"), "max_length": 64}, str(tmp_path / "own"),
-            fresh_process=True)  # e.g. vLLM rollouts: their engine process and memory must go with the job
+    own_process = _own_process_asset(inputs, tmp_path / "own")
 
     alone = dg.materialize([own_process], resources={"trainer": worker})
     assert alone.success and "worker_pid" not in _metadata(alone, "own_process")
@@ -129,18 +137,12 @@ def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(inputs, tmp_path
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=30, env={"BATCHRL_STORAGE": str(tmp_path)})
     config_path = str(tmp_path / "own" / "reference_logprobs.json")
 
-    @dg.asset
-    def own_process(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
-        os.makedirs(tmp_path / "own", exist_ok=True)
-        return trainer.run_job(context, "reference_logprobs", {
-            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
-            "out_parquet": str(tmp_path / "own" / "ref.parquet"), "max_length": 64}, str(tmp_path / "own"),
-            fresh_process=True)
-
+    own_process = _own_process_asset(inputs, tmp_path / "own")
     results = []
     with open(slot_path(worker.job_env(), 0) + ".busy", "w") as busy:
         fcntl.flock(busy, fcntl.LOCK_EX)  # the one slot runs another step's job
-        step = threading.Thread(target=lambda: results.append(dg.materialize([own_process], resources={"trainer": worker})))
+        run = lambda: results.append(dg.materialize([own_process], resources={"trainer": worker}))
+        step = threading.Thread(target=run)
         step.start()
         time.sleep(4)
         assert step.is_alive() and not os.path.exists(tmp_path / "own" / "ref.parquet")
