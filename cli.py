@@ -69,7 +69,8 @@ def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list
     selection = None if args.select == "*" else args.select.split(",")
     if iterations <= 1:
         return [("", selection, _config_for(run_config, selection))]
-    every = selection or [key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys()]
+    # every asset a run can materialise (not promoted_policy: the RL loop's back edge, which no op computes)
+    every = selection or sorted(key.to_user_string() for key in defs.resolve_asset_graph().executable_asset_keys)
     plan = [("", [name for name in every if name != "evaluation"], None)]  # evaluate once, after the last
     plan += [(f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, i))
              for i in range(1, iterations)]

@@ -75,6 +75,28 @@ def test_profile_merges_the_environment_over_the_cpu_form():
     assert gpu["ops"]["dpo_pairs"]["config"]["source"] == "self"
 
 
+def test_the_gpu_profiles_rl_iterations_plan_validates(monkeypatch):
+    """`BATCHRL_ENV=gpu batchrl run --profile real` (8 RL iterations over every asset): each execution of its plan
+    passes the checks `batchrl run` makes before the first step — promoted_policy, the loop's back edge that no
+    op computes, is in none of them (it was in the first, and the command failed before running anything)."""
+    import argparse
+
+    from batchrl.cli import RL_LOOP, _plan, _run_config
+    from batchrl.definitions import build_definitions, selected_job
+    from batchrl.runconfig import validate_run_config
+
+    monkeypatch.setenv("BATCHRL_ENV", "gpu")
+    monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
+    run_config, iterations = _run_config(argparse.Namespace(profile="real", config=None, rl_iterations=None))
+    defs = build_definitions()
+    plan = _plan(defs, argparse.Namespace(select="*"), run_config, iterations)
+    assert len(plan) == iterations + 1 == 9
+    assert "promoted_policy" not in plan[0][1] and "evaluation" not in plan[0][1] and "policy_checkpoint" in plan[0][1]
+    assert [sel for _, sel, _ in plan[1:-1]] == [list(RL_LOOP)] * 7 and plan[-1][1] == ["evaluation"]
+    for _, selection, config in plan:
+        validate_run_config(defs, selected_job(defs, selection), config, "")
+
+
 def test_profile_errors_name_the_problem(tmp_path):
     with pytest.raises(ProfileError, match="unknown profile 'nope'.*real"):
         load_profile("nope")
