@@ -22,7 +22,6 @@ def _run(tmp_path, name: str, steps: int) -> dict:
     home, storage = tmp_path / name / "home", tmp_path / name / "storage"
     home.mkdir(parents=True)
     env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": str(storage)}
-    env.pop("OMP_NUM_THREADS", None)
     done = subprocess.run([BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
