@@ -102,7 +102,8 @@ def _steps(text: str) -> int:
 def default_concurrent_steps() -> int:
     """``batchrl run --concurrent-steps``' default: BATCHRL_CONCURRENT_STEPS, else BATCHRL_ENV's."""
     explicit = os.environ.get("BATCHRL_CONCURRENT_STEPS")
-    return _steps(explicit) if explicit else CONCURRENT_STEPS_BY_ENV[os.environ.get("BATCHRL_ENV", "local")]
+    # an unknown environment is the definitions' error to report, not every command's parser's
+    return _steps(explicit) if explicit else CONCURRENT_STEPS_BY_ENV.get(os.environ.get("BATCHRL_ENV", "local"), 1)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

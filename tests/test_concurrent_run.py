@@ -66,6 +66,8 @@ def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
         monkeypatch.setenv("BATCHRL_ENV", env)
         defaults[env] = default_concurrent_steps()
     assert defaults == {"local": 1, "s3": 1, "gpu": 3}
+    monkeypatch.setenv("BATCHRL_ENV", "elsewhere")
+    assert default_concurrent_steps() == 1  # `batchrl audit` and the like still parse their arguments
     monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "1")
     assert default_concurrent_steps() == 1
     monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "0")
