@@ -141,6 +141,12 @@ def busy_time(windows: list[tuple[float, float]]) -> float:
     return covered
 
 
+def failure_lines(log: str, keep: int = 12) -> list[str]:
+    """The run log's last lines that name an error: why a run failed, kept in the report."""
+    lines = [line.rstrip()[:300] for line in open(log, errors="replace") if "Error" in line or "error" in line]
+    return lines[-keep:]
+
+
 def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps: int = 1) -> dict:
     """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report."""
     for folder in ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
@@ -172,7 +178,8 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
                           "gpu_busy_mean_pct": round(sum(inside) / len(inside), 1) if inside else None,
                           "samples": len(inside), "job_timings": s.get("timings", {})})
     in_steps = busy_time([(s["start"], s["end"]) for s in steps])
-    return {"rc": rc, "concurrent_steps": concurrent_steps, "total_wall_s": round(total, 1),
+    return {"rc": rc, "failure": failure_lines(os.path.join(out, "run.log")) if rc else None,
+            "concurrent_steps": concurrent_steps, "total_wall_s": round(total, 1),
             "sum_of_asset_steps_s": round(sum(p["wall_s"] for p in per_asset), 1),
             "some_step_running_s": round(in_steps, 1),
             "orchestration_overhead_s": round(total - in_steps, 1),
@@ -198,11 +205,12 @@ def main() -> None:
     ap.add_argument("--concurrent-steps", default="1", help=(
         "batchrl run --concurrent-steps: one value for every run, or comma-separated, one per run"))
     ap.add_argument("--gpu-job-slots", type=int, default=1, help="warm job workers sharing the GPU")
+    ap.add_argument("--cudnn-attention", default="0", help=(
+        "BATCHRL_CUDNN_ATTENTION of the jobs (1: torch may pick cuDNN attention for masked batches), one value "
+        "for every run or comma-separated, one per run"))
     a = ap.parse_args()
-    concurrency = [int(v) for v in a.concurrent_steps.split(",")]
-    concurrency = concurrency * a.runs if len(concurrency) == 1 else concurrency
-    if len(concurrency) != a.runs:
-        ap.error(f"--concurrent-steps: {len(concurrency)} values for {a.runs} runs")
+    concurrency, cudnn = (per_run(ap, flag, value, a.runs) for flag, value in
+                          (("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention)))
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     work = "/tmp/bench-pipeline"
@@ -221,8 +229,9 @@ def main() -> None:
     runs = []
     for k in range(a.runs):  # the report is rewritten after each run: a run cut short keeps the ones before
         runs.append({"run": k + 1, "caches": "cold" if k == 0 else "warm",
-                     **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a, env,
-                                 concurrency[k])})
+                     "cudnn_attention": cudnn[k],
+                     **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a,
+                                 {**env, "BATCHRL_CUDNN_ATTENTION": str(cudnn[k])}, concurrency[k])})
         report = {**runs[-1], "model_build_s": round(build_s, 1), "settings": vars(a)}
         with open(os.path.join(out, "pipeline.json"), "w") as f:
             json.dump({**report, "runs": runs} if a.runs > 1 else report, f, indent=1)
@@ -232,6 +241,15 @@ def main() -> None:
     logs = sorted(glob.glob(os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}", "*.log")))
     for k, log in enumerate(logs):
         shutil.copy(log, os.path.join(out, "worker.log" if k == 0 else f"worker-{k}.log"))
+
+
+def per_run(ap, flag: str, value: str, runs: int) -> list[int]:
+    """A flag's value for each run: one for all, or one per run (comma-separated)."""
+    values = [int(v) for v in value.split(",")]
+    values = values * runs if len(values) == 1 else values
+    if len(values) != runs:
+        ap.error(f"{flag}: {len(values)} values for {runs} runs")
+    return values
 
 
 def print_run(run: dict) -> None:

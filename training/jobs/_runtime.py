@@ -103,10 +103,22 @@ def reporter() -> Iterator[Reporter]:
         yield Reporter(None)
 
 
+def choose_attention_kernels() -> None:
+    """cuDNN attention off for this job unless ``BATCHRL_CUDNN_ATTENTION=1``. On Hopper torch tries cuDNN first
+    for masked ``scaled_dot_product_attention``, and cuDNN builds an execution plan for every batch shape it
+    has not seen (~0.4 s forward, more backward; bench/bench_sdpa_shapes.py); the jobs' right-padded,
+    length-sorted batches change shape batch by batch, so masked batches run flash / memory-efficient
+    attention instead. Set per job (the warm worker runs jobs of several settings), not per process."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(os.environ.get("BATCHRL_CUDNN_ATTENTION", "0") == "1")
+
+
 def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: list[str] | None = None) -> int:
     """Read the config, run ``work(config, reporter) -> (result, output_dir)``, report materialisation
     with ``data_version`` = content hash of ``output_dir``."""
     config = read_job_config(argv if argv is not None else sys.argv[1:])
+    choose_attention_kernels()
     with reporter() as rep:
         result, output = work(config, rep)
         meta = metadata_from(result)

@@ -87,7 +87,8 @@ class StaticKVDecoder:
         mask = visible.expand(rows, 1, width, self.slots).repeat(1, 1, group, 1) if group > 1 else visible
         out = F.scaled_dot_product_attention(q, self.k[layer_index], self.v[layer_index], attn_mask=mask,
                                              scale=attn.scaling)
-        out = out.view(rows, kv_heads * group, width, self.head_dim)
+        # reshape: the memory-efficient kernel (cuDNN attention off) returns a non-contiguous layout
+        out = out.reshape(rows, kv_heads * group, width, self.head_dim)
         return attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
