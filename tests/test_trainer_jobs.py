@@ -209,3 +209,24 @@ def test_policy_update_on_two_ranks_equals_one_process(inputs, tmp_path, zero_st
     assert two["loss_curve"] == pytest.approx(single["loss_curve"], abs=1e-5)
     a, b = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("one", "two"))
     assert all(torch.allclose(a[k], b[k], atol=1e-5, rtol=0) for k in a)
+
+
+@pytest.mark.parametrize("setting, cudnn", [(None, False), ("0", False), ("1", True)])
+def test_jobs_choose_cudnn_attention_per_job(tmp_path, monkeypatch, setting, cudnn):
+    """cuDNN attention (a plan built per new batch shape) is off in a job unless BATCHRL_CUDNN_ATTENTION=1 —
+    decided per job, as the warm worker runs jobs of either setting in one process."""
+    import torch
+
+    from batchrl.training.jobs._runtime import run_job
+
+    if setting is None:
+        monkeypatch.delenv("BATCHRL_CUDNN_ATTENTION", raising=False)
+    else:
+        monkeypatch.setenv("BATCHRL_CUDNN_ATTENTION", setting)
+    torch.backends.cuda.enable_cudnn_sdp(not cudnn)  # the last job's opposite setting
+    config = tmp_path / "job.json"
+    config.write_text("{}")
+    seen = []
+    run_job(lambda cfg, rep: (seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or {}, None), [str(config)])
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    assert seen == [cudnn]
