@@ -41,7 +41,7 @@ RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
 
 def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
     """Run config and default RL iterations: the profile's, then ``-c`` files merged over it."""
-    from batchrl.profiles import deep_merge, load_profile
+    from batchrl.profiles import deep_merge, dpo_self_play, load_profile
 
     ops, iterations = {}, 1
     if args.profile:
@@ -55,6 +55,8 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
         with open(path) as f:
             extra = yaml.safe_load(f) or {}
         ops = deep_merge(ops, extra.get("ops", extra))
+    if dpo_self_play(ops):  # the DPO path with its rewards input (read when the definitions build)
+        os.environ["BATCHRL_DPO_SELF_PLAY"] = "1"
     return ({"ops": ops} if ops else {}), (args.rl_iterations or iterations)
 
 

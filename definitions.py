@@ -103,13 +103,16 @@ def _compile_caches(cache_dir: str) -> dict[str, str]:
 RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
 
 
-def build_definitions(resources: dict | None = None) -> dg.Definitions:
+def build_definitions(resources: dict | None = None, dpo_self_play: bool | None = None) -> dg.Definitions:
     """The code location; ``resources`` overrides the environment's (tests pass their own). Assets hand each
-    other artifacts through ``ArtifactIOManager`` on the same storage, unless ``resources`` has an io_manager."""
+    other artifacts through ``ArtifactIOManager`` on the same storage, unless ``resources`` has an io_manager.
+    ``dpo_self_play``: the DPO path may take self-play pairs (default ``dpo_takes_self_play_pairs()``)."""
     resources = resources or environment_resources()
     resources = {"io_manager": ArtifactIOManager(storage=resources["storage"]), **resources}
+    self_play = dpo_takes_self_play_pairs() if dpo_self_play is None else dpo_self_play
     return dg.Definitions(
-        assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation]), policy_chain.promoted_policy],
+        assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation]), dpo.dpo_pairs_asset(self_play),
+                policy_chain.promoted_policy],
         asset_checks=dg.load_asset_checks_from_modules([data]),
         jobs=[automation.retrain_job, automation.ingest_job, *_profile_jobs()],
         sensors=[automation.new_logs_sensor],
@@ -117,6 +120,20 @@ def build_definitions(resources: dict | None = None) -> dg.Definitions:
         executor=step_executor,
         resources=resources,
     )
+
+
+def dpo_takes_self_play_pairs() -> bool:
+    """Whether this code location's DPO path may take pairs from the policy's scored samples (``dpo_pairs``
+    then has a ``rewards`` input): ``BATCHRL_DPO_SELF_PLAY`` (1 or 0), else whether the profile
+    (``BATCHRL_PROFILE``) gives ``dpo_pairs`` the source self or both. Off (the default), the DPO path depends on
+    the logged pairs alone and runs beside the RL branch; `batchrl run` turns it on when its run config asks."""
+    from batchrl.profiles import dpo_self_play, load_profile
+
+    explicit = os.environ.get("BATCHRL_DPO_SELF_PLAY")
+    if explicit:
+        return explicit == "1"
+    profile = os.environ.get("BATCHRL_PROFILE")
+    return bool(profile) and dpo_self_play(load_profile(profile)["ops"])
 
 
 def _profile_jobs() -> list:
@@ -168,6 +185,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     from batchrl.assets.rl_config import check_rl_run_config
 
     check_rl_run_config(run_config, selection)
+    dpo.check_pair_source(defs.resolve_asset_graph(), run_config)
     if concurrent_steps > 1:
         step_server.start()  # its imports overlap the per-drop runs (a no-op when `batchrl run` started it)
     job = selected_job(defs, selection)

@@ -66,3 +66,13 @@ def apply_resource_overrides(resources: dict, overrides: dict[str, dict]) -> dic
         current = out[key]
         out[key] = type(current)(**{**current.model_dump(), **fields})
     return out
+
+
+SELF_PLAY_SOURCES = ("self", "both")
+
+
+def dpo_self_play(ops: dict) -> bool:
+    """Whether run config ``ops`` give ``dpo_pairs`` a source that takes the policy's own scored samples
+    (``self`` or ``both``): the DPO path then depends on the RL branch's ``rewards`` (``assets.dpo``)."""
+    config = ((ops or {}).get("dpo_pairs") or {}).get("config") or {}
+    return config.get("source", "logged") in SELF_PLAY_SOURCES

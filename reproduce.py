@@ -195,7 +195,9 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
     rows, first = [], None
     for index, node in enumerate(nodes, 1):
         io_manager = PinnedInputs(_storage(new_root))
-        defs = build_definitions(_resources(new_root, node.lineage.get("resources", {}), io_manager))
+        defs = build_definitions(_resources(new_root, node.lineage.get("resources", {}), io_manager),
+                                 # dpo_pairs as recorded: with its rewards input (self-play pairs) or without
+                                 dpo_self_play=node.asset == "dpo_pairs" and "rewards" in node.inputs)
         graph = defs.resolve_asset_graph()
         for parent in graph.get(dg.AssetKey(node.asset)).parent_keys:
             if parent.to_user_string() == PROMOTED:  # the loop's back edge: the policy this step recorded

@@ -11,6 +11,7 @@ from pydantic import Field
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
+from batchrl.profiles import SELF_PLAY_SOURCES
 from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
 from batchrl.training.trainer.config import DPOConfig
 
@@ -45,11 +46,50 @@ def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
     return pairs["id"].where(pairs["id"].notna(), hashed) if "id" in pairs else hashed
 
 
-@dg.asset(group_name="dpo", code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig), kinds={"parquet", "pandera"},
-          metadata=declared_files(table="preferences.parquet"))
-def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
-              rewards: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """The preference pairs of the DPO path (one id per pair), from the configured source."""
+def dpo_pairs_asset(self_play: bool) -> dg.AssetsDefinition:
+    """The ``dpo_pairs`` asset of the code location. ``self_play``: it may take pairs from the policy's scored
+    samples (``source: self|both``), so it has a ``rewards`` input and the DPO path waits for the RL branch's
+    rollouts and scoring; without (``source: logged`` only), the DPO path depends on the logged pairs alone
+    and runs beside the RL branch (``definitions.dpo_takes_self_play_pairs`` decides)."""
+    decorator = dg.asset(name="dpo_pairs", group_name="dpo", kinds={"parquet", "pandera"},
+                         code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig),
+                         metadata=declared_files(table="preferences.parquet"))
+    if self_play:
+        def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
+                      rewards: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+            """The preference pairs of the DPO path (one id per pair), from the configured source."""
+            return _pairs(context, config, preference_window, rewards, storage, catalog)
+    else:
+        def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
+                      storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+            """The preference pairs of the DPO path (one id per pair): the logged ones (this code location's DPO
+            path does not wait for the policy's samples; BATCHRL_DPO_SELF_PLAY=1 builds it with them)."""
+            if config.source in SELF_PLAY_SOURCES:
+                raise dg.Failure(self_play_missing(config.source))
+            return _pairs(context, config, preference_window, None, storage, catalog)
+    return decorator(dpo_pairs)
+
+
+def check_pair_source(graph, run_config: dict | None) -> None:
+    """Before a run: a self-play pair source needs a DPO path with the rewards input (``RunConfigError``)."""
+    from batchrl.profiles import dpo_self_play
+    from batchrl.runconfig import RunConfigError
+
+    key = dg.AssetKey("dpo_pairs")
+    ops = (run_config or {}).get("ops") or {}
+    if dpo_self_play(ops) and graph.has(key) and dg.AssetKey("rewards") not in graph.get(key).parent_keys:
+        raise RunConfigError(self_play_missing(ops["dpo_pairs"]["config"]["source"]))
+
+
+def self_play_missing(source: str) -> str:
+    return (f"dpo_pairs: source {source!r} takes pairs from the policy's scored samples, but this code location's "
+            "DPO path has no rewards input (logged pairs only, so it runs beside the RL branch): set "
+            "BATCHRL_DPO_SELF_PLAY=1, or use a profile whose dpo_pairs source is self or both (`batchrl run` "
+            "does this itself from its run config)")
+
+
+def _pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
+           rewards: Artifact | None, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     parts, metadata = [], {"source": config.source}
     if config.source in ("logged", "both"):
         logged = preference_window.read_table()
@@ -58,7 +98,7 @@ def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, prefere
         parts.append(logged)
         metadata["logged_pairs"] = len(logged)
     with storage.staging_dir("dpo_pairs") as staging:
-        if config.source in ("self", "both"):
+        if config.source in SELF_PLAY_SOURCES:
             scored_dir = os.path.join(staging, "self")
             os.makedirs(scored_dir)
             samples = rewards.read_table()
@@ -75,8 +115,8 @@ def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, prefere
         pairs["id"] = _pair_ids(pairs)
         pairs = pairs.drop_duplicates("id", ignore_index=True)
         pairs.to_parquet(output_file(context, staging), index=False)
-        return publish(context, storage, catalog, staging, config=config.model_dump(),
-                       inputs={"preference_window": preference_window, "rewards": rewards},
+        inputs = {"preference_window": preference_window, **({"rewards": rewards} if rewards is not None else {})}
+        return publish(context, storage, catalog, staging, config=config.model_dump(), inputs=inputs,
                        metadata={**metadata, "pairs": len(pairs)})
 
 

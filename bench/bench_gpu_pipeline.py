@@ -208,9 +208,13 @@ def main() -> None:
     ap.add_argument("--cudnn-attention", default="0", help=(
         "BATCHRL_CUDNN_ATTENTION of the jobs (1: torch may pick cuDNN attention for masked batches), one value "
         "for every run or comma-separated, one per run"))
+    ap.add_argument("--dpo-self-play", default="0", help=(
+        "BATCHRL_DPO_SELF_PLAY of the run (1: dpo_pairs keeps its rewards input, so the DPO path waits for the RL "
+        "branch, as before the tenth session), one value or one per run"))
     a = ap.parse_args()
-    concurrency, cudnn = (per_run(ap, flag, value, a.runs) for flag, value in
-                          (("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention)))
+    concurrency, cudnn, self_play = (per_run(ap, flag, value, a.runs) for flag, value in (
+        ("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention),
+        ("--dpo-self-play", a.dpo_self_play)))
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     work = "/tmp/bench-pipeline"
@@ -229,9 +233,10 @@ def main() -> None:
     runs = []
     for k in range(a.runs):  # the report is rewritten after each run: a run cut short keeps the ones before
         runs.append({"run": k + 1, "caches": "cold" if k == 0 else "warm",
-                     "cudnn_attention": cudnn[k],
+                     "cudnn_attention": cudnn[k], "dpo_self_play": self_play[k],
                      **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a,
-                                 {**env, "BATCHRL_CUDNN_ATTENTION": str(cudnn[k])}, concurrency[k])})
+                                 {**env, "BATCHRL_CUDNN_ATTENTION": str(cudnn[k]),
+                                  "BATCHRL_DPO_SELF_PLAY": str(self_play[k])}, concurrency[k])})
         report = {**runs[-1], "model_build_s": round(build_s, 1), "settings": vars(a)}
         with open(os.path.join(out, "pipeline.json"), "w") as f:
             json.dump({**report, "runs": runs} if a.runs > 1 else report, f, indent=1)

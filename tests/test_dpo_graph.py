@@ -1,0 +1,66 @@
+"""The DPO path's place in the graph: on logged pairs it depends on nothing of the RL branch (so a run with
+steps side by side trains it beside rollouts and the reward model); with self-play pairs (`source: self|both`)
+`dpo_pairs` has the `rewards` input, chosen by BATCHRL_DPO_SELF_PLAY, the profile, or `batchrl run`'s config."""
+from __future__ import annotations
+
+import argparse
+
+import dagster as dg
+import pytest
+
+from batchrl.definitions import build_definitions, dpo_takes_self_play_pairs
+
+DPO_PATH = ("dpo_pairs", "reference_logprobs", "dpo_checkpoint")
+RL_BRANCH = {"rollouts", "rewards", "advantages", "policy_checkpoint"}
+
+
+def _upstream(defs: dg.Definitions, asset: str) -> set[str]:
+    graph = defs.resolve_asset_graph()
+    keys = dg.AssetSelection.assets(asset).upstream().resolve(graph)
+    return {k.to_user_string() for k in keys} - {asset}
+
+
+def test_logged_pairs_dpo_path_needs_nothing_of_the_rl_branch():
+    defs = build_definitions(dpo_self_play=False)
+    for asset in DPO_PATH:
+        assert not _upstream(defs, asset) & RL_BRANCH, asset
+    with_self_play = build_definitions(dpo_self_play=True)
+    assert {"rewards", "rollouts"} <= _upstream(with_self_play, "dpo_pairs")
+
+
+@pytest.mark.parametrize("explicit, profile, expected", [
+    (None, None, False), ("1", None, True), (None, "real", True),  # the real profile trains on self-play pairs
+    ("0", "real", False),
+])
+def test_self_play_graph_from_the_environment_or_the_profile(monkeypatch, explicit, profile, expected):
+    for name, value in (("BATCHRL_DPO_SELF_PLAY", explicit), ("BATCHRL_PROFILE", profile)):
+        monkeypatch.delenv(name, raising=False) if value is None else monkeypatch.setenv(name, value)
+    assert dpo_takes_self_play_pairs() is expected
+    parents = build_definitions().resolve_asset_graph().get(dg.AssetKey("dpo_pairs")).parent_keys
+    assert (dg.AssetKey("rewards") in parents) is expected
+
+
+def test_self_play_source_without_the_rewards_input_fails_before_anything_runs(tmp_path):
+    from batchrl.definitions import execute_assets
+    from batchrl.runconfig import RunConfigError
+
+    defs = build_definitions(dpo_self_play=False)
+    config = {"ops": {"dpo_pairs": {"config": {"source": "both"}}}}
+    with dg.DagsterInstance.ephemeral() as instance:
+        with pytest.raises(RunConfigError, match="source 'both'.*BATCHRL_DPO_SELF_PLAY=1"):
+            execute_assets(defs, instance, None, config)
+        assert not instance.get_runs()
+
+
+def test_batchrl_run_builds_the_self_play_graph_when_its_config_asks(tmp_path, monkeypatch):
+    from batchrl.cli import _run_config
+
+    monkeypatch.delenv("BATCHRL_DPO_SELF_PLAY", raising=False)
+    monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
+    logged, own = tmp_path / "logged.yaml", tmp_path / "self.yaml"
+    logged.write_text("ops: {dpo_pairs: {config: {source: logged}}}\n")
+    own.write_text("ops: {dpo_pairs: {config: {source: self}}}\n")
+    _run_config(argparse.Namespace(profile=None, config=[str(logged)], rl_iterations=None))
+    assert not dpo_takes_self_play_pairs()
+    _run_config(argparse.Namespace(profile=None, config=[str(own)], rl_iterations=None))
+    assert dpo_takes_self_play_pairs()
