@@ -34,7 +34,9 @@ class DPOPairsConfig(dg.Config):
     ``max_logged_pairs``: cap on the logged pairs taken (a seeded sample; all when unset)."""
 
     source: Literal["logged", "self", "both"] = Field("logged", description="logged: preference_window; self: "
-                                                      "best vs worst of the policy's scored samples; both")
+                                                      "best vs worst of the policy's scored samples; both (self "
+                                                      "and both need dpo_pairs' rewards input: "
+                                                      "BATCHRL_DPO_SELF_PLAY=1 or such a profile)")
     min_margin: float = Field(0.5, description="self: best - worst reward needed for a pair")
     max_logged_pairs: int | None = Field(None, description="a seeded sample of this many logged pairs (all when unset)")
     seed: int = Field(0, description="seed of the logged-pairs sample")

@@ -106,10 +106,10 @@ def reporter() -> Iterator[Reporter]:
 def choose_attention_kernels() -> None:
     """cuDNN attention off for this job unless ``BATCHRL_CUDNN_ATTENTION=1``. On Hopper torch tries cuDNN first
     for masked ``scaled_dot_product_attention``, and cuDNN builds an execution plan for every batch shape it
-    has not seen (H200, 0.5B shape: 8 new shapes 1.49 s forward vs 0.30 s, 3.72 s train steps vs 1.05 s;
-    bench/bench_sdpa_shapes.py); the jobs' right-padded,
-    length-sorted batches change shape batch by batch, so masked batches run flash / memory-efficient
-    attention instead. Set per job (the warm worker runs jobs of several settings), not per process."""
+    has not seen (H200, 0.5B shape, 8 new shapes: forward 1.49 s vs 0.30 s, train steps 3.72 s vs 1.05 s;
+    bench/bench_sdpa_shapes.py). The jobs' right-padded, length-sorted batches change shape batch by batch, so
+    masked batches run the memory-efficient kernel instead. Set per job (the warm worker runs jobs of several
+    settings), not per process."""
     import torch
 
     torch.backends.cuda.enable_cudnn_sdp(os.environ.get("BATCHRL_CUDNN_ATTENTION", "0") == "1")
