@@ -2,7 +2,10 @@
 from imports this module once — the code location, torch and the Dagster instance's storage code, each of which
 a step process would otherwise load in its first seconds."""
 import os
+import sys
+import time
 
+_IMPORT_STARTED = time.time()
 # several steps' torch threads share the cores: OpenMP threads that spin while they wait took the cores
 # from each other (policy and DPO side by side on 2 cores: 10x slower); waiting passively keeps the thread
 # counts, hence the numbers, of a run that executes one step at a time
@@ -16,3 +19,9 @@ import batchrl.definitions  # noqa: E402,F401  (the code location the step proce
 if os.environ.get("DAGSTER_HOME"):
     with dg.DagsterInstance.get():  # opened and closed: storage modules imported, schema checked
         pass
+
+# when the first step could fork: a step of a run that reaches its steps sooner waits for this line's time
+_ready = time.time()
+print(f"batchrl step server: preloaded in {_ready - _IMPORT_STARTED:.2f} s, ready "
+      f"{_ready - float(os.environ.get('BATCHRL_STEP_SERVER_STARTED', _IMPORT_STARTED)):.2f} s after start (at "
+      f"{_ready:.3f})", file=sys.stderr, flush=True)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import time
 
 PRELOAD = ["batchrl.step_preload"]
+STARTED_ENV = "BATCHRL_STEP_SERVER_STARTED"
 
 
 def start(log_path: str | None = None) -> None:
@@ -17,5 +20,6 @@ def start(log_path: str | None = None) -> None:
     from batchrl.console import output_to_log
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    os.environ[STARTED_ENV] = f"{time.time():.3f}"  # the server says when its preload was done (step_preload)
     with output_to_log(log_path) if log_path else contextlib.nullcontext():
         multiprocessing.forkserver.ensure_running()  # the server keeps the fds it starts with

@@ -27,6 +27,7 @@ import glob
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -147,6 +148,15 @@ def failure_lines(log: str, keep: int = 12) -> list[str]:
     return lines[-keep:]
 
 
+def step_server_ready(log: str, started: float) -> float | None:
+    """Seconds from the run's start until the step server had preloaded (its line in the run log), if any."""
+    for line in open(log, errors="replace"):
+        found = re.search(r"step server: preloaded in [\d.]+ s, ready [\d.]+ s after start \(at ([\d.]+)\)", line)
+        if found:
+            return round(float(found[1]) - started, 2)
+    return None
+
+
 def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps: int = 1) -> dict:
     """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report."""
     for folder in ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
@@ -179,6 +189,8 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
                           "samples": len(inside), "job_timings": s.get("timings", {})})
     in_steps = busy_time([(s["start"], s["end"]) for s in steps])
     return {"rc": rc, "failure": failure_lines(os.path.join(out, "run.log")) if rc else None,
+            # when the step server (concurrent runs) could fork its first step, from the run's start
+            "step_server_ready_s": step_server_ready(os.path.join(out, "run.log"), started),
             "concurrent_steps": concurrent_steps, "total_wall_s": round(total, 1),
             "sum_of_asset_steps_s": round(sum(p["wall_s"] for p in per_asset), 1),
             "some_step_running_s": round(in_steps, 1),

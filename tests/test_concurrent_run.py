@@ -40,8 +40,9 @@ def _run(tmp_path, name: str, steps: int) -> dict:
         os.environ.pop("DAGSTER_HOME") if saved is None else os.environ.__setitem__("DAGSTER_HOME", saved)
     # the console's asset lines: "[ k/n] ok   <asset>   <seconds> s  <data version>  <headline numbers>"
     lines = [re.match(r"\[\s*\d+/\d+\] (\w+)\s+(\w+)\s+[\d.]+ s\s+(\w+)", line) for line in done.stdout.splitlines()]
+    logs = "".join(path.read_text(errors="replace") for path in (home / "logs").glob("*.log"))
     return {"steps": steps_seen, "versions": sorted((m[2], m[3]) for m in lines if m and m[1] == "ok"),
-            "console": done.stdout + done.stderr}
+            "console": done.stdout + done.stderr, "log": logs}
 
 
 def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_results(tmp_path):
@@ -52,6 +53,8 @@ def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_resul
     assert len({s["pid"] for s in three["steps"].values()}) >= 3  # a process per step
     assert len({s["pid"] for s in one["steps"].values()}) == 1  # one at a time, in the run's process
     assert "DEBUG" not in three["console"]  # the step processes' own output goes to the run's log
+    # ... with the step server's readiness (what a first step waits for when the run gets there sooner)
+    assert re.search(r"step server: preloaded in [\d.]+ s, ready [\d.]+ s after start", three["log"])
     assert len(one["versions"]) == 10 and three["versions"] == one["versions"]  # 3 per-drop assets x 2 drops + 4
 
 
