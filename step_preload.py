@@ -15,6 +15,7 @@ import dagster as dg  # noqa: E402
 import torch  # noqa: E402,F401  (the model stages' first import)
 
 import batchrl.definitions  # noqa: E402,F401  (the code location the step processes rebuild their job from)
+from batchrl.step_server import STARTED_ENV  # noqa: E402
 
 if os.environ.get("DAGSTER_HOME"):
     with dg.DagsterInstance.get():  # opened and closed: storage modules imported, schema checked
@@ -23,5 +24,5 @@ if os.environ.get("DAGSTER_HOME"):
 # when the first step could fork: a step of a run that reaches its steps sooner waits for this line's time
 _ready = time.time()
 print(f"batchrl step server: preloaded in {_ready - _IMPORT_STARTED:.2f} s, ready "
-      f"{_ready - float(os.environ.get('BATCHRL_STEP_SERVER_STARTED', _IMPORT_STARTED)):.2f} s after start (at "
+      f"{_ready - float(os.environ.get(STARTED_ENV, _IMPORT_STARTED)):.2f} s after start (at "
       f"{_ready:.3f})", file=sys.stderr, flush=True)
