@@ -184,12 +184,12 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     starts. Returns the first failed run's result, else the last run's (``NothingToRun`` if none ran)."""
     from batchrl.assets.rl_config import check_rl_run_config
 
+    graph = defs.resolve_asset_graph()
     check_rl_run_config(run_config, selection)
-    dpo.check_pair_source(defs.resolve_asset_graph(), run_config)
+    dpo.check_pair_source(graph, run_config)
     if concurrent_steps > 1:
         step_server.start()  # its imports overlap the per-drop runs (a no-op when `batchrl run` started it)
     job = selected_job(defs, selection)
-    graph = defs.resolve_asset_graph()
     keys = set(job.asset_layer.executable_asset_keys)
     per_drop = {k for k in keys if graph.get(k).partitions_def is not None}
     rest = keys - per_drop

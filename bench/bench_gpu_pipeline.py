@@ -2,7 +2,7 @@
 
     python3 bench/bench_gpu_pipeline.py --out DIR [--layers 24] [--prompts 512] [--samples 8] [--new-tokens 256]
         [--pairs 2000] [--engine static|vllm|transformers] [--runs 2] [--concurrent-steps 1,1,3]
-        [--gpu-job-slots 2]
+        [--gpu-job-slots 2] [--cudnn-attention 0,1] [--dpo-self-play 0,1]
 
 Base model: the Qwen2-0.5B shape with its full 151,936-id vocabulary and random weights (bench/qwen_shape.py).
 Data: `pairs` preference pairs written into a landing folder (correct vs wrong final answers to the
@@ -17,6 +17,8 @@ that is total minus the sum of the steps). Writes DIR/pipeline.json.
 run left (what a scheduled retrain on the same machine finds); each run's report under ``runs``.
 ``--concurrent-steps``: `batchrl run --concurrent-steps` per run (one value for all, or one per run), with
 ``--gpu-job-slots`` warm job workers (BATCHRL_GPU_JOB_SLOTS): independent branches share the GPU.
+``--cudnn-attention`` / ``--dpo-self-play``: the jobs' BATCHRL_CUDNN_ATTENTION and the run's BATCHRL_DPO_SELF_PLAY,
+per run like ``--concurrent-steps``.
 """
 from __future__ import annotations
 
@@ -148,10 +150,12 @@ def failure_lines(log: str, keep: int = 12) -> list[str]:
     return lines[-keep:]
 
 
-def step_server_ready(log: str, started: float) -> float | None:
-    """Seconds from the run's start until the step server had preloaded (its line in the run log), if any."""
-    for line in open(log, errors="replace"):
-        found = re.search(r"step server: preloaded in [\d.]+ s, ready [\d.]+ s after start \(at ([\d.]+)\)", line)
+def step_server_ready(home: str, started: float) -> float | None:
+    """Seconds from the run's start until the step server had preloaded (its line in the run's log under the
+    Dagster home: the console, which run.log holds, does not carry it), if the run had one."""
+    for log in sorted(glob.glob(os.path.join(home, "logs", "*.log"))):
+        found = re.search(r"step server: preloaded in [\d.]+ s, ready [\d.]+ s after start \(at ([\d.]+)\)",
+                          open(log, errors="replace").read())
         if found:
             return round(float(found[1]) - started, 2)
     return None
@@ -190,7 +194,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
     in_steps = busy_time([(s["start"], s["end"]) for s in steps])
     return {"rc": rc, "failure": failure_lines(os.path.join(out, "run.log")) if rc else None,
             # when the step server (concurrent runs) could fork its first step, from the run's start
-            "step_server_ready_s": step_server_ready(os.path.join(out, "run.log"), started),
+            "step_server_ready_s": step_server_ready(env["DAGSTER_HOME"], started),
             "concurrent_steps": concurrent_steps, "total_wall_s": round(total, 1),
             "sum_of_asset_steps_s": round(sum(p["wall_s"] for p in per_asset), 1),
             "some_step_running_s": round(in_steps, 1),

@@ -75,9 +75,10 @@ class TrainerLauncherResource(dg.ConfigurableResource):
 
             # every job here holds a GPU job slot, in its warm worker or in processes of its own (vLLM
             # rollouts, data-parallel training): what shares the GPUs at once stays within gpu_job_slots
-            with free_slot(self.job_env(), self.gpu_job_slots) as slot:
-                invocation = run_in_worker(context, job, config_path, workdir, self.job_env(), self.worker_idle_s,
-                                           slot) if self.one_process(job) and not fresh_process \
+            env = self.job_env()
+            with free_slot(env, self.gpu_job_slots) as slot:
+                invocation = run_in_worker(context, job, config_path, workdir, env, self.worker_idle_s, slot) \
+                    if self.one_process(job) and not fresh_process \
                     else self._run_in_subprocesses(context, job, config_path, workdir)
         else:
             invocation = self._run_in_subprocesses(context, job, config_path, workdir)
