@@ -1,6 +1,6 @@
 """What the step processes of a multiprocess run find loaded (``batchrl.step_server``): the server they fork
 from imports this module once — the code location, torch and the Dagster instance's storage code, each of which
-a step process would otherwise load in its first seconds."""
+a step process would otherwise load in its first seconds. It reads and writes nothing of the instance."""
 import os
 import sys
 import time
@@ -11,15 +11,16 @@ _IMPORT_STARTED = time.time()
 # counts, hence the numbers, of a run that executes one step at a time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import dagster as dg  # noqa: E402
 import torch  # noqa: E402,F401  (the model stages' first import)
 
 import batchrl.definitions  # noqa: E402,F401  (the code location the step processes rebuild their job from)
 from batchrl.step_server import STARTED_ENV  # noqa: E402
 
-if os.environ.get("DAGSTER_HOME"):
-    with dg.DagsterInstance.get():  # opened and closed: storage modules imported, schema checked
-        pass
+# the instance's storage code, imported but not opened: opening a fresh home creates its tables, and the run's
+# own process creates them at the same time (CI: "table jobs already exists"); steps open it once it exists
+import alembic.runtime.migration  # noqa: E402,F401
+import dagster._core.instance.factory  # noqa: E402,F401
+import dagster._core.storage.sqlite_storage  # noqa: E402,F401
 
 # when the first step could fork: a step of a run that reaches its steps sooner waits for this line's time
 _ready = time.time()

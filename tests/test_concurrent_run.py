@@ -76,3 +76,15 @@ def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
     monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "0")
     with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
         default_concurrent_steps()
+
+
+def test_the_step_server_preload_leaves_a_fresh_instance_to_the_run(tmp_path):
+    """The preload runs while the run's own process creates a fresh instance's tables: if it opened the instance
+    too, the two would create the same tables at once ("table jobs already exists")."""
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run([sys.executable, "-c", "import batchrl.step_preload"], capture_output=True, text=True,
+                          env={**os.environ, "DAGSTER_HOME": str(home)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step server: preloaded" in done.stderr
+    assert list(home.iterdir()) == []
