@@ -8,6 +8,7 @@ from pydantic import Field
 
 from batchrl import fsutil
 from batchrl.assets.common import code_version, publish
+from batchrl.assets.dpo import ReferenceConfig
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
 )
@@ -41,7 +42,9 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     reference = dpo_pairs.read_table(columns=["id"]).merge(reference_logprobs.read_table(), on="id", how="left",
                                                            validate="one_to_one")
     models = {"base_model": base_model, "policy_checkpoint": policy_checkpoint, "dpo_checkpoint": dpo_checkpoint}
+    pair_max_length, base_is_reference = reference_pass(reference_logprobs, base_model, compute)
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
+                   pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,
                    seed=config.seed, reward=config.reward, num_examples=config.num_examples, device=compute.device,
                    dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine)
     with storage.staging_dir("evaluation_work") as workdir:
@@ -62,6 +65,19 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
                        input_files=[{"uri": landing.eval_prompts, "sha256": fsutil.sha256_file(fs, path)}],
                        metadata={**flat, "comparison": _comparison_table(results),
                                  "examples": dg.MetadataValue.md(_examples_markdown(results))})
+
+
+def reference_pass(reference_logprobs: Artifact, base_model: Artifact, compute: ComputeResource) -> tuple[int, bool]:
+    """How the reference log-probs were computed, from their lineage: (their truncation, which the models'
+    pair log-probs must share — a log-ratio margin over other tokens means nothing —, whether the pass is the
+    base model's own at this environment's precision: then evaluation takes it instead of running it again)."""
+    recorded = reference_logprobs.lineage.get("config", {})
+    dtype = recorded.get("dtype", "auto")
+    if dtype == "auto":  # ReferenceConfig's rule
+        dtype = "bfloat16" if compute.device.startswith("cuda") else "float32"
+    model = reference_logprobs.input_ref("reference")
+    same_pass = model is not None and model.data_version == base_model.data_version and dtype == compute.dtype
+    return int(recorded.get("max_length", ReferenceConfig.model_fields["max_length"].default)), same_pass
 
 
 def _comparison_table(results: dict) -> dg.MetadataValue:

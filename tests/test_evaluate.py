@@ -166,3 +166,53 @@ def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tm
     fresh, _ = load_model_and_tokenizer(shifted, dtype="bfloat16")
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_evaluation_takes_the_reference_pass_for_its_model_at_its_truncation(model_path, pairs, tmp_path,
+                                                                             monkeypatch):
+    """The pairs are scored at the reference pass's truncation (else the log-ratio margins compare sums over
+    other tokens), and the model the reference pass ran (the base) is not scored again: its numbers are that
+    pass's, so its log-ratio margin is exactly 0."""
+    from batchrl.training import evaluate as evaluate_module
+    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.trainer.reference import compute_reference_logprobs
+
+    pairs.assign(id=[str(i) for i in range(len(pairs))]).to_parquet(tmp_path / "pairs.parquet")
+    compute_reference_logprobs(model_path, str(tmp_path / "pairs.parquet"), str(tmp_path / "ref.parquet"),
+                               max_length=20)
+    reference = pd.read_parquet(tmp_path / "ref.parquet")
+    other = str(tmp_path / "other")
+    build_tiny_model([f"{r['prompt']} {r['answer']}" for r in load_rows("train.jsonl")], other, seed=1)
+    passes = []
+    real_pass = evaluate_module.pair_logprobs
+    monkeypatch.setattr(evaluate_module, "pair_logprobs", lambda *a, **k: passes.append(a) or real_pass(*a, **k))
+    got = evaluate_models({"base": model_path, "other": other}, arith_eval=[], pairs=pairs, reference=reference,
+                          pair_max_length=20, reference_model="base")
+    assert len(passes) == 1  # the other model's only
+    assert got["base"]["logratio_margin"] == 0.0 and got["base"]["logratio_accuracy"] == 0.0
+    margin = reference["ref_chosen_logp"] - reference["ref_rejected_logp"]
+    assert got["base"]["preference_margin"] == pytest.approx(float(margin.mean()))
+    # the other model at the reference's truncation: what the reference pass gives for it
+    compute_reference_logprobs(other, str(tmp_path / "pairs.parquet"), str(tmp_path / "other.parquet"), max_length=20)
+    own = pd.read_parquet(tmp_path / "other.parquet")
+    expected = (own["ref_chosen_logp"] - own["ref_rejected_logp"]) - margin
+    assert got["other"]["logratio_margin"] == pytest.approx(float(expected.mean()), abs=1e-4)
+    untruncated = evaluate_models({"other": other}, arith_eval=[], pairs=pairs, reference=reference)["other"]
+    assert untruncated["preference_margin"] != pytest.approx(got["other"]["preference_margin"], abs=1e-3)
+
+
+@pytest.mark.parametrize("device,dtype,recorded_dtype,reference_version,same", [
+    ("cpu", "float32", "auto", "v-base", True),        # auto = float32 on the CPU
+    ("cuda", "bfloat16", "auto", "v-base", True),      # auto = bfloat16 on a GPU
+    ("cuda", "float16", "auto", "v-base", False),      # another precision: evaluation runs the pass itself
+    ("cpu", "float32", "float32", "v-other", False),   # another model's pass
+])
+def test_reference_pass_read_from_the_reference_lineage(device, dtype, recorded_dtype, reference_version, same):
+    from batchrl.assets.evaluation import reference_pass
+    from batchrl.resources import Artifact, ComputeResource
+
+    base = Artifact("base_model", "/s/base_model/v-base", "v-base")
+    reference = Artifact("reference_logprobs", "/s/reference_logprobs/r", "r", lineage={
+        "config": {"max_length": 192, "dtype": recorded_dtype},
+        "inputs": {"reference": {"asset": "base_model", "uri": "/s/base_model/x", "data_version": reference_version}}})
+    assert reference_pass(reference, base, ComputeResource(device=device, dtype=dtype)) == (192, same)

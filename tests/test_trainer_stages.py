@@ -238,3 +238,14 @@ def test_measurement_batches_fill_a_token_budget():
     assert len(batches) < len(lengths) / 10  # short rows share batches: dozens per batch
     capped = length_sorted_batches(lengths, 8, max_tokens=4096)
     assert max(len(b) for b in capped) == 8
+
+
+def test_dpo_refuses_reference_log_probs_over_other_tokens(setup, tmp_path):
+    """Reference log-probs truncated shorter than the run's max_length are sums over other tokens: the run
+    fails before training, naming the file and the first pair that differs."""
+    short = tmp_path / "ref_short.parquet"
+    compute_reference_logprobs(setup["base"], setup["dpo"]["pairs_parquet"], str(short), max_length=12)
+    with pytest.raises(ValueError, match=r"ref_short\.parquet: pair id '0': the reference log-probs cover \d+ "
+                                         r"chosen / \d+ rejected completion tokens, this run tokenises"):
+        train_dpo(DPOConfig(epochs=1, micro_batch_size=8, max_length=64), out_dir=str(tmp_path / "out"),
+                  **{**setup["dpo"], "reference_parquet": str(short)})

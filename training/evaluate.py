@@ -76,9 +76,12 @@ def _evaluate(
     reward: str = "arith_exact",
     encoded: dict[str, list[dict]] | None = None,
     pairs_key: str = "",
+    pairs_from_reference: bool = False,
 ) -> tuple[dict[str, Any], list[dict]]:
     """``evaluate_policy`` without the RM score, with a loaded engine: (results, the greedy samples).
-    ``encoded``: the pairs tokenised so far, by ``pairs_key`` (the tokenizer's key: models sharing it share them)."""
+    ``encoded``: the pairs tokenised so far, by ``pairs_key`` (the tokenizer's key: models sharing it share them).
+    ``pairs_from_reference``: this model is the reference, and ``reference`` holds its pair log-probs at this
+    ``max_length``: they are taken, not computed again."""
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
@@ -95,16 +98,19 @@ def _evaluate(
                 results["examples"].append({"category": category, "prompt": s["prompt"], "response": s["response"],
                                             "answer": str(row.get("answer"))})
     if pairs is not None and len(pairs):
-        # the reference pass's own function: policy and reference margins are computed alike
-        encoded = {} if encoded is None else encoded
-        with phase("tokenise"):
-            if pairs_key not in encoded:
-                encoded[pairs_key] = encode_pairs(
-                    engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
-            items = encoded[pairs_key]
-        with phase("logprobs"):
-            logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
-                                  batch_size=batch_size)
+        if pairs_from_reference and reference is not None:
+            logps = {"chosen_logp": reference["ref_chosen_logp"].to_numpy(np.float64),
+                     "rejected_logp": reference["ref_rejected_logp"].to_numpy(np.float64)}
+        else:  # the reference pass's own function: policy and reference margins are computed alike
+            encoded = {} if encoded is None else encoded
+            with phase("tokenise"):
+                if pairs_key not in encoded:
+                    encoded[pairs_key] = encode_pairs(
+                        engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
+                items = encoded[pairs_key]
+            with phase("logprobs"):
+                logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
+                                      batch_size=batch_size)
         margin = logps["chosen_logp"] - logps["rejected_logp"]
         results.update(preference_n=len(pairs), preference_accuracy=float((margin > 0).mean()),
                        preference_margin=float(margin.mean()))
@@ -126,11 +132,14 @@ def evaluate_policy(model_path: str, *, arith_eval: list[dict], reward_model_pat
 
 def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_model_path: str | None = None,
                     engine: str = "transformers", max_new_tokens: int = 16, batch_size: int = 32,
-                    max_length: int = 256, device: str = "cpu", dtype: str = "float32",
+                    max_length: int = 256, pair_max_length: int | None = None, device: str = "cpu",
+                    dtype: str = "float32", reference_model: str | None = None,
                     **options: Any) -> dict[str, dict[str, Any]]:
     """``evaluate_policy`` of each named model folder; checkpoints of the same model share one engine
     (weights copied in place), and the reward model is loaded once and scores every model's greedy
-    answers (``rm_mean_score``)."""
+    answers (``rm_mean_score``, ``max_length`` tokens). ``pair_max_length``: the pairs' truncation (the
+    reference pass's: a log-ratio margin over other tokens would mean nothing; default ``max_length``);
+    ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again)."""
     results, samples, current, encoded = {}, {}, None, {}  # current: (folder, engine) of the last model
     for name, path in models.items():
         reuse = current[1] if current is not None and same_model_files(current[0], path) else None
@@ -139,8 +148,8 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
                                      batch_size=batch_size, device=device, dtype=dtype))
         reuse = None
         results[name], samples[name] = _evaluate(
-            current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=max_length, encoded=encoded,
-            pairs_key=tokenizer_key(path), **options)
+            current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=pair_max_length or max_length,
+            encoded=encoded, pairs_key=tokenizer_key(path), pairs_from_reference=name == reference_model, **options)
     current = None  # the policies' memory (engine, CUDA graphs) is free before the reward model loads
     answered = [(name, s) for name in models for s in samples[name]]
     if reward_model_path and answered:

@@ -38,12 +38,28 @@ def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
     if "id" not in pairs.columns:
         pairs = pairs.assign(id=[str(i) for i in range(len(pairs))])
     pairs["id"] = pairs["id"].astype(str)
-    ref = pd.read_parquet(reference_parquet)[["id", "ref_chosen_logp", "ref_rejected_logp"]]
+    ref = pd.read_parquet(reference_parquet)
+    ref = ref[[c for c in ("id", "ref_chosen_logp", "ref_rejected_logp", "chosen_len", "rejected_len") if c in ref]]
     ref["id"] = ref["id"].astype(str)
     merged = pairs.merge(ref, on="id", how="inner", validate="one_to_one")
     if len(merged) != len(pairs):
         raise ValueError(f"{len(pairs) - len(merged)} pairs have no reference log-probs")
     return merged
+
+
+def check_reference_tokens(items: list[dict], frame: pd.DataFrame, reference_parquet: str) -> None:
+    """The reference log-probs must be sums over the very completion tokens this run scores: the same
+    tokenizer and truncation (``reference_logprobs.max_length`` = ``max_length`` here, for pairs longer
+    than either). Otherwise the loss compares sums over different tokens — fail before training."""
+    if "chosen_len" not in frame:
+        return
+    for item, row in zip(items, frame.itertuples(index=False)):
+        here, there = (len(item["chosen"]), len(item["rejected"])), (int(row.chosen_len), int(row.rejected_len))
+        if here != there:
+            raise ValueError(
+                f"{reference_parquet}: pair id {item['id']!r}: the reference log-probs cover {there[0]} chosen / "
+                f"{there[1]} rejected completion tokens, this run tokenises {here[0]} / {here[1]}: compute the "
+                "reference with the same max_length (reference_logprobs' config) and the same base model")
 
 
 def mean_margin(model: Any, items: list[dict], ref_c: np.ndarray, ref_r: np.ndarray, pad_id: int,
@@ -73,6 +89,7 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
     tok = loop.tokenizer
     pad_id = tok.pad_token_id
     items = encode_pairs(tok, frame.to_dict("records"), cfg.max_length)
+    check_reference_tokens(items, frame, reference_parquet)
     ref_c = frame["ref_chosen_logp"].to_numpy(np.float64, copy=True)
     ref_r = frame["ref_rejected_logp"].to_numpy(np.float64, copy=True)
     ref_c_t = torch.as_tensor(ref_c, dtype=torch.float32)
