@@ -51,10 +51,47 @@ def _package_modules(name: str) -> list[str]:
     return out
 
 
+# _parsed_imports across processes (each of the CLI, the step server and the UI's code server builds the
+# definitions: parsing ~70 files was ~0.3 s of each start on a 2-core box); keyed like the in-process cache
+IMPORTS_CACHE = os.path.join(PACKAGE_DIR, "__pycache__", "batchrl-imports.json")
+_disk_cache: dict[str, list] | None = None
+_disk_cache_dirty = False
+
+
 def _imported_names(path: str, module: str) -> set[str]:
     """batchrl modules ``path`` imports, anywhere in the file (relative imports resolved)."""
+    global _disk_cache, _disk_cache_dirty
+    if _disk_cache is None:
+        try:
+            with open(IMPORTS_CACHE) as f:
+                _disk_cache = json.load(f)
+        except (OSError, ValueError):
+            _disk_cache = {}
     st = os.stat(path)
-    return _parsed_imports(path, module, st.st_mtime_ns, st.st_size)
+    key, stamp = f"{module}\0{path}", [st.st_mtime_ns, st.st_size]
+    entry = _disk_cache.get(key)
+    if entry is not None and entry[:2] == stamp:
+        return frozenset(entry[2])
+    names = _parsed_imports(path, module, st.st_mtime_ns, st.st_size)
+    _disk_cache[key], _disk_cache_dirty = [*stamp, sorted(names)], True
+    return names
+
+
+def _save_imports_cache() -> None:
+    """Write the parsed imports for the next process (atomically: processes start side by side); a package
+    folder that cannot be written just keeps parsing."""
+    global _disk_cache_dirty
+    if not _disk_cache_dirty:
+        return
+    tmp = f"{IMPORTS_CACHE}.{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(IMPORTS_CACHE), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(_disk_cache, f)
+        os.replace(tmp, IMPORTS_CACHE)
+        _disk_cache_dirty = False
+    except OSError:
+        pass
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,6 +133,7 @@ def module_closure(*modules: str) -> list[str]:
         parts = name.split(".")
         pending += [".".join(parts[:i]) for i in range(1, len(parts))]
         pending += sorted(_imported_names(path, name))
+    _save_imports_cache()
     return sorted(seen)
 
 

@@ -36,6 +36,34 @@ def test_code_version_follows_imports_not_just_named_modules():
         module_closure("batchrl.training.advantages"))
 
 
+def test_parsed_imports_reach_the_next_process_and_only_for_the_same_file(tmp_path, monkeypatch):
+    """The next process (the step server, the UI's code server) reads the imports this one parsed, keyed by
+    each file's stat: an entry of another version of a file is parsed again."""
+    import json
+
+    from batchrl import lineage
+
+    def fresh_process(cache: str):
+        monkeypatch.setattr(lineage, "IMPORTS_CACHE", cache)
+        monkeypatch.setattr(lineage, "_disk_cache", None)
+        lineage._parsed_imports.cache_clear()
+
+    cache = str(tmp_path / "imports.json")
+    fresh_process(cache)
+    closure = module_closure("batchrl.training.rollout")
+    entries = json.load(open(cache))
+    key = next(k for k in entries if k.startswith("batchrl.training.rollout\0"))
+    entries[key][2] = entries[key][2] + ["batchrl.ingest.textclean"]  # as if that file imported it
+    json.dump(entries, open(cache, "w"))
+    fresh_process(cache)
+    assert "batchrl.ingest.textclean" in module_closure("batchrl.training.rollout")  # read, not parsed
+    entries[key][0] += 1  # another version of the file
+    json.dump(entries, open(cache, "w"))
+    fresh_process(cache)
+    assert module_closure("batchrl.training.rollout") == closure
+    assert json.load(open(cache))[key][0] == entries[key][0] - 1  # re-parsed, written back
+
+
 def test_code_version_includes_the_config_schema():
     class Small(dg.Config):
         n: int = 1
