@@ -122,6 +122,14 @@ def build_definitions(resources: dict | None = None, dpo_self_play: bool | None 
     )
 
 
+def steps_run_models(definitions: dg.Definitions) -> bool:
+    """Whether a step process runs model code itself (rollouts or model inference in process, the CPU
+    environments), so the step server preloads torch for it; on the GPU host every model stage is a job and
+    torch stays out of the step processes (its import held the first steps back: bench/RESULTS.md)."""
+    resources = definitions.resources
+    return not (resources["rollout_engine"].in_subprocess and resources["compute"].in_subprocess)
+
+
 def dpo_takes_self_play_pairs() -> bool:
     """Whether this code location's DPO path may take pairs from the policy's scored samples (``dpo_pairs``
     then has a ``rewards`` input): ``BATCHRL_DPO_SELF_PLAY`` (1 or 0), else whether the profile

@@ -1,6 +1,7 @@
 """What the step processes of a multiprocess run find loaded (``batchrl.step_server``): the server they fork
-from imports this module once — the code location, torch and the Dagster instance's storage code, each of which
-a step process would otherwise load in its first seconds. It reads and writes nothing of the instance."""
+from imports this module once — the code location, torch where the steps run models themselves, and the Dagster
+instance's storage code, each of which a step process would otherwise load in its first seconds. It reads and
+writes nothing of the instance."""
 import os
 import sys
 import time
@@ -11,10 +12,11 @@ _IMPORT_STARTED = time.time()
 # counts, hence the numbers, of a run that executes one step at a time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402,F401  (the model stages' first import)
-
-import batchrl.definitions  # noqa: E402,F401  (the code location the step processes rebuild their job from)
+import batchrl.definitions  # noqa: E402  (the code location the step processes rebuild their job from)
 from batchrl.step_server import STARTED_ENV  # noqa: E402
+
+if batchrl.definitions.steps_run_models(batchrl.definitions.defs):
+    import torch  # noqa: F401  (the in-process model stages' first import)
 
 # the instance's storage code, imported but not opened: opening a fresh home creates its tables, and the run's
 # own process creates them at the same time (CI: "table jobs already exists"); steps open it once it exists

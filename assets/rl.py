@@ -14,7 +14,7 @@ from batchrl.assets.common import (
 from batchrl.assets.policy_chain import (
     PROMOTED_POLICY_IN, chain_base, current_policy, parent_policy, promote,
 )
-from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_job_inputs, kl_in_reward_inputs, with_critic_values
+from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_inputs, critic_job_inputs, kl_in_reward_inputs
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -136,34 +136,35 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
                                                     "batchrl.training.kl_reward", "batchrl.training.remax",
-                                                    config=AdvantageConfig),
+                                                    "batchrl.training.trainer.critic", config=AdvantageConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN},
           metadata=declared_files(table="advantages.parquet"))
 def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: Artifact, base_model: Artifact,
                promoted_policy: Optional[Artifact], storage: StorageResource, catalog: CatalogResource,
-               compute: ComputeResource) -> dg.Output:
+               compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Per-token advantages and returns from the configured estimator (grouped by prompt), with the
-    KL to the base model in the token rewards when ``use_kl_in_reward``."""
-    from batchrl.training.advantages import compute_advantages
+    KL to the base model in the token rewards when ``use_kl_in_reward`` (on the environment's compute: in
+    process on the CPU, a job on the GPU host — the models it may run, reference and critic, and torch stay
+    out of the Dagster process there)."""
+    import pyarrow.parquet as pq
 
     settings = to_library_config(config, AdvantageSettings)
-    table = rewards.read_table()
-    kl, extra_inputs = kl_in_reward_inputs(context, storage, compute, settings, table, base_model, promoted_policy)
-    table, critic_inputs = with_critic_values(storage, compute, settings, table, rewards)
-    extra_inputs.update(critic_inputs)
-    out = compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,
-                             norm_adv_by_std=settings.norm_adv_by_std, kl=kl)
-    metrics = out.attrs.get("metrics", {})
-    flat = [a for row in out["advantages"] for a in row]
-    with storage.staging_dir("advantages") as staging:
-        out.to_parquet(output_file(context, staging), index=False)
+    columns = pq.read_schema(rewards.file()).names
+    kl_inputs, extra_inputs = kl_in_reward_inputs(context, storage, settings, columns, base_model, promoted_policy)
+    critic_config, critic_lineage = critic_inputs(storage, settings, rewards)
+    extra_inputs.update(critic_lineage)
+    with storage.staging_dir("advantages_work") as workdir, storage.staging_dir("advantages") as staging:
+        result = compute.run(context, trainer, "advantages", {
+            "rewards_parquet": rewards.file(), "settings": settings.model_dump(), **kl_inputs, **critic_config,
+            "device": compute.device, "out_parquet": output_file(context, staging)}, workdir=workdir)
+        metrics = result["metrics"]
         lineage_config = settings.model_dump()
-        if kl is not None:  # the controller's state, read back by the next iteration
+        if settings.use_kl_in_reward:  # the controller's state, read back by the next iteration
             lineage_config["kl_ctrl_state"] = {k: metrics[k] for k in ("kl_coef_applied", "kl_coef_next")}
         return publish(context, storage, catalog, staging, config=lineage_config,
                        inputs={"rewards": rewards, **extra_inputs},
-                       metadata={"samples": len(out), "estimator": settings.estimator, **metrics,
-                                 "adv_abs_mean": float(pd.Series(flat).abs().mean()) if flat else 0.0})
+                       metadata={"samples": result["samples"], "estimator": settings.estimator, **metrics,
+                                 "adv_abs_mean": result["adv_abs_mean"]})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos"),

@@ -1,4 +1,4 @@
-"""What the RL assets need from lineage for KL in the reward: the reference log-probs, the KL
+"""What the RL assets need from lineage for KL in the reward and critic values: the reference model, the KL
 controller's state carried over from the previous iteration (through the promoted policy), and the
 agreement of the advantages stage and the policy update on where the KL term lives."""
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import dagster as dg
-import pandas as pd
 
 from batchrl.assets.common import as_ref
-from batchrl.resources import Artifact, ArtifactRef, ComputeResource, StorageResource
+from batchrl.resources import Artifact, ArtifactRef, StorageResource
 from batchrl.training.advantages import AdvantageSettings
 
 _CONTROLLER_FIELDS = ("kl_ctrl", "target_kl", "kl_horizon", "kl_penalty")
@@ -34,28 +33,23 @@ def _previous_kl_state(storage: StorageResource, settings: AdvantageSettings, ba
     return float(state["kl_coef_next"]), previous
 
 
-def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResource, compute: ComputeResource,
-                        settings: AdvantageSettings, table: pd.DataFrame, base_model: Artifact,
-                        promoted: Artifact | None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """``compute_advantages``'s ``kl`` argument and the extra lineage inputs (reference model, the
-    batch the controller state came from); ``(None, {})`` without ``use_kl_in_reward``."""
+def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResource, settings: AdvantageSettings,
+                        columns: list[str], base_model: Artifact,
+                        promoted: Artifact | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the advantages job needs for KL in the reward (the reference model, the KL coefficient carried
+    over) and the extra lineage inputs (reference model, the batch the controller state came from);
+    ``({}, {})`` without ``use_kl_in_reward``. ``columns``: the scored samples' columns."""
     if not settings.use_kl_in_reward:
-        return None, {}
-    from batchrl.training.kl_reward import make_kl_controller, reference_token_logprobs
-
-    if "rollout_logprobs" not in table.columns:
+        return {}, {}
+    if "rollout_logprobs" not in columns:
         raise dg.Failure("advantages: use_kl_in_reward needs the rollouts' rollout_logprobs column")
     carried, previous = _previous_kl_state(storage, settings, base_model, promoted)
-    controller = make_kl_controller(settings.kl_ctrl, settings.kl_coef if carried is None else carried,
-                                    target_kl=settings.target_kl, horizon=settings.kl_horizon)
-    ref_logprobs = reference_token_logprobs(base_model.path, table, device=compute.device)
-    compute.release()
     inputs: dict[str, Any] = {"reference": base_model}
     if previous is not None:
         inputs["kl_ctrl_from"] = previous
         context.log.info(f"advantages: adaptive KL coefficient {carried:.6g} carried over from "
                          f"advantages {previous.data_version}")
-    return {"ref_logprobs": ref_logprobs, "controller": controller, "kind": settings.kl_penalty}, inputs
+    return {"reference_model_path": base_model.path, "kl_coef": carried}, inputs
 
 
 def check_kl_in_reward(advantages: Artifact, policy_use_kl_in_reward: bool, policy_kl_coef: float) -> None:
@@ -92,20 +86,16 @@ def critic_for_rewards(storage: StorageResource, rewards: Artifact, init: str = 
     return as_ref(inputs["reward_model"]) if init == "reward_model" else policy
 
 
-def with_critic_values(storage: StorageResource, compute: ComputeResource, settings: AdvantageSettings,
-                       table: pd.DataFrame, rewards: Artifact) -> tuple[pd.DataFrame, dict[str, Any]]:
-    """``table`` with the critic's ``values`` when the estimator needs them, and the lineage input
-    naming that critic; ``(table, {})`` otherwise."""
+def critic_inputs(storage: StorageResource, settings: AdvantageSettings,
+                  rewards: Artifact) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The critic the advantages job takes values from when the estimator needs them, and the lineage input
+    naming it; ``({}, {})`` otherwise."""
     from batchrl.training.algos import estimator_needs
 
     if "values" not in estimator_needs(settings.estimator):
-        return table, {}
-    from batchrl.training.trainer.critic import predict_values
-
+        return {}, {}
     critic = critic_for_rewards(storage, rewards, settings.critic_init)
-    values = predict_values(storage.localize(critic), table, device=compute.device)
-    compute.release()
-    return table.assign(values=values), {"critic": critic}
+    return {"critic_path": storage.localize(critic)}, {"critic": critic}
 
 
 def critic_job_inputs(storage: StorageResource, advantages: Artifact, use_critic: bool) -> tuple[dict, dict]:

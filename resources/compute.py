@@ -1,4 +1,4 @@
-"""Where model inference of the non-training stages runs (reward-model scoring, evaluation): on the CPU
+"""Where model work of the non-training stages runs (reward-model scoring, advantages, evaluation): on the CPU
 in the Dagster process, or on the accelerator in a Pipes subprocess (its memory is gone when the stage
 ends). Swapped per environment like every resource: ``local`` keeps float32 on the CPU in process,
 ``gpu`` runs the same tasks on CUDA in bfloat16 in a subprocess. Training stages always run as jobs.

@@ -78,13 +78,17 @@ def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
         default_concurrent_steps()
 
 
-def test_the_step_server_preload_leaves_a_fresh_instance_to_the_run(tmp_path):
+@pytest.mark.parametrize("env,torch_preloaded", [("local", True), ("gpu", False)])
+def test_the_step_server_preload_leaves_a_fresh_instance_to_the_run(tmp_path, env, torch_preloaded):
     """The preload runs while the run's own process creates a fresh instance's tables: if it opened the instance
-    too, the two would create the same tables at once ("table jobs already exists")."""
+    too, the two would create the same tables at once ("table jobs already exists"). It loads torch only where
+    the steps run models in their own process (on the GPU host they are jobs, advantages too)."""
     home = tmp_path / "home"
     home.mkdir()
-    done = subprocess.run([sys.executable, "-c", "import batchrl.step_preload"], capture_output=True, text=True,
-                          env={**os.environ, "DAGSTER_HOME": str(home)}, timeout=120)
+    done = subprocess.run([sys.executable, "-c", "import sys, batchrl.step_preload; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_ENV": env})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step server: preloaded" in done.stderr
+    assert done.stdout.strip() == str(torch_preloaded)
     assert list(home.iterdir()) == []

@@ -220,15 +220,17 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
 
 
 def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
-    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring, reference log-probs and evaluation
-    (greedy decoding with the static-cache engine) in Pipes subprocesses give the same artifacts (same data
-    versions) as in the Dagster process with plain generate."""
+    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring, advantages (with the
+    reference model's KL in the reward), reference log-probs and evaluation (greedy decoding with the static-cache
+    engine) in Pipes subprocesses give the same artifacts (same data versions) as in the Dagster process with
+    plain generate."""
     from batchrl.resources import ComputeResource, RolloutEngineResource
 
     _, instance, root = pipeline
     config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}},
+                      "advantages": {"config": {"use_kl_in_reward": True, "kl_coef": 0.05}},
                       "evaluation": {"config": {"max_eval_prompts": 8}}}}
-    selection = ["rollouts", "rewards", "reference_logprobs", "evaluation"]
+    selection = ["rollouts", "rewards", "advantages", "reference_logprobs", "evaluation"]
     versions = []
     for in_subprocess in (False, True):
         resources = local_resources(
@@ -251,7 +253,8 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         assert set(timings) == parts | {"other"}, (asset, timings)
         assert all(v >= 0 for v in timings.values())
     messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
-    for reported in ("sampling 6 prompts x 2 with static", "inference task rewards",
+    assert latest_metadata(instance, "advantages")["kl_coef_applied"] == 0.05
+    for reported in ("sampling 6 prompts x 2 with static", "inference task rewards", "inference task advantages",
                      "inference task reference_logprobs", "inference task evaluation"):
         assert any(reported in m for m in messages), f"no Pipes report {reported!r}"
 

@@ -132,3 +132,29 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
     out["returns"] = [ret[i, :n].tolist() for i, n in enumerate(lengths)]
     out.attrs["metrics"] = metrics
     return out
+
+
+def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
+                           reference_model_path: str | None = None, kl_coef: float | None = None,
+                           critic_path: str | None = None, device: str = "cpu") -> pd.DataFrame:
+    """``compute_advantages`` as ``settings`` ask, with what they need from models (the advantages stage's
+    work, in one place whether it runs in the Dagster process or as a job on the GPU host): with
+    ``use_kl_in_reward`` the reference model's token log-probs and a KL controller starting at ``kl_coef``
+    (a value carried over from the previous iteration, else ``settings.kl_coef``); with ``critic_path`` the
+    critic's values."""
+    kl = None
+    if settings.use_kl_in_reward:
+        from batchrl.training.kl_reward import make_kl_controller, reference_token_logprobs
+
+        if reference_model_path is None:
+            raise ValueError("use_kl_in_reward needs the reference model (reference_model_path)")
+        controller = make_kl_controller(settings.kl_ctrl, settings.kl_coef if kl_coef is None else kl_coef,
+                                        target_kl=settings.target_kl, horizon=settings.kl_horizon)
+        kl = {"ref_logprobs": reference_token_logprobs(reference_model_path, table, device=device),
+              "controller": controller, "kind": settings.kl_penalty}
+    if critic_path is not None:
+        from batchrl.training.trainer.critic import predict_values
+
+        table = table.assign(values=predict_values(critic_path, table, device=device))
+    return compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,
+                              norm_adv_by_std=settings.norm_adv_by_std, kl=kl)

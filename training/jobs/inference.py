@@ -9,7 +9,10 @@ comes from the config):
 - ``reference_logprobs``: ``model_path``, ``pairs_parquet``, ``out_parquet``, ``max_length``, ``batch_size``,
   ``device``, ``dtype`` — the frozen reference's summed completion log-probs of each pair;
 - ``evaluation``: ``models`` ({name: HF folder}), ``eval_prompts_parquet``, ``pairs_parquet``,
-  ``reference_parquet``, ``options`` (``evaluate_models`` keywords) — results per model.
+  ``reference_parquet``, ``options`` (``evaluate_models`` keywords) — results per model;
+- ``advantages``: ``rewards_parquet``, ``settings`` (AdvantageSettings fields), ``reference_model_path`` and
+  ``kl_coef`` (KL in the reward), ``critic_path`` (estimators that need values), ``device``, ``out_parquet`` —
+  ``advantages_with_models`` over the scored samples, written to ``out_parquet``; its batch metrics.
 
 ``run_task`` is also what the asset calls when the stage runs in the Dagster process (CPU).
 """
@@ -54,8 +57,22 @@ def reference_logprobs(config: dict) -> dict:
                                       dtype=config.get("dtype", "auto"))
 
 
+def advantages(config: dict) -> dict:
+    from batchrl.training.advantages import AdvantageSettings, advantages_with_models
+
+    out = advantages_with_models(pd.read_parquet(config["rewards_parquet"]), AdvantageSettings(**config["settings"]),
+                                 reference_model_path=config.get("reference_model_path"),
+                                 kl_coef=config.get("kl_coef"), critic_path=config.get("critic_path"),
+                                 device=config.get("device", "cpu"))
+    out.to_parquet(config["out_parquet"], index=False)
+    flat = [a for row in out["advantages"] for a in row]
+    return {"samples": len(out), "adv_abs_mean": float(pd.Series(flat, dtype=float).abs().mean()) if flat else 0.0,
+            # plain floats: the KL controller's state is read back exactly by the next iteration
+            "metrics": {k: float(v) for k, v in out.attrs.get("metrics", {}).items()}}
+
+
 TASKS: dict[str, Callable[[dict], dict]] = {"rewards": score_rewards, "reference_logprobs": reference_logprobs,
-                                            "evaluation": evaluate_models}
+                                            "evaluation": evaluate_models, "advantages": advantages}
 
 
 def run_task(config: dict) -> dict[str, Any]:
