@@ -8,30 +8,12 @@ stay the same everywhere.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import sys
-import threading
 from typing import Any, Literal
 
 import dagster as dg
 from pydantic import Field
-
-
-_IMPORTING: set[str] = set()  # modules import_while_waiting has started
-
-
-def import_while_waiting(*modules: str) -> None:
-    """Import ``modules`` in a daemon thread, once, while this process only waits for a job: the
-    definitions load without torch (~3-4 s of a run's start on the GPU host), and the in-process steps
-    that use it (advantages' tensor math) then find it loaded. A step that needs a module still being
-    imported waits for that import (the import lock), so nothing can see it half loaded."""
-    pending = [m for m in modules if m not in sys.modules and m not in _IMPORTING]
-    if pending:
-        _IMPORTING.update(pending)
-        threading.Thread(target=lambda: [importlib.import_module(m) for m in pending], name="import-while-waiting",
-                         daemon=True).start()
 
 
 class TrainerLauncherResource(dg.ConfigurableResource):
@@ -64,7 +46,6 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         config_path = os.path.join(workdir, f"{job}.json")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        import_while_waiting("torch")
         if self.backend == "k8s":
             from batchrl.resources.scaleout import k8s_client
 
