@@ -220,10 +220,9 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
 
 
 def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
-    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring, advantages (with the
-    reference model's KL in the reward), reference log-probs and evaluation (greedy decoding with the static-cache
-    engine) in Pipes subprocesses give the same artifacts (same data versions) as in the Dagster process with
-    plain generate."""
+    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring, advantages (KL in the
+    reward), reference log-probs and evaluation (static-cache greedy decoding) in Pipes subprocesses give the same
+    artifacts (same data versions) as in the Dagster process with plain generate."""
     from batchrl.resources import ComputeResource, RolloutEngineResource
 
     _, instance, root = pipeline
