@@ -18,7 +18,8 @@ run left (what a scheduled retrain on the same machine finds); each run's report
 ``--concurrent-steps``: `batchrl run --concurrent-steps` per run (one value for all, or one per run), with
 ``--gpu-job-slots`` warm job workers (BATCHRL_GPU_JOB_SLOTS): independent branches share the GPU.
 ``--cudnn-attention`` / ``--dpo-self-play``: the jobs' BATCHRL_CUDNN_ATTENTION and the run's BATCHRL_DPO_SELF_PLAY,
-per run like ``--concurrent-steps``.
+per run like ``--concurrent-steps``. ``--existing-home``: each run's Dagster home has its tables before the timer
+starts (by default the run creates them, as a first run on a machine does).
 """
 from __future__ import annotations
 
@@ -167,6 +168,10 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
         shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
     env = {**env, "BATCHRL_STORAGE": os.path.join(work, "storage"), "DAGSTER_HOME": os.path.join(work, "home")}
     os.makedirs(out, exist_ok=True)
+    if a.existing_home:
+        from bench_run_startup import create_instance_tables  # this folder: the script's own
+
+        create_instance_tables(env)
     trace_path = os.path.join(out, "gpu_trace.csv")
     tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
@@ -227,6 +232,9 @@ def main() -> None:
     ap.add_argument("--dpo-self-play", default="0", help=(
         "BATCHRL_DPO_SELF_PLAY of the run (1: dpo_pairs keeps its rewards input, so the DPO path waits for the RL "
         "branch, as before the tenth session), one value or one per run"))
+    ap.add_argument("--existing-home", action="store_true", help=(
+        "create each run's fresh Dagster home's tables before the timer starts (a machine that ran batchrl before; "
+        "default: the run creates them, ~0.5 s of its start-up on the dev box, as in the sessions up to the tenth)"))
     a = ap.parse_args()
     concurrency, cudnn, self_play = (per_run(ap, flag, value, a.runs) for flag, value in (
         ("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention),
