@@ -23,7 +23,8 @@ import time
 
 SELECTION = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "scored_logs",
              "scored_pairs"]
-BATCHRL = os.path.join(os.path.dirname(sys.executable), "batchrl")
+# the CLI through this interpreter (a host without the console script, e.g. the device's carried environment)
+BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])"]
 
 
 def create_instance_tables(env: dict) -> None:
@@ -40,7 +41,7 @@ def one_run(root: str, steps: int, existing_home: bool = False) -> dict:
     if existing_home:
         create_instance_tables(env)
     started = time.time()
-    subprocess.run([BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)], env=env,
+    subprocess.run([*BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)], env=env,
                    check=True, capture_output=True)
     total = time.time() - started
     out = {"total_s": round(total, 2), "runs": []}
