@@ -55,7 +55,8 @@ def test_self_play_source_without_the_rewards_input_fails_before_anything_runs(t
 def test_batchrl_run_builds_the_self_play_graph_when_its_config_asks(tmp_path, monkeypatch):
     from batchrl.cli import _run_config
 
-    monkeypatch.delenv("BATCHRL_DPO_SELF_PLAY", raising=False)
+    # "" = unset; setenv (not delenv, which records nothing when absent) undoes what _run_config sets
+    monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")
     monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
     logged, own = tmp_path / "logged.yaml", tmp_path / "self.yaml"
     logged.write_text("ops: {dpo_pairs: {config: {source: logged}}}\n")

@@ -87,7 +87,8 @@ def test_the_gpu_profiles_rl_iterations_plan_validates(monkeypatch):
 
     monkeypatch.setenv("BATCHRL_ENV", "gpu")
     monkeypatch.setenv("BATCHRL_PROFILE", "real")  # what _run_config sets, undone after the test
-    monkeypatch.delenv("BATCHRL_DPO_SELF_PLAY", raising=False)  # _run_config sets it (self-play pairs): undone too
+    # _run_config sets it (self-play pairs); setenv, not delenv: deleting an absent variable records nothing to undo
+    monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")
     run_config, iterations = _run_config(argparse.Namespace(profile="real", config=None, rl_iterations=None))
     defs = build_definitions()
     plan = _plan(defs, argparse.Namespace(select="*"), run_config, iterations)
@@ -128,7 +129,7 @@ def test_cli_config_files_merge_over_the_profile(tmp_path, monkeypatch):
     from batchrl.cli import _run_config
 
     monkeypatch.setenv("BATCHRL_PROFILE", "")  # _run_config sets it: undone after the test, not left for the next
-    monkeypatch.delenv("BATCHRL_DPO_SELF_PLAY", raising=False)  # the same
+    monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")  # the same: "" = unset, and undone after the test
     extra = tmp_path / "run.yaml"
     extra.write_text("ops:\n  rollouts:\n    config: {samples_per_prompt: 3}\n")
     args = argparse.Namespace(profile="real", config=[str(extra)], rl_iterations=None)
