@@ -27,6 +27,16 @@ def ensure_dagster_home() -> str:
     return home
 
 
+def open_instance():
+    """The persistent instance; its storages' revision checks read Dagster's scripts once (``alembic_scripts``)."""
+    import dagster as dg
+
+    from batchrl import alembic_scripts
+
+    alembic_scripts.share()
+    return dg.DagsterInstance.get()
+
+
 def _latest_uri(instance, asset: str) -> str | None:
     import dagster as dg
 
@@ -142,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     tags = config_file_tags(args.config or [])
     started = time.monotonic()
     done: list[dict] = []
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         with contextlib.ExitStack() as stack:
             out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
             drops = len(drops_to_ingest(defs, instance))  # each new log drop's run gives three lines
@@ -203,9 +213,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     uri = args.uri
     if uri is None:
         ensure_dagster_home()
-        import dagster as dg
-
-        with dg.DagsterInstance.get() as instance:
+        with open_instance() as instance:
             uri = _latest_uri(instance, args.asset)
         if uri is None:
             print(f"no materialisation of {args.asset} in {os.environ['DAGSTER_HOME']}", file=sys.stderr)
@@ -248,12 +256,10 @@ def _audit_catalog(args: argparse.Namespace) -> int:
 def cmd_stale(args: argparse.Namespace) -> int:
     """Assets whose code version or upstream data changed since their last materialisation (as the UI says)."""
     ensure_dagster_home()
-    import dagster as dg
-
     from batchrl.definitions import build_definitions
     from batchrl.staleness import stale_causes
 
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         causes = stale_causes(build_definitions(), instance)
     if args.json:
         print(json.dumps(causes, indent=2, sort_keys=True))
@@ -271,9 +277,7 @@ def _target_uri(target: str) -> str | None:
     if "/" in target or os.path.isdir(target):
         return os.path.abspath(target) if "://" not in target else target
     ensure_dagster_home()
-    import dagster as dg
-
-    with dg.DagsterInstance.get() as instance:
+    with open_instance() as instance:
         return _latest_uri(instance, target)
 
 

@@ -1,7 +1,7 @@
 """What the step processes of a multiprocess run find loaded (``batchrl.step_server``): the server they fork
-from imports this module once — the code location, torch where the steps run models themselves, and the Dagster
-instance's storage code, each of which a step process would otherwise load in its first seconds. It reads and
-writes nothing of the instance."""
+from imports this module once — the code location, torch where the steps run models themselves, the Dagster
+instance's storage code and its migration scripts, each of which a step process would otherwise load in its
+first seconds. It reads and writes nothing of the instance."""
 import os
 import sys
 import time
@@ -23,6 +23,10 @@ if batchrl.definitions.steps_run_models(batchrl.definitions.defs):
 import alembic.runtime.migration  # noqa: E402,F401
 import dagster._core.instance.factory  # noqa: E402,F401
 import dagster._core.storage.sqlite_storage  # noqa: E402,F401
+
+from batchrl import alembic_scripts  # noqa: E402
+
+alembic_scripts.warm()  # the migration scripts, read once here for every step's revision checks
 
 # when the first step could fork: a step of a run that reaches its steps sooner waits for this line's time
 _ready = time.time()

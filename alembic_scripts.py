@@ -1,0 +1,51 @@
+"""One read of Dagster's migration scripts per process. Dagster's SQLite storages compare a database's alembic
+revision with the scripts' head each time they open one: the instance's run, event-index and schedule databases,
+and every run's event-log shard the first time a process writes to it. Each check builds a new alembic
+``ScriptDirectory``, which loads all ~90 scripts again (dev box: ~45 ms a check; 13 checks in `batchrl run` of
+the data assets, 4 in every step process before its step starts). The scripts cannot change under a running
+process, so the checks share one ``ScriptDirectory`` per script set, built before the step server forks.
+
+Only the revision check reads the shared one (``dagster._core.storage.sql``'s name for the class); migrations
+and stamping (``alembic.command``) build their own, as before."""
+from __future__ import annotations
+
+# the options from which alembic's ScriptDirectory.from_config finds and reads the scripts
+_SCRIPT_OPTIONS = ("script_location", "version_locations", "recursive_version_locations", "sourceless",
+                   "file_template", "path_separator", "version_path_separator")
+
+
+class SharedScriptDirectory:
+    """Stands in for ``ScriptDirectory`` where Dagster checks revisions: ``from_config`` returns the process's
+    ``ScriptDirectory`` for the config's script set (its revision map, once built, is kept)."""
+
+    shared = True
+    _directories: dict = {}  # (script options) -> ScriptDirectory; Dagster checks under its own lock
+
+    @classmethod
+    def from_config(cls, config):
+        from alembic.script import ScriptDirectory
+
+        option = getattr(config, "get_alembic_option", config.get_main_option)  # alembic < 1.16: the latter
+        key = tuple(option(name) for name in _SCRIPT_OPTIONS)
+        if key not in cls._directories:
+            cls._directories[key] = ScriptDirectory.from_config(config)
+        return cls._directories[key]
+
+
+def share() -> None:
+    """Make Dagster's revision checks in this process share one ScriptDirectory per script set (idempotent)."""
+    import dagster._core.storage.sql as dagster_sql
+
+    if not getattr(dagster_sql.ScriptDirectory, "shared", False):
+        dagster_sql.ScriptDirectory = SharedScriptDirectory
+
+
+def warm() -> str:
+    """``share``, then read Dagster's scripts now (the step server, so that its step processes find them read);
+    returns the scripts' head revision. Reads no database."""
+    from dagster._core.storage.runs.sqlite import sqlite_run_storage
+    from dagster._core.storage.sql import get_alembic_config
+
+    share()
+    config = get_alembic_config(sqlite_run_storage.__file__)
+    return SharedScriptDirectory.from_config(config).as_revision_number("head")
