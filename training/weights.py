@@ -31,44 +31,26 @@ def _weight_files(path: str) -> list[str]:
     return [single] if os.path.isfile(single) else []
 
 
-def read_weights(path: str, *, pin: bool = False) -> dict[str, torch.Tensor]:
-    """The safetensors tensors of the HF folder ``path``, in host memory (page-locked with ``pin``: a GPU copies
-    them in without staging). Evaluation reads the next checkpoint ahead while the GPU works on the current one."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        tensors.update((key, value.pin_memory() if pin else value) for key, value in load_file(file).items())
-    return tensors
-
-
 @torch.no_grad()
-def load_weights_in_place(model: Any, path: str, tensors: dict[str, torch.Tensor] | None = None) -> bool:
-    """Copy the safetensors weights of the HF folder ``path`` (``tensors``: those weights, already read by
-    ``read_weights``) into ``model``'s parameters and buffers (cast to their dtype, read straight onto their
-    device). Returns False, with the model untouched, when the files do not cover the model exactly (other
-    names or shapes, a tensor missing that is not tied to one present): the caller then loads the folder the
-    usual way."""
+def load_weights_in_place(model: Any, path: str) -> bool:
+    """Copy the safetensors weights of the HF folder ``path`` into ``model``'s parameters and buffers
+    (cast to their dtype, read straight onto their device). Returns False, with the model untouched, when
+    the files do not cover the model exactly (other names or shapes, a tensor missing that is not tied
+    to one present): the caller then loads the folder the usual way."""
     from safetensors import safe_open
 
     files = _weight_files(path)
     state = model.state_dict()
     stored: dict[str, tuple[int, ...]] = {}  # name -> shape, from the files' headers
-    if tensors is not None:
-        stored = {key: tuple(value.shape) for key, value in tensors.items()}
-    for file in files if tensors is None else []:
+    for file in files:
         with safe_open(file, framework="pt") as f:
             stored.update((key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
-    if not stored or any(key not in state or tuple(state[key].shape) != shape for key, shape in stored.items()):
+    if not files or any(key not in state or tuple(state[key].shape) != shape for key, shape in stored.items()):
         return False
     # a tensor absent from the files must share its storage with one present (tied embeddings)
     present = {state[key].untyped_storage().data_ptr() for key in stored}
     if any(state[key].untyped_storage().data_ptr() not in present for key in state if key not in stored):
         return False
-    if tensors is not None:
-        for key, value in tensors.items():
-            state[key].copy_(value)
-        return True
     device = next(iter(state.values())).device
     for file in files:
         with safe_open(file, framework="pt", device=str(device)) as f:
