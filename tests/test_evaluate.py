@@ -1,4 +1,5 @@
 import json
+import threading
 from pathlib import Path
 
 import pandas as pd
@@ -120,9 +121,15 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
     encodes = []
     real_encode = evaluate_module.encode_pairs
     monkeypatch.setattr(evaluate_module, "encode_pairs", lambda *a, **k: encodes.append(a) or real_encode(*a, **k))
+    read_ahead = []
+    real_read = evaluate_module.read_weights
+    monkeypatch.setattr(evaluate_module, "read_weights", lambda path, **k: read_ahead.append(
+        (path, threading.current_thread().name)) or real_read(path, **k))
     together = evaluate_models(models, arith_eval=prompts,
                                reward_model_path=rm["model_dir"], max_new_tokens=4, pairs=pairs)
     assert len(loads) == 1
+    # the second checkpoint's weights were read beside the first one's evaluation, and those were copied in
+    assert [(path, thread.startswith("read-ahead")) for path, thread in read_ahead] == [(other, True)]
     assert len(encodes) == 1  # one tokenizer: the pairs are tokenised once for both models
     # the two checkpoints of one model (same config and tokenizer): loaded once, the second's weights copied in
     assert len(policy_loads) == 1
@@ -139,7 +146,7 @@ def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tm
 
     from safetensors.torch import load_file, save_file
 
-    from batchrl.training.weights import load_weights_in_place, same_model_files
+    from batchrl.training.weights import load_weights_in_place, read_weights, same_model_files
 
     def variant(name, change):
         folder = tmp_path / name
@@ -160,12 +167,15 @@ def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tm
     model, _ = load_model_and_tokenizer(model_path, dtype="bfloat16")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for unfit in (missing, reshaped):
-        assert not load_weights_in_place(model, unfit)
-        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert load_weights_in_place(model, shifted)
+        for read_ahead in (None, read_weights(unfit)):
+            assert not load_weights_in_place(model, unfit, read_ahead)
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     fresh, _ = load_model_and_tokenizer(shifted, dtype="bfloat16")
-    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    for read_ahead in (None, read_weights(shifted)):  # from the files, or from their tensors read ahead
+        model.load_state_dict(before)
+        assert load_weights_in_place(model, shifted, read_ahead)
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_evaluation_takes_the_reference_pass_for_its_model_at_its_truncation(model_path, pairs, tmp_path,
@@ -216,3 +226,22 @@ def test_reference_pass_read_from_the_reference_lineage(device, dtype, recorded_
         "config": {"max_length": 192, "dtype": recorded_dtype},
         "inputs": {"reference": {"asset": "base_model", "uri": "/s/base_model/x", "data_version": reference_version}}})
     assert reference_pass(reference, base, ComputeResource(device=device, dtype=dtype)) == (192, same)
+
+
+def test_weights_read_ahead_equal_the_files_and_a_truncated_file_is_named(model_path, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from batchrl.training.weights import read_weights
+
+    expected = load_file(str(Path(model_path) / "model.safetensors"))
+    got = read_weights(model_path)
+    assert got.keys() == expected.keys()
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    cut = tmp_path / "cut"
+    shutil.copytree(model_path, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(OSError, match=r"model\.safetensors: 10 bytes of tensor data missing"):
+        read_weights(str(cut))

@@ -16,6 +16,7 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.tiny_model import tokenizer_key
 from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
-from batchrl.training.weights import load_weights_in_place, same_model_files
+from batchrl.training.weights import load_weights_in_place, read_weights, same_model_files
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> dict[str, Any]:
@@ -50,13 +51,14 @@ def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> 
 
 
 def _engine_for(model_path: str, same_model: Any, *, engine: str, max_new_tokens: int, batch_size: int,
-                device: str, dtype: str) -> Any:
+                device: str, dtype: str, weights: Future | None = None) -> Any:
     """A greedy-decoding engine of ``engine`` kind ("static" on GPUs: no per-step logits kept, CUDA graphs)
     for ``model_path``: ``same_model`` (an engine of a folder with the same model but other weights) with
-    these weights copied in (no second load, its CUDA graphs stay valid), else a new one."""
+    these weights copied in (no second load, its CUDA graphs stay valid; ``weights``: them being read ahead),
+    else a new one."""
     if getattr(same_model, "model", None) is not None:  # an engine over a transformers model
         with phase("load_weights"):
-            if load_weights_in_place(same_model.model, model_path):
+            if load_weights_in_place(same_model.model, model_path, weights.result() if weights else None):
                 return same_model
     with phase("load_model"):
         return make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
@@ -136,20 +138,27 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
                     dtype: str = "float32", reference_model: str | None = None,
                     **options: Any) -> dict[str, dict[str, Any]]:
     """``evaluate_policy`` of each named model folder; checkpoints of the same model share one engine
-    (weights copied in place), and the reward model is loaded once and scores every model's greedy
+    (weights copied in place; the next checkpoint's are read into host memory while the current one is
+    evaluated, page-locked on a GPU), and the reward model is loaded once and scores every model's greedy
     answers (``rm_mean_score``, ``max_length`` tokens). ``pair_max_length``: the pairs' truncation (the
     reference pass's: a log-ratio margin over other tokens would mean nothing; default ``max_length``);
     ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again)."""
     results, samples, current, encoded = {}, {}, None, {}  # current: (folder, engine) of the last model
-    for name, path in models.items():
-        reuse = current[1] if current is not None and same_model_files(current[0], path) else None
-        current = None  # another model: the last one's memory is free before this one loads
-        current = (path, _engine_for(path, reuse, engine=engine, max_new_tokens=max_new_tokens,
-                                     batch_size=batch_size, device=device, dtype=dtype))
-        reuse = None
-        results[name], samples[name] = _evaluate(
-            current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=pair_max_length or max_length,
-            encoded=encoded, pairs_key=tokenizer_key(path), pairs_from_reference=name == reference_model, **options)
+    paths, ahead = list(models.values()), None  # ahead: the next checkpoint's weights, being read meanwhile
+    with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as reader:
+        for index, (name, path) in enumerate(models.items()):
+            reuse = current[1] if current is not None and same_model_files(current[0], path) else None
+            current = None  # another model: the last one's memory is free before this one loads
+            current = (path, _engine_for(path, reuse, engine=engine, max_new_tokens=max_new_tokens,
+                                         batch_size=batch_size, device=device, dtype=dtype, weights=ahead))
+            reuse, ahead = None, None
+            following = paths[index + 1] if index + 1 < len(paths) else None
+            if following and getattr(current[1], "model", None) is not None and same_model_files(path, following):
+                ahead = reader.submit(read_weights, following, pin=device.startswith("cuda"))
+            results[name], samples[name] = _evaluate(
+                current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=pair_max_length or max_length,
+                encoded=encoded, pairs_key=tokenizer_key(path), pairs_from_reference=name == reference_model,
+                **options)
     current = None  # the policies' memory (engine, CUDA graphs) is free before the reward model loads
     answered = [(name, s) for name in models for s in samples[name]]
     if reward_model_path and answered:
