@@ -139,7 +139,7 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
                     **options: Any) -> dict[str, dict[str, Any]]:
     """``evaluate_policy`` of each named model folder; checkpoints of the same model share one engine
     (weights copied in place; the next checkpoint's are read into host memory while the current one is
-    evaluated, page-locked on a GPU), and the reward model is loaded once and scores every model's greedy
+    evaluated), and the reward model is loaded once and scores every model's greedy
     answers (``rm_mean_score``, ``max_length`` tokens). ``pair_max_length``: the pairs' truncation (the
     reference pass's: a log-ratio margin over other tokens would mean nothing; default ``max_length``);
     ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again)."""
@@ -154,7 +154,7 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
             reuse, ahead = None, None
             following = paths[index + 1] if index + 1 < len(paths) else None
             if following and getattr(current[1], "model", None) is not None and same_model_files(path, following):
-                ahead = reader.submit(read_weights, following, pin=device.startswith("cuda"))
+                ahead = reader.submit(read_weights, following)
             results[name], samples[name] = _evaluate(
                 current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=pair_max_length or max_length,
                 encoded=encoded, pairs_key=tokenizer_key(path), pairs_from_reference=name == reference_model,

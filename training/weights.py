@@ -36,19 +36,19 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
                        "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_weights(path: str, *, pin: bool = False) -> dict[str, torch.Tensor]:
-    """The safetensors tensors of the HF folder ``path`` in host memory (page-locked with ``pin``: a GPU copies
-    them in without staging): each file's data read with ``readinto`` into one buffer, the tensors views of it.
-    Evaluation reads the next checkpoint on a thread while the GPU works on the current one, so the reading holds
-    the GIL for the headers only (the read system calls and the allocation release it; safetensors' own loader
-    held it long enough to slow the decode loop's launches ~2x on the H200)."""
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """The safetensors tensors of the HF folder ``path`` in host memory: each file's data read with ``readinto``
+    into one buffer, the tensors views of it. Evaluation reads the next checkpoint on a thread while the GPU works
+    on the current one, so the reading holds the GIL for the headers only (the read system calls release it;
+    safetensors' own loader and a pinning copy slowed the decode loop ~2x on the H200). Pageable, not page-locked:
+    locking a GB of pages is a CUDA driver call beside the decode loop's launches; the copy in is ~0.1 s."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with open(file, "rb", buffering=0) as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             header.pop("__metadata__", None)
             size = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-            data = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            data = torch.empty(size, dtype=torch.uint8)
             view, done = memoryview(data.numpy()), 0
             while done < size:
                 got = f.readinto(view[done:])
