@@ -41,7 +41,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     into one buffer, the tensors views of it. Evaluation reads the next checkpoint on a thread while the GPU works
     on the current one, so the reading holds the GIL for the headers only (the read system calls release it;
     safetensors' own loader and a pinning copy slowed the decode loop ~2x on the H200). Pageable, not page-locked:
-    locking a GB of pages is a CUDA driver call beside the decode loop's launches; the copy in is ~0.1 s."""
+    locking a GB of pages is a CUDA driver call beside the decode loop's launches (the copy in is staged instead)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         with open(file, "rb", buffering=0) as f:
