@@ -5,6 +5,7 @@ an artifact's lineage and compares data versions."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -175,8 +176,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 done += progress.done
                 if not result.success:
                     break
-        print_run_summary(done, result.success, time.monotonic() - started,
-                          None if args.verbose else log_path, lambda asset: _latest_uri(instance, asset))
+        latest = functools.lru_cache(maxsize=None)(lambda asset: _latest_uri(instance, asset))  # asked twice each
+        print_run_summary(done, result.success, time.monotonic() - started, None if args.verbose else log_path, latest)
     return 0 if result.success else 1
 
 
