@@ -104,6 +104,27 @@ def test_rm_scores_and_reward_mix(trained):
     assert half_chosen.dtype == np.float32 and (half_chosen > rejected).mean() >= 0.9
 
 
+def test_rm_scoring_tokenises_while_the_model_loads_with_the_same_scores(trained, monkeypatch):
+    import threading
+
+    from batchrl.training import reward_model as rm_module
+
+    pairs = toy_pairs()
+    model, tokenizer = rm_module.load_reward_model(trained["model_dir"])
+    serial = rm_module.score_texts(model, tokenizer, pairs["prompt"].tolist(), pairs["chosen"].tolist(), batch_size=5)
+    seen = []
+    real_encode, real_load = rm_module.encode_scored, rm_module.load_reward_model
+    monkeypatch.setattr(rm_module, "encode_scored", lambda *a: seen.append(("encode", threading.current_thread().name))
+                        or real_encode(*a))
+    monkeypatch.setattr(rm_module, "load_reward_model", lambda *a, **k: seen.append(
+        ("load", threading.current_thread().name)) or real_load(*a, **k))
+    overlapped = score_with_reward_model(trained["model_dir"], pairs["prompt"].tolist(), pairs["chosen"].tolist(),
+                                         batch_size=5)
+    np.testing.assert_allclose(overlapped, serial, atol=1e-6)
+    assert ("load", threading.current_thread().name) in seen
+    assert any(kind == "encode" and name.startswith("tokenise") for kind, name in seen)
+
+
 def test_empty_pairs_rejected(base_path, tmp_path):
     with pytest.raises(ValueError, match="no preference pairs"):
         train_on(toy_pairs().iloc[:0], base_path, tmp_path / "x")

@@ -33,12 +33,14 @@ def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "c
     return to_device_async(ids, device), to_device_async(mask, device)
 
 
-def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu", num_labels: int = 1):
-    """Any HF folder as a scalar-head sequence classifier, with the pad token id set in its config."""
+def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu", num_labels: int = 1,
+                      tokenizer: Any = None):
+    """Any HF folder as a scalar-head sequence classifier, with the pad token id set in its config
+    (``tokenizer``: the folder's, already loaded)."""
     from transformers import AutoModelForSequenceClassification
 
     with phase("load_model"):
-        tokenizer = load_tokenizer(path)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
                                                                    dtype=resolve_dtype(dtype), **placed_on(device))
         model.config.pad_token_id = tokenizer.pad_token_id

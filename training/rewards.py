@@ -133,11 +133,21 @@ def score_with_reward_model(
     device: str = "cpu", dtype: str = "float32",
 ) -> np.ndarray:
     """Scalar RM scores (float32) of each (prompt, response), from an RM folder (``train_reward_model``);
-    the model runs in ``dtype`` (bfloat16 on GPUs: float32 matmuls there run at a fraction of the speed)."""
-    from batchrl.training.reward_model import load_reward_model, score_texts
+    the model runs in ``dtype`` (bfloat16 on GPUs: float32 matmuls there run at a fraction of the speed).
+    The texts are tokenised on a thread while the model loads (the tokenizer's batch call releases the GIL
+    and spreads over the cores); the ``tokenise`` phase is what remains of it once the model is loaded."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    model, tokenizer = load_reward_model(rm_path, device=device, dtype=dtype)
-    return score_texts(model, tokenizer, list(prompts), list(responses), batch_size=batch_size, max_length=max_length)
+    from batchrl.training.reward_model import encode_scored, load_reward_model, score_sequences
+    from batchrl.training.tiny_model import load_tokenizer
+
+    tokenizer = load_tokenizer(rm_path)
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenise") as pool:
+        encoding = pool.submit(encode_scored, tokenizer, list(prompts), list(responses), max_length)
+        model, _ = load_reward_model(rm_path, device=device, dtype=dtype, tokenizer=tokenizer)
+        with phase("tokenise"):
+            sequences = encoding.result()
+    return score_sequences(model, sequences, tokenizer.pad_token_id, batch_size=batch_size)
 
 
 def mix_rewards(
