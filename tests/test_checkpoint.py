@@ -294,6 +294,22 @@ def test_library_phases_are_recorded_only_while_a_job_records():
     assert fresh.summary() == {"other": fresh.summary()["other"]} and "load_model" not in fresh.seconds
 
 
+def test_work_beside_a_load_runs_on_a_thread_and_its_phase_is_the_wait_after_the_load():
+    import threading
+
+    from batchrl.training import phases
+
+    def work():
+        time.sleep(0.3)
+        return threading.current_thread().name
+
+    with phases.recording() as clock:
+        loaded, worker = phases.beside_load(work, lambda: time.sleep(0.1) or "model")
+    assert loaded == "model" and worker.startswith("tokenise")
+    # 0.3 s of work beside a 0.1 s load: 0.2 s of it left to wait for, not 0.3
+    assert 0.15 <= clock.seconds["tokenise"] < 0.28
+
+
 def test_reference_logprobs_by_token_budget_equal_fixed_batches(dpo_inputs, tmp_path):
     """``batch_tokens``: short pairs go in larger batches (fewer forward passes); the log-probs are the
     same pair for pair, in input order."""

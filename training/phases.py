@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
+
+T, M = TypeVar("T"), TypeVar("M")
 
 
 class PhaseClock:
@@ -62,3 +64,16 @@ def phase(name: str) -> contextlib.AbstractContextManager:
     """Time the block into the active clock's ``name`` (nothing when no one is recording)."""
     clock = _ACTIVE.get()
     return clock.phase(name) if clock is not None else contextlib.nullcontext()
+
+
+def beside_load(work: Callable[[], T], load: Callable[[], M], name: str = "tokenise") -> tuple[M, T]:
+    """``(load(), work())`` with ``work`` on a thread while ``load`` runs here: tokenising while a model loads
+    (a fast tokenizer's batch call releases the GIL and spreads over the cores). The ``name`` phase is what
+    remains of ``work`` once the load is done; a phase inside ``work`` is not recorded (another thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        pending = pool.submit(work)
+        loaded = load()
+        with phase(name):
+            return loaded, pending.result()

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from batchrl.training.phases import phase
+from batchrl.training.phases import beside_load, phase
 
 RewardFn = Callable[[str, str, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -136,17 +136,13 @@ def score_with_reward_model(
     the model runs in ``dtype`` (bfloat16 on GPUs: float32 matmuls there run at a fraction of the speed).
     The texts are tokenised on a thread while the model loads (the tokenizer's batch call releases the GIL
     and spreads over the cores); the ``tokenise`` phase is what remains of it once the model is loaded."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from batchrl.training.reward_model import encode_scored, load_reward_model, score_sequences
     from batchrl.training.tiny_model import load_tokenizer
 
     tokenizer = load_tokenizer(rm_path)
-    with ThreadPoolExecutor(1, thread_name_prefix="tokenise") as pool:
-        encoding = pool.submit(encode_scored, tokenizer, list(prompts), list(responses), max_length)
-        model, _ = load_reward_model(rm_path, device=device, dtype=dtype, tokenizer=tokenizer)
-        with phase("tokenise"):
-            sequences = encoding.result()
+    (model, _), sequences = beside_load(
+        lambda: encode_scored(tokenizer, list(prompts), list(responses), max_length),
+        lambda: load_reward_model(rm_path, device=device, dtype=dtype, tokenizer=tokenizer))
     return score_sequences(model, sequences, tokenizer.pad_token_id, batch_size=batch_size)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training.phases import phase
+from batchrl.training.phases import beside_load, phase
 from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, length_sorted_batches, pair_batch,
                                                to_device)
 
@@ -59,16 +59,16 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
 
     ``dtype="auto"``: bfloat16 on GPU (the precision the GPU trainer runs in; measured 5x faster than
     float32 on an H200, see bench/RESULTS.md), float32 on CPU."""
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.tiny_model import load_model_and_tokenizer, load_tokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
     pairs = pd.read_parquet(pairs_parquet)
     ids = pairs["id"].astype(str).tolist() if "id" in pairs.columns else [str(i) for i in range(len(pairs))]
-    with phase("tokenise"):
-        items = encode_pairs(tokenizer, pairs.to_dict("records"), max_length)
+    tokenizer = load_tokenizer(model_path)  # the pairs are tokenised while the model loads
+    (model, _), items = beside_load(lambda: encode_pairs(tokenizer, pairs.to_dict("records"), max_length),
+                                    lambda: load_model_and_tokenizer(model_path, dtype=dtype, device=device))
     with phase("logprobs"):
         logps = pair_logprobs(model, items, tokenizer.pad_token_id, device, batch_size=batch_size,
                               max_tokens=batch_tokens)
