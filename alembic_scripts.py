@@ -1,9 +1,10 @@
 """One read of Dagster's migration scripts per process. Dagster's SQLite storages compare a database's alembic
 revision with the scripts' head each time they open one: the instance's run, event-index and schedule databases,
 and every run's event-log shard the first time a process writes to it. Each check builds a new alembic
-``ScriptDirectory``, which loads all ~90 scripts again (dev box: ~45 ms a check; 13 checks in `batchrl run` of
-the data assets, 4 in every step process before its step starts). The scripts cannot change under a running
-process, so the checks share one ``ScriptDirectory`` per script set, built before the step server forks.
+``ScriptDirectory``, which loads all ~90 scripts again (dev box: ~45 ms each time; 13 reads of the scripts in
+`batchrl run` of the data assets, checks and new databases' stamps together, and 4 checks in every step process
+before its step starts). The scripts cannot change under a running process, so the checks share one
+``ScriptDirectory`` per script set, built before the step server forks.
 
 Only the revision check reads the shared one (``dagster._core.storage.sql``'s name for the class); migrations
 and stamping (``alembic.command``) build their own, as before."""
