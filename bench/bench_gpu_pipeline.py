@@ -12,7 +12,7 @@ trainers and rollouts in Pipes subprocesses) while nvidia-smi samples GPU utilis
 reads the run's step start/end events from the Dagster instance: wall time per asset, GPU busy share
 inside each asset's window, peak GPU memory, and orchestration overhead = total wall time minus the
 time some asset step was running (process start, definitions, Dagster bookkeeping; for a sequential run
-that is total minus the sum of the steps). Writes DIR/pipeline.json.
+that is total minus the sum of the steps; ``idle_gaps``: where, stretch by stretch). Writes DIR/pipeline.json.
 ``--runs 2``: the graph again into fresh storage, with the compile caches and the job worker the first
 run left (what a scheduled retrain on the same machine finds); each run's report under ``runs``.
 ``--concurrent-steps``: `batchrl run --concurrent-steps` per run (one value for all, or one per run), with
@@ -145,6 +145,20 @@ def busy_time(windows: list[tuple[float, float]]) -> float:
     return covered
 
 
+def idle_gaps(steps: list[dict], started: float, total: float) -> list[dict]:
+    """The orchestration overhead piece by piece: the stretches (10 ms or more) with no step running, from the
+    command's start, between steps (named by the step that ended last and the one that starts) and to its end."""
+    gaps, reach, last = [], started, "start"
+    for step in sorted(steps, key=lambda step: step["start"]):
+        if step["start"] - reach >= 0.01:
+            gaps.append({"after": last, "before": step["asset"], "s": round(step["start"] - reach, 2)})
+        if step["end"] > reach:
+            reach, last = step["end"], step["asset"]
+    if started + total - reach >= 0.01:
+        gaps.append({"after": last, "before": "end", "s": round(started + total - reach, 2)})
+    return gaps
+
+
 def failure_lines(log: str, keep: int = 12) -> list[str]:
     """The run log's last lines that name an error: why a run failed, kept in the report."""
     lines = [line.rstrip()[:300] for line in open(log, errors="replace") if "Error" in line or "error" in line]
@@ -205,6 +219,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
             "some_step_running_s": round(in_steps, 1),
             "orchestration_overhead_s": round(total - in_steps, 1),
             "orchestration_overhead_pct": round(100 * (total - in_steps) / total, 1) if total else None,
+            "idle_gaps": idle_gaps(steps, started, total),
             "peak_gpu_memory_gib": round(max((m for _, _, m in trace), default=0) / 1024, 1),
             "gpu_busy_whole_run_pct": round(sum(u for _, u, _ in trace) / len(trace), 1) if trace else None,
             "per_asset": per_asset}
