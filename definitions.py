@@ -6,7 +6,9 @@ profile (``BATCHRL_PROFILE``, see ``batchrl.profiles``) overrides fields of them
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
+import json
 import os
 import uuid
 
@@ -259,13 +261,33 @@ class NothingToRun:
         return []
 
 
+LANDING_STATE_KEY = "batchrl/landing_state/"
+
+
+def landing_state_key(landing) -> str:
+    """The instance's key-value entry that holds ``landing``'s file states (one per set of landing locations)."""
+    locations = json.dumps([landing.preferences, landing.scored, landing.prompts])
+    return LANDING_STATE_KEY + hashlib.sha256(locations.encode()).hexdigest()[:16]
+
+
 def drops_to_ingest(defs: dg.Definitions, instance: dg.DagsterInstance) -> dict[str, str]:
     """The landing's log drops (drop -> content key) not yet ingested with that content; every landed
-    drop is registered as a ``log_drops`` partition (in landing order), a drop gone from the landing removed."""
+    drop is registered as a ``log_drops`` partition (in landing order), a drop gone from the landing removed.
+    Each landed file's size, stamp and sha256 are kept in the instance (the sensor keeps them in its cursor),
+    so only files new or changed since the last call are read: a landing of many gigabytes is not hashed
+    again by every `batchrl run` (twice, before this: once to count the drops, once to run them)."""
     from batchrl.assets.automation import landing_state, register_drops
 
     landing = defs.resources["landing"]
-    drops = landing_drops(landing, landing_state(landing))
+    key = landing_state_key(landing)
+    try:
+        previous = json.loads(instance.run_storage.get_cursor_values({key}).get(key) or "{}")
+    except ValueError:  # not JSON: hash everything again
+        previous = {}
+    state = landing_state(landing, previous)
+    if state != previous:
+        instance.run_storage.set_cursor_values({key: json.dumps(state, sort_keys=True)})
+    drops = landing_drops(landing, state)
     register_drops(instance, list(drops))
     return {drop: content for drop, content in drops.items() if ingested_content(instance, drop) != content}
 

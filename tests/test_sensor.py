@@ -91,3 +91,39 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
         fs.put(str(tmp_path / "drop.jsonl"), f"sensor-bucket/landing/preferences/batch_004/{part}.jsonl")
     batch, _ = _evaluate(landing, _)
     assert [r.partition_key for r in batch.run_requests] == ["batch_004"]
+
+
+def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_looked(tmp_path, monkeypatch):
+    """``drops_to_ingest`` (what `batchrl run` runs first) keeps each landed file's size, stamp and sha256 in
+    the instance: the next look, in this process or the next command's, reads only new or changed files."""
+    from batchrl import definitions, fsutil
+
+    shutil.copytree(SAMPLES.preferences, tmp_path / "prefs")
+    defs = dg.Definitions(resources={"landing": LandingResource(preferences=str(tmp_path / "prefs"))})
+    hashed = []
+    real_hash = fsutil.sha256_file
+    monkeypatch.setattr(fsutil, "sha256_file", lambda fs, path, *a: hashed.append(os.path.basename(path))
+                        or real_hash(fs, path, *a))
+
+    def look(instance) -> dict[str, str]:
+        hashed.clear()
+        return definitions.drops_to_ingest(defs, instance)
+
+    home = str(tmp_path / "home")
+    os.makedirs(home)
+    with dg.DagsterInstance.local_temp(tempdir=home) as instance:
+        first = look(instance)
+        assert set(first) == {"prefs_000.jsonl", "prefs_001.jsonl"} and "prefs_000.jsonl" in hashed
+        every_file = sorted(hashed)  # the drops, and the landing's scored logs and prompts
+        assert look(instance) == first and hashed == []
+    with dg.DagsterInstance.local_temp(tempdir=home) as instance:  # the next command
+        assert look(instance) == first and hashed == []
+        os.utime(tmp_path / "prefs" / "prefs_000.jsonl", (1, 1))  # touched, same bytes: read, same content
+        assert look(instance) == first and hashed == ["prefs_000.jsonl"]
+        with open(tmp_path / "prefs" / "prefs_001.jsonl", "a") as f:
+            f.write(json.dumps({"prompt": "new", "chosen": "a", "rejected": "b"}) + "\n")
+        changed = look(instance)
+        assert hashed == ["prefs_001.jsonl"] and changed["prefs_001.jsonl"] != first["prefs_001.jsonl"]
+        key = definitions.landing_state_key(defs.resources["landing"])
+        instance.run_storage.set_cursor_values({key: "{not json"})  # damaged: everything is read again
+        assert look(instance) == changed and sorted(hashed) == every_file
