@@ -289,17 +289,25 @@ def drops_to_ingest(defs: dg.Definitions, instance: dg.DagsterInstance) -> dict[
         instance.run_storage.set_cursor_values({key: json.dumps(state, sort_keys=True)})
     drops = landing_drops(landing, state)
     register_drops(instance, list(drops))
-    return {drop: content for drop, content in drops.items() if ingested_content(instance, drop) != content}
+    ingested = ingested_contents(instance)
+    return {drop: content for drop, content in drops.items() if ingested.get(drop) != content}
 
 
-def ingested_content(instance: dg.DagsterInstance, drop: str) -> str | None:
-    """The content key the latest ``raw_logs`` of ``drop`` recorded (None: never ingested)."""
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("raw_logs"), asset_partitions=[drop]), limit=1).records
-    if not records:
-        return None
-    value = records[0].asset_materialization.metadata.get("drop_content")
-    return getattr(value, "value", value)
+def ingested_contents(instance: dg.DagsterInstance, page: int = 1000) -> dict[str, str | None]:
+    """Drop -> the content key its latest ``raw_logs`` recorded, for every ingested drop: one pass over the
+    materialisations, newest first (a query per drop took ~3 ms: a year of daily drops, ~1 s a look)."""
+    latest: dict[str, str | None] = {}
+    cursor = None
+    while True:
+        result = instance.fetch_materializations(dg.AssetKey("raw_logs"), limit=page, cursor=cursor)
+        for record in result.records:
+            materialization = record.asset_materialization
+            if materialization.partition not in latest:
+                value = materialization.metadata.get("drop_content")
+                latest[materialization.partition] = getattr(value, "value", value)
+        if not result.has_more:
+            return latest
+        cursor = result.cursor
 
 
 defs = build_definitions()

@@ -127,3 +127,15 @@ def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_l
         key = definitions.landing_state_key(defs.resources["landing"])
         instance.run_storage.set_cursor_values({key: "{not json"})  # damaged: everything is read again
         assert look(instance) == changed and sorted(hashed) == every_file
+
+
+def test_the_ingested_drops_content_keys_in_one_pass_the_latest_of_each(tmp_path):
+    from batchrl.definitions import ingested_contents
+
+    os.makedirs(tmp_path / "home")
+    with dg.DagsterInstance.local_temp(tempdir=str(tmp_path / "home")) as instance:
+        for drop, content in [("a", "1"), ("b", "1"), ("c", "1"), ("a", "2"), ("d", "1"), ("b", "3")]:
+            instance.report_runless_asset_event(dg.AssetMaterialization(
+                asset_key="raw_logs", partition=drop, metadata={"drop_content": content}))
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key="cleaned_logs", partition="e"))
+        assert ingested_contents(instance, page=2) == {"a": "2", "b": "3", "c": "1", "d": "1"}  # across pages
