@@ -351,7 +351,7 @@ with dg.DagsterInstance.ephemeral() as instance:
                         {{"ops": {{"base_model": {{"config": {{"model_path": {arith_model!r}}}}}}}}})
     print(result.success, [m for m in ("torch", "transformers", "deepspeed") if m in sys.modules])
     # a stage handed off to a job (rollouts in a Pipes subprocess, as on a GPU host) imports neither the
-    # engines nor a model library here, nor torch)
+    # engines, a model library nor torch here
     engine = RolloutEngineResource(in_subprocess=True, max_new_tokens=4)
     result = run_assets(local_resources({str(tmp_path / "storage")!r}, rollout_engine=engine), instance,
                         ["rollouts"], {{"ops": {{"rollouts": {{"config": {SMALL_ROLLOUTS!r}}}}}}})
