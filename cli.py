@@ -317,6 +317,8 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from batchrl import warm_server
+
     parser = argparse.ArgumentParser(prog="batchrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialise assets (default: all) into the persistent Dagster instance")
@@ -367,19 +369,26 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("--json", action="store_true", help="print the per-asset report as JSON")
     repro.add_argument("-v", "--verbose", action="store_true", help="stream Dagster's and the libraries' output")
     repro.set_defaults(func=cmd_reproduce)
+    warm_server.add_command(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
 
 def console_main(argv: list[str] | None = None) -> None:
-    """The ``batchrl`` command: ``main``, then a prompt exit. A process that has loaded torch, transformers
+    """The ``batchrl`` command: in a fork of this environment's warm server when one answers
+    (``warm_server``), else ``main`` here, then a prompt exit. A process that has loaded torch, transformers
     and Dagster spends ~0.5-1 s after its work tearing those modules down; the exit handlers still run
     (log handlers, temporary files, child processes) and the output is flushed, then the process ends
     without the teardown. An exception takes the normal way out (traceback, exit status 1)."""
     import atexit
 
-    code = main(argv)
-    atexit._run_exitfuncs()
+    from batchrl import warm_server
+
+    argv = sys.argv[1:] if argv is None else argv
+    code = warm_server.run_remote(argv)
+    if code is None:
+        code = main(argv)
+        atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

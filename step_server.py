@@ -17,9 +17,11 @@ STARTED_ENV = "BATCHRL_STEP_SERVER_STARTED"
 def start(log_path: str | None = None) -> None:
     """Start the server now, so that its imports overlap the run's own start-up and per-drop runs instead of
     delaying the first step; ``log_path``: its output, and so its step processes', goes there (the run's log)."""
+    from batchrl import warm_server
     from batchrl.console import output_to_log
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     os.environ[STARTED_ENV] = f"{time.time():.3f}"  # the server says when its preload was done (step_preload)
     with output_to_log(log_path) if log_path else contextlib.nullcontext():
-        multiprocessing.forkserver.ensure_running()  # the server keeps the fds it starts with
+        if not warm_server.fork_step_server():  # a command of the warm server forks it: no imports to wait for
+            multiprocessing.forkserver.ensure_running()  # the server keeps the fds it starts with

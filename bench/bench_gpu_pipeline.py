@@ -2,7 +2,7 @@
 
     python3 bench/bench_gpu_pipeline.py --out DIR [--layers 24] [--prompts 512] [--samples 8] [--new-tokens 256]
         [--pairs 2000] [--engine static|vllm|transformers] [--runs 2] [--concurrent-steps 1,1,3]
-        [--gpu-job-slots 2] [--cudnn-attention 0,1] [--dpo-self-play 0,1]
+        [--gpu-job-slots 2] [--cudnn-attention 0,1] [--dpo-self-play 0,1] [--warm-server 0,1]
 
 Base model: the Qwen2-0.5B shape with its full 151,936-id vocabulary and random weights (bench/qwen_shape.py).
 Data: `pairs` preference pairs written into a landing folder (correct vs wrong final answers to the
@@ -19,7 +19,8 @@ run left (what a scheduled retrain on the same machine finds); each run's report
 ``--gpu-job-slots`` warm job workers (BATCHRL_GPU_JOB_SLOTS): independent branches share the GPU.
 ``--cudnn-attention`` / ``--dpo-self-play``: the jobs' BATCHRL_CUDNN_ATTENTION and the run's BATCHRL_DPO_SELF_PLAY,
 per run like ``--concurrent-steps``. ``--existing-home``: each run's Dagster home has its tables before the timer
-starts (by default the run creates them, as a first run on a machine does).
+starts (by default the run creates them, as a first run on a machine does). ``--warm-server``: per run, whether
+`batchrl serve` is up (started before the timer) so that `batchrl run` runs in a fork of it.
 """
 from __future__ import annotations
 
@@ -167,16 +168,17 @@ def failure_lines(log: str, keep: int = 12) -> list[str]:
 
 def step_server_ready(home: str, started: float) -> float | None:
     """Seconds from the run's start until the step server had preloaded (its line in the run's log under the
-    Dagster home: the console, which run.log holds, does not carry it), if the run had one."""
-    for log in sorted(glob.glob(os.path.join(home, "logs", "*.log"))):
-        found = re.search(r"step server: preloaded in [\d.]+ s, ready [\d.]+ s after start \(at ([\d.]+)\)",
-                          open(log, errors="replace").read())
-        if found:
-            return round(float(found[1]) - started, 2)
-    return None
+    Dagster home: the console, which run.log holds, does not carry it), if the run had one. A warm server's own
+    preload (server.log) was before the run and does not count."""
+    times = [float(found) for log in glob.glob(os.path.join(home, "logs", "run-*.log"))
+             for found in re.findall(r"step server: preloaded in [\d.]+ s, ready [\d.]+ s after start \(at ([\d.]+)\)",
+                                     open(log, errors="replace").read())]
+    times = [t for t in times if t >= started]
+    return round(min(times) - started, 2) if times else None
 
 
-def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps: int = 1) -> dict:
+def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps: int = 1,
+              warm_server: bool = False) -> dict:
     """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report."""
     for folder in ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
         shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
@@ -186,12 +188,14 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
         from bench_run_startup import create_instance_tables  # this folder: the script's own
 
         create_instance_tables(env)
+    batchrl = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])"]
+    if warm_server:  # up before the timer, as the server a user keeps (`batchrl serve`): the run is a fork of it
+        subprocess.run([*batchrl, "serve", "--detach"], env=env, check=True, capture_output=True)
     trace_path = os.path.join(out, "gpu_trace.csv")
     tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
     started = time.time()
-    cmd = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])",
-           "run", "--profile", profile, "--concurrent-steps", str(concurrent_steps)]
+    cmd = [*batchrl, "run", "--profile", profile, "--concurrent-steps", str(concurrent_steps)]
     with open(os.path.join(out, "run.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
@@ -199,6 +203,8 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
             rc = "timeout"
     total = time.time() - started
     tracer.terminate()
+    if warm_server:
+        subprocess.run([*batchrl, "serve", "--stop"], env=env, check=False, capture_output=True)
     trace = read_trace(trace_path)
     steps = step_windows(env["DAGSTER_HOME"])
     per_asset = []
@@ -214,7 +220,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
     return {"rc": rc, "failure": failure_lines(os.path.join(out, "run.log")) if rc else None,
             # when the step server (concurrent runs) could fork its first step, from the run's start
             "step_server_ready_s": step_server_ready(env["DAGSTER_HOME"], started),
-            "concurrent_steps": concurrent_steps, "total_wall_s": round(total, 1),
+            "concurrent_steps": concurrent_steps, "warm_server": warm_server, "total_wall_s": round(total, 1),
             "sum_of_asset_steps_s": round(sum(p["wall_s"] for p in per_asset), 1),
             "some_step_running_s": round(in_steps, 1),
             "orchestration_overhead_s": round(total - in_steps, 1),
@@ -250,10 +256,13 @@ def main() -> None:
     ap.add_argument("--existing-home", action="store_true", help=(
         "create each run's fresh Dagster home's tables before the timer starts (a machine that ran batchrl before; "
         "default: the run creates them, ~0.5 s of its start-up on the dev box, as in the sessions up to the tenth)"))
+    ap.add_argument("--warm-server", default="0", help=(
+        "1: `batchrl serve` is started (untimed) before the run, which then runs in a fork of it (a user who keeps "
+        "the server up); one value or one per run"))
     a = ap.parse_args()
-    concurrency, cudnn, self_play = (per_run(ap, flag, value, a.runs) for flag, value in (
+    concurrency, cudnn, self_play, warm = (per_run(ap, flag, value, a.runs) for flag, value in (
         ("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention),
-        ("--dpo-self-play", a.dpo_self_play)))
+        ("--dpo-self-play", a.dpo_self_play), ("--warm-server", a.warm_server)))
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     work = "/tmp/bench-pipeline"
@@ -275,7 +284,7 @@ def main() -> None:
                      "cudnn_attention": cudnn[k], "dpo_self_play": self_play[k],
                      **run_graph(profile, work, out if a.runs == 1 else os.path.join(out, f"run{k + 1}"), a,
                                  {**env, "BATCHRL_CUDNN_ATTENTION": str(cudnn[k]),
-                                  "BATCHRL_DPO_SELF_PLAY": str(self_play[k])}, concurrency[k])})
+                                  "BATCHRL_DPO_SELF_PLAY": str(self_play[k])}, concurrency[k], bool(warm[k]))})
         report = {**runs[-1], "model_build_s": round(build_s, 1), "settings": vars(a)}
         with open(os.path.join(out, "pipeline.json"), "w") as f:
             json.dump({**report, "runs": runs} if a.runs > 1 else report, f, indent=1)

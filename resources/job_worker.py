@@ -25,21 +25,11 @@ from typing import Any
 
 import dagster as dg
 
+from batchrl.warm_server import code_fingerprint  # an edited batchrl gets a worker of its own
+
 START_TIMEOUT_S = 120
 # variables that change what a job computes or where: a worker serves one combination of them
 _KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS")
-
-
-def code_fingerprint(package_dir: str) -> str:
-    """Size and mtime of every source file of the package: an edited or upgraded batchrl gets a worker of its
-    own instead of a warm one still running the old code (which the lineage's code versions would not show)."""
-    h = hashlib.sha256()
-    for folder, dirs, files in os.walk(package_dir):
-        dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(folder, d, "__init__.py")))  # packages only
-        for name in sorted(f for f in files if f.endswith(".py")):
-            stat = os.stat(os.path.join(folder, name))
-            h.update(f"{os.path.relpath(os.path.join(folder, name), package_dir)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return h.hexdigest()
 
 
 def socket_path(env: dict[str, str]) -> str:

@@ -1,0 +1,399 @@
+"""A warm command server: ``batchrl serve`` keeps Dagster, the definitions' modules, pandas and the instance's
+storage code imported, and each ``batchrl`` command that finds it runs in a fork of it instead of a fresh
+interpreter — the imports were ~2.7 s of every command's start on the H200 host (bench/RESULTS.md), 40-65%
+of a retrain's orchestration overhead. The multiprocess runs' step server is a fork of the command's process
+too (``start_step_server``), so the first step no longer waits for a second interpreter's imports.
+
+The command (``cli.console_main``) is a thin client while a server of its environment answers: it passes its
+arguments, working dir, environment and its stdin/stdout/stderr (the descriptors themselves, over the Unix
+socket), forwards Ctrl-C and termination to the forked child, and exits with the child's status. The child
+takes the client's environment and working dir, rebuilds the code location from them (``batchrl.definitions``
+is imported again, as a fresh process would) and runs ``cli.main``: same output, same exit status, same runs.
+
+A server serves one combination of interpreter, batchrl's code (its files' sizes and times: an edited
+checkout gets its own server, never a stale one), working dir and the variables read when modules are imported
+(``KEYED_PREFIXES``); a command from another environment runs in its own process as before. The server exits
+after ``--idle`` seconds without a command; ``batchrl serve --stop`` ends it (commands running go on).
+``BATCHRL_SERVER=off`` makes a command run in its own process even when a server answers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+# variables read when modules are imported or a process starts (libraries' settings, paths): a server imported
+# its modules under one combination of them, so it serves commands with the same; the rest of a command's
+# environment (credentials, terminal) reaches its child as is
+KEYED_PREFIXES = ("BATCHRL_", "DAGSTER_", "PYTHON", "CUDA_", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "MKL_",
+                  "NCCL_", "TOKENIZERS_", "VLLM_", "TRITON_", "LD_", "PATH", "VIRTUAL_ENV", "LANG", "LC_", "TZ")
+OFF_ENV = "BATCHRL_SERVER"
+DEFAULT_IDLE_S = 1800.0
+_STREAMS = 3  # stdin, stdout, stderr
+
+
+def code_fingerprint(package_dir: str) -> str:
+    """Size and mtime of every source file of the package: an edited or upgraded batchrl gets a server (or job
+    worker) of its own instead of a warm one still running the old code (which lineage's code versions would
+    not show)."""
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(package_dir):
+        dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(folder, d, "__init__.py")))  # packages only
+        for name in sorted(f for f in files if f.endswith(".py")):
+            stat = os.stat(os.path.join(folder, name))
+            h.update(f"{os.path.relpath(os.path.join(folder, name), package_dir)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    return h.hexdigest()
+
+
+def server_key(env: dict[str, str], cwd: str) -> str:
+    package = os.path.dirname(os.path.abspath(__file__))
+    keyed = {k: v for k, v in env.items() if k.startswith(KEYED_PREFIXES) and k != OFF_ENV}
+    return hashlib.sha256(json.dumps([sys.executable, package, code_fingerprint(package), os.path.realpath(cwd),
+                                      keyed], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def socket_path(env: dict[str, str], cwd: str) -> str:
+    """A short path (Unix sockets allow ~100 bytes) under the temp dir, one per ``server_key``."""
+    folder = os.path.join(tempfile.gettempdir(), f"batchrl-server-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.join(folder, server_key(env, cwd) + ".sock")
+
+
+def _connect(path: str) -> socket.socket | None:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        client.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        client.close()
+        return None
+    return client
+
+
+# ---- the client -------------------------------------------------------------------------------------------
+
+def run_remote(argv: list[str]) -> int | None:
+    """Run the command ``argv`` in the warm server of this environment; its exit status, or None when no
+    server answers (or ``BATCHRL_SERVER=off``): the caller runs the command itself."""
+    if os.environ.get(OFF_ENV, "").lower() in ("off", "0", "false", "no") or (argv[:1] == ["serve"]):
+        return None
+    cwd = os.getcwd()
+    client = _connect(socket_path(dict(os.environ), cwd))
+    if client is None:
+        return None
+    with client, client.makefile("rb") as answers:
+        request = json.dumps({"argv": argv, "cwd": cwd, "env": dict(os.environ)}).encode() + b"\n"
+        socket.send_fds(client, [request], list(range(_STREAMS)))
+        first = answers.readline()
+        if not first.startswith(b"pid "):  # a server going away between connect and fork: run it here
+            return None
+        child = int(first.split()[1])
+
+        def forward(signum, _frame):
+            try:
+                os.kill(child, signum)
+            except ProcessLookupError:
+                pass
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, forward)
+        last = answers.readline()
+        if not last.startswith(b"exit "):
+            print(f"batchrl: the warm server's process {child} for this command ended without an exit status",
+                  file=sys.stderr)
+            return 1
+        return int(last.split()[1])
+
+
+def stop(env: dict[str, str], cwd: str) -> bool:
+    """Ask this environment's server to exit; False when none answers."""
+    client = _connect(socket_path(env, cwd))
+    if client is None:
+        return False
+    with client, client.makefile("rb") as answers:
+        client.sendall(json.dumps({"stop": True}).encode() + b"\n")
+        answers.readline()
+    return True
+
+
+def ping(env: dict[str, str], cwd: str) -> dict | None:
+    client = _connect(socket_path(env, cwd))
+    if client is None:
+        return None
+    with client, client.makefile("rb") as answers:
+        client.sendall(json.dumps({"ping": True}).encode() + b"\n")
+        line = answers.readline()
+    return json.loads(line) if line else None
+
+
+# ---- the server -------------------------------------------------------------------------------------------
+
+# what a command's process would import in its first seconds: Dagster, the definitions' modules (pandas, the
+# assets, the resources), the instance's storage code and migration scripts (``step_preload``), the CLI and the
+# run's executors
+PRELOAD = ("batchrl.step_preload", "batchrl.cli", "batchrl.console", "batchrl.runconfig", "batchrl.profiles",
+           "batchrl.assets.rl_config", "dagster._core.execution.api", "dagster._core.definitions.reconstruct",
+           "dagster._core.executor.multiprocess", "multiprocessing.forkserver")
+_served = False  # this process is a command forked from the server
+_client: socket.socket | None = None  # that command's connection to its client
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+
+
+def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
+    """Preload, then fork one child per command until ``idle_s`` pass without one (or a stop request)."""
+    started = time.time()
+    path = path or socket_path(dict(os.environ), os.getcwd())
+    if ping(dict(os.environ), os.getcwd()) is not None:
+        print(f"batchrl serve: a server already answers at {path}", file=sys.stderr)
+        return 1
+    _preload()
+    if os.path.exists(path):
+        os.unlink(path)  # a server that died without removing it
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)  # a child's exit wakes the loop
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"batchrl serve: ready in {time.time() - started:.2f} s (pid {os.getpid()}, {path}); exits after "
+          f"{idle_s:.0f} s without a command", flush=True)
+    children: dict[int, tuple[socket.socket, list[str]]] = {}
+    served, last = 0, time.monotonic()
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
+            selector.register(wake_r, selectors.EVENT_READ)
+            while True:
+                wait = None if children else idle_s - (time.monotonic() - last)
+                if wait is not None and wait <= 0:
+                    print(f"batchrl serve: {idle_s:.0f} s without a command, exiting", flush=True)
+                    return 0
+                for key, _ in selector.select(wait):
+                    if key.fileobj is wake_r:
+                        while os.read(wake_r, 4096) == 4096:
+                            pass
+                        _reap(children)
+                        last = time.monotonic()
+                        continue
+                    conn, _ = listener.accept()
+                    request, fds = _receive(conn)
+                    if request.get("ping") or request.get("stop"):
+                        conn.sendall(json.dumps({"pid": os.getpid(), "served": served, "running": len(children),
+                                                 "since": started}).encode() + b"\n")
+                        conn.close()
+                        if request.get("stop"):
+                            print("batchrl serve: stopped on request", flush=True)
+                            return 0
+                        continue
+                    pid = os.fork()
+                    if pid == 0:
+                        listener.close()
+                        for fd in (wake_r, wake_w):
+                            os.close(fd)
+                        _run_child(conn, fds, request)
+                    for fd in fds:
+                        os.close(fd)
+                    served += 1
+                    children[pid] = (conn, request["argv"])
+                    print(f"batchrl serve: `batchrl {' '.join(request['argv'])}` in process {pid}", flush=True)
+    finally:
+        listener.close()
+        signal.set_wakeup_fd(-1)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request line and the descriptors sent with it (a command's come with its first bytes)."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, _STREAMS)
+    while not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            break
+        data += more
+    return json.loads(data), list(fds)
+
+
+def _reap(children: dict[int, tuple[socket.socket, list[str]]]) -> None:
+    """Exit statuses of the children that ended; the client takes the first ``exit`` line, so a child that died
+    before writing its own (a signal, a crash) is still answered."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn, argv = children.pop(pid, (None, []))
+        if conn is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+        try:
+            conn.sendall(f"exit {code}\n".encode())
+        except OSError:
+            pass  # the client is gone
+        conn.close()
+        print(f"batchrl serve: process {pid} (`batchrl {' '.join(argv)}`) exited {code}", flush=True)
+
+
+def _stream(fd: int, encoding: str):
+    import io
+
+    raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+    if fd == 0:
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding)
+    return io.TextIOWrapper(io.BufferedWriter(raw), encoding=encoding,
+                            errors="backslashreplace" if fd == 2 else "strict",
+                            line_buffering=fd == 2 or os.isatty(fd))  # as a fresh interpreter's streams
+
+
+def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
+    """The command in this forked child, as a fresh ``batchrl`` process would run it; never returns."""
+    import atexit
+
+    global _served, _client
+    _served, _client, code = True, conn, 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        conn.sendall(f"pid {os.getpid()}\n".encode())
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        encoding = sys.__stdout__.encoding if sys.__stdout__ else "utf-8"
+        sys.stdin, sys.stdout, sys.stderr = (_stream(fd, encoding) for fd in range(_STREAMS))
+        sys.argv = [sys.argv[0], *request["argv"]]
+        # the code location is built from this command's environment (and profile), as in a fresh process
+        sys.modules.pop("batchrl.definitions", None)
+        from batchrl import cli
+
+        try:
+            code = cli.main(request["argv"])
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+            if not isinstance(done.code, (int, type(None))):
+                print(done.code, file=sys.stderr)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = 130
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            conn.sendall(f"exit {code}\n".encode())
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def fork_step_server() -> bool:
+    """In a command forked from the server: start multiprocessing's fork server (the multiprocess executor's
+    step processes fork from it) as a fork of this process, which has every module the steps need; its step
+    preload runs again for this command's environment. False elsewhere (the caller starts a fresh one)."""
+    import threading
+
+    if not _served or threading.active_count() > 1:  # a fork copies no other thread, nor what one was holding
+        return False
+    import importlib
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return True
+        resource_tracker.ensure_running()
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(alive_w)
+                    if _client is not None:
+                        _client.close()
+                    for name in ("batchrl.step_preload", "batchrl.definitions"):
+                        sys.modules.pop(name, None)
+                    importlib.import_module("batchrl.step_preload")
+                    forkserver.main(listener.fileno(), alive_r, [])
+                finally:
+                    os._exit(0)
+            os.close(alive_r)
+            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
+# ---- `batchrl serve` ----------------------------------------------------------------------------------------
+
+def add_command(sub) -> None:
+    serve_cmd = sub.add_parser("serve", help="keep a warm server for this environment: later batchrl commands "
+                                             "run in forks of it, without the ~3 s of imports")
+    serve_cmd.add_argument("--idle", type=float, default=DEFAULT_IDLE_S,
+                           help=f"exit after this many seconds without a command (default {DEFAULT_IDLE_S:.0f})")
+    serve_cmd.add_argument("--detach", action="store_true",
+                           help="run in the background (output: DAGSTER_HOME/logs/server.log); returns once it "
+                                "answers")
+    serve_cmd.add_argument("--stop", action="store_true", help="stop this environment's server")
+    serve_cmd.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    env, cwd = dict(os.environ), os.getcwd()  # the key: before anything sets a variable
+    if args.stop:
+        stopped = stop(env, cwd)
+        print("batchrl serve: stopped" if stopped else "batchrl serve: no server for this environment")
+        return 0 if stopped else 1
+    if not args.detach:
+        return serve(args.idle, socket_path(env, cwd))
+    import subprocess
+
+    home = os.path.abspath(env.get("DAGSTER_HOME") or ".dagster_home")
+    os.makedirs(os.path.join(home, "logs"), exist_ok=True)
+    log_path = os.path.join(home, "logs", "server.log")
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen([sys.executable, "-c", "import sys; from batchrl.cli import main; "
+                                    "sys.exit(main(sys.argv[1:]))", "serve", "--idle", str(args.idle)],
+                                   env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # not in the terminal's process group: Ctrl-C spares it
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            print(f"batchrl serve: the server exited ({process.returncode}); see {log_path}", file=sys.stderr)
+            return 1
+        answer = ping(env, cwd)
+        if answer is not None and answer["pid"] == process.pid:
+            print(f"batchrl serve: ready (pid {process.pid}); output in {log_path}")
+            return 0
+        time.sleep(0.05)
+    print(f"batchrl serve: no answer after 300 s; see {log_path}", file=sys.stderr)
+    return 1
