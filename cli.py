@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from batchrl import warm_server  # stdlib only: the thin client's path stays light
+
 # concurrency pools: one step of the `batchrl_catalog` pool at a time (two log drops never write the
 # catalog at once; docs/PARTITIONS.md)
 DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\nconcurrency:\n  pools:\n    default_limit: 1\n"
@@ -317,8 +319,6 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from batchrl import warm_server
-
     parser = argparse.ArgumentParser(prog="batchrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="materialise assets (default: all) into the persistent Dagster instance")
@@ -381,8 +381,6 @@ def console_main(argv: list[str] | None = None) -> None:
     (log handlers, temporary files, child processes) and the output is flushed, then the process ends
     without the teardown. An exception takes the normal way out (traceback, exit status 1)."""
     import atexit
-
-    from batchrl import warm_server
 
     argv = sys.argv[1:] if argv is None else argv
     code = warm_server.run_remote(argv)

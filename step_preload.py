@@ -24,7 +24,7 @@ import alembic.runtime.migration  # noqa: E402,F401
 import dagster._core.instance.factory  # noqa: E402,F401
 import dagster._core.storage.sqlite_storage  # noqa: E402,F401
 
-from batchrl import alembic_scripts  # noqa: E402
+from batchrl import alembic_scripts, warm_server  # noqa: E402
 
 alembic_scripts.warm()  # the migration scripts, read once here for every step's revision checks
 
@@ -32,4 +32,4 @@ alembic_scripts.warm()  # the migration scripts, read once here for every step's
 _ready = time.time()
 print(f"batchrl step server: preloaded in {_ready - _IMPORT_STARTED:.2f} s, ready "
       f"{_ready - float(os.environ.get(STARTED_ENV, _IMPORT_STARTED)):.2f} s after start (at "
-      f"{_ready:.3f})", file=sys.stderr, flush=True)
+      f"{_ready:.3f}){'; forked from the warm server' if warm_server._served else ''}", file=sys.stderr, flush=True)

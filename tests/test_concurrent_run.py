@@ -16,14 +16,21 @@ SELECTION = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_wi
 BATCHRL = os.path.join(os.path.dirname(sys.executable), "batchrl")
 
 
-def _run(tmp_path, name: str, steps: int) -> dict:
-    """One `batchrl run` of SELECTION into its own instance: per step of the run after the per-drop ones, its
-    start and end times and the pid of the process that executed it; the (asset, data version) it printed."""
+def _run(tmp_path, name: str, steps: int, served: bool = False) -> dict:
+    """One `batchrl run` of SELECTION into its own instance (``served``: in a fork of `batchrl serve`, started
+    for it): per step of the run after the per-drop ones, its start and end times and the pid of the process that
+    executed it; the (asset, data version) it printed."""
     home, storage = tmp_path / name / "home", tmp_path / name / "storage"
     home.mkdir(parents=True)
     env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": str(storage)}
-    done = subprocess.run([BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    if served:
+        subprocess.run([BATCHRL, "serve", "--detach", "--idle", "120"], env=env, check=True, timeout=300)
+    try:
+        done = subprocess.run([BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)],
+                              env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        if served:
+            subprocess.run([BATCHRL, "serve", "--stop"], env=env, timeout=60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     os.environ["DAGSTER_HOME"], saved = str(home), os.environ.get("DAGSTER_HOME")
     try:
@@ -40,9 +47,11 @@ def _run(tmp_path, name: str, steps: int) -> dict:
         os.environ.pop("DAGSTER_HOME") if saved is None else os.environ.__setitem__("DAGSTER_HOME", saved)
     # the console's asset lines: "[ k/n] ok   <asset>   <seconds> s  <data version>  <headline numbers>"
     lines = [re.match(r"\[\s*\d+/\d+\] (\w+)\s+(\w+)\s+[\d.]+ s\s+(\w+)", line) for line in done.stdout.splitlines()]
-    logs = "".join(path.read_text(errors="replace") for path in (home / "logs").glob("*.log"))
+    logs = "".join(path.read_text(errors="replace") for path in (home / "logs").glob("run-*.log"))
+    server = home / "logs" / "server.log"
     return {"steps": steps_seen, "versions": sorted((m[2], m[3]) for m in lines if m and m[1] == "ok"),
-            "console": done.stdout + done.stderr, "log": logs}
+            "console": done.stdout + done.stderr, "log": logs,
+            "server_log": server.read_text(errors="replace") if server.exists() else ""}
 
 
 def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_results(tmp_path):
