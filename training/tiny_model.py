@@ -10,6 +10,7 @@ Determinism: the tokenizer trainer is deterministic for the same texts, the weig
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -210,14 +211,63 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def load_model_and_tokenizer(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
-    """Load any HF causal-LM folder (the tiny default or a real model) in eval mode on ``device``."""
+def _weight_cache_key(path: str, dtype: torch.dtype, device: str) -> tuple | None:
+    """The folder's key in the weight cache (``training/weight_cache.py``), None when the cache is off or the
+    folder is not cacheable (a hub id, no safetensors weights, ZeRO-3's partitioned construction)."""
+    from batchrl.training import weight_cache
+
+    if not weight_cache.enabled() or not os.path.isdir(path):
+        return None
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from batchrl.training.weights import _weight_files
+
+    if is_deepspeed_zero3_enabled():
+        return None
+    others = tuple(os.path.join(path, name) for name in
+                   ("model.safetensors.index.json", "config.json", "generation_config.json"))
+    return weight_cache.key(_weight_files(path), dtype=dtype, device=device, kind="causal_lm", other_files=others)
+
+
+def _empty_model(entry: Any, dtype: torch.dtype, device: str):
+    """The cached model's architecture built straight on ``device`` from the loaded model's config, its weights
+    left uninitialised (they are copied in next): no file is read."""
     from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older transformers: the random init runs, then is overwritten
+        no_init_weights = contextlib.nullcontext
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(entry.extras["config"]), dtype=dtype)
+    model.tie_weights()  # part of the init that no_init_weights skips (tied embeddings: one tensor again)
+    model.generation_config = copy.deepcopy(entry.extras["generation_config"])
+    return model.eval()
+
+
+def load_model_and_tokenizer(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
+    """Load any HF causal-LM folder (the tiny default or a real model) in eval mode on ``device``. Where the
+    weight cache is on (the job worker), a folder loaded before with the same files, dtype and device is built
+    from the cached weights instead of read again (``weight_cache.load``)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchrl.training import weight_cache
+    from batchrl.training.weights import load_weights_in_place
+
+    dtype = resolve_dtype(dtype)
+
+    def from_files():
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placed_on(device))
+        return loaded.to(device).eval()
 
     with phase("load_model"):
         tokenizer = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), **placed_on(device))
-        model = model.to(device).eval()
+        model, _ = weight_cache.load(
+            _weight_cache_key(path, dtype, device), load=from_files,
+            build=lambda entry: _empty_model(entry, dtype, device),
+            copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors),
+            extras=lambda loaded: {"config": copy.deepcopy(loaded.config),
+                                   "generation_config": copy.deepcopy(loaded.generation_config)})
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -1,0 +1,233 @@
+"""The job worker's weight cache (``training/weight_cache.py``): a model built from cached weights is the model
+the files give, bit for bit; the cache is never aliased by a loaded model; a rewritten weight file is a miss;
+entries are evicted least-recently-used by bytes; and it is off unless a process switches it on."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchrl.training import weight_cache
+from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+
+ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
+TEXTS = [f"{r['prompt']} {r['answer']}" for r in map(json.loads, (ARITH / "train.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    return build_tiny_model(TEXTS, str(tmp_path_factory.mktemp("untied") / "model"), seed=0, hidden_size=64,
+                            intermediate_size=128)["path"]
+
+
+def _tied_copy(src: str, dst: str, seed: int = 1) -> str:
+    """``src``'s tokenizer and config, tied input/output embeddings (as Qwen2-0.5B), other seeded weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    config = AutoConfig.from_pretrained(src)
+    config.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tied(untied, tmp_path_factory):
+    return _tied_copy(untied, str(tmp_path_factory.mktemp("tied") / "model"))
+
+
+@pytest.fixture(autouse=True)
+def cache_off_after():
+    weight_cache.clear()
+    yield
+    weight_cache.disable()
+    weight_cache.clear()
+
+
+def _uncached(path, dtype="float32"):
+    assert not weight_cache.enabled()
+    return load_model_and_tokenizer(path, dtype=dtype)[0]
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    return {**model.state_dict(), **dict(model.named_buffers())}
+
+
+def _assert_same_model(got, want):
+    assert type(got) is type(want) and not got.training
+    assert got.config.to_dict() == want.config.to_dict()
+    assert got.generation_config.to_dict() == want.generation_config.to_dict()
+    mine, theirs = _tensors(got), _tensors(want)
+    assert mine.keys() == theirs.keys()
+    for name, value in theirs.items():
+        assert mine[name].dtype == value.dtype and torch.equal(mine[name], value), name
+    tied = lambda m: m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    assert tied(got) == tied(want)
+    assert [p.requires_grad for p in got.parameters()] == [p.requires_grad for p in want.parameters()]
+    ids = torch.randint(0, want.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # a left-padded row
+    with torch.no_grad():
+        assert torch.equal(got(ids, attention_mask=mask).logits, want(ids, attention_mask=mask).logits)
+    generated = [m.generate(ids[:1], max_new_tokens=6, do_sample=False) for m in (got, want)]
+    assert torch.equal(*generated)
+
+
+@pytest.mark.parametrize("which, dtype", [("untied", "float32"), ("tied", "float32"), ("tied", "bfloat16")])
+def test_a_hit_is_the_model_the_files_give_and_reads_no_file(which, dtype, untied, tied, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    path = {"untied": untied, "tied": tied}[which]
+    want = _uncached(path, dtype)
+    weight_cache.enable(10**9)
+    first = load_model_and_tokenizer(path, dtype=dtype)[0]  # miss: loaded, a copy kept
+    assert weight_cache.stats()["entries"] == 1 and weight_cache.stats()["misses"] == 1
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("a hit must not load from the files")))
+    got = load_model_and_tokenizer(path, dtype=dtype)[0]
+    stats = weight_cache.stats()
+    assert stats["hits"] == 1 and stats["fallbacks"] == 0
+    _assert_same_model(got, want)
+    _assert_same_model(first, want)
+    kept = weight_cache.stats()["bytes"]  # tied embeddings are kept once
+    unique = {t.data_ptr(): t.nbytes for t in want.state_dict().values()}
+    assert kept == sum(unique.values()) + sum(b.nbytes for n, b in want.named_buffers() if n not in want.state_dict())
+
+
+def test_the_cache_is_not_aliased_by_the_models_it_builds(untied, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from batchrl.training.weights import load_weights_in_place
+
+    want = _uncached(untied)
+    weight_cache.enable(10**9)
+    loaded = load_model_and_tokenizer(untied)[0]  # miss
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.add_(1.0)  # trained in place
+    hit = load_model_and_tokenizer(untied)[0]
+    _assert_same_model(hit, want)
+    with torch.no_grad():
+        for _, b in hit.named_buffers():
+            b.mul_(2)  # rotary inv_freq: restored from the cache, not shared with it
+    # evaluation's pattern: the next checkpoint copied into the loaded model
+    other = shutil.copytree(untied, tmp_path / "next")
+    save_file({k: -v for k, v in load_file(other / "model.safetensors").items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    assert load_weights_in_place(hit, str(other))
+    assert torch.equal(hit.lm_head.weight, -want.lm_head.weight)
+    again = load_model_and_tokenizer(untied)[0]
+    assert weight_cache.stats()["hits"] == 2
+    _assert_same_model(again, want)
+
+
+def test_a_rewritten_weight_file_is_a_miss_and_its_weights_load(untied, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(untied, tmp_path / "model")
+    weight_cache.enable(10**9)
+    before = load_model_and_tokenizer(str(path))[0]
+    file = path / "model.safetensors"
+    stamp = os.stat(file)
+    new = {k: v + 0.5 for k, v in load_file(file).items()}
+    save_file(new, str(file), metadata={"format": "pt"})  # same names and shapes: the same size, in place
+    after_stat = os.stat(file)
+    if after_stat.st_mtime_ns == stamp.st_mtime_ns and after_stat.st_ino == stamp.st_ino:
+        pytest.skip("the file system did not tell the rewrite apart (timestamp granularity)")
+    after = load_model_and_tokenizer(str(path))[0]
+    stats = weight_cache.stats()
+    assert stats["hits"] == 0 and stats["misses"] == 2
+    state = after.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in new.items())
+    assert not torch.equal(after.lm_head.weight, before.lm_head.weight)
+    assert load_model_and_tokenizer(str(path))[0] is not None and weight_cache.stats()["hits"] == 1
+
+
+def _module(n: int, dtype=torch.float32) -> torch.nn.Module:
+    """A module of ``n`` float32 weights (4 n bytes) and a non-persistent buffer of 4 bytes."""
+    module = torch.nn.Linear(n, 1, bias=False)
+    module.register_buffer("scale", torch.ones(1), persistent=False)
+    return module.to(dtype)
+
+
+def test_least_recently_used_entries_are_evicted_by_bytes():
+    entry = lambda: weight_cache.snapshot(_module(249))  # 996 + 4 bytes
+    assert entry().nbytes == 1000
+    weight_cache.enable(2500)
+    assert weight_cache.put("a", entry()) and weight_cache.put("b", entry())
+    assert weight_cache.get("a") is not None  # a is now the most recently used
+    assert weight_cache.put("c", entry())
+    assert weight_cache.get("b") is None and weight_cache.get("a") is not None and weight_cache.get("c") is not None
+    assert weight_cache.stats()["evictions"] == 1 and weight_cache.stats()["bytes"] == 2000
+    assert not weight_cache.put("big", weight_cache.snapshot(_module(1000)))  # larger than the limit: not kept
+    assert weight_cache.stats()["entries"] == 2 and weight_cache.get("big") is None
+    weight_cache.enable(1500)  # a smaller limit evicts at once (c is the more recent)
+    assert weight_cache.get("a") is None and weight_cache.get("c") is not None
+    weight_cache.disable()
+    assert weight_cache.stats()["entries"] == 0 and not weight_cache.put("d", entry())
+
+
+def test_a_model_larger_than_the_limit_is_loaded_and_not_kept(untied):
+    weight_cache.enable(1000)
+    model = load_model_and_tokenizer(untied)[0]
+    stats = weight_cache.stats()
+    assert model is not None and stats["entries"] == 0 and stats["not_kept"] == 1 and stats["misses"] == 1
+
+
+def test_an_entry_that_does_not_fit_the_built_model_falls_back_to_the_load_and_is_dropped():
+    weight_cache.enable(10**6)
+    source = _module(8)
+    loads = []
+    load = lambda: loads.append(1) or source
+    copy_state = lambda m, tensors: m.load_state_dict(tensors) is not None
+    _, hit = weight_cache.load("k", build=lambda e: _module(8), load=load, copy_state=copy_state)
+    assert not hit and loads == [1]
+    model, hit = weight_cache.load("k", build=lambda e: _module(8), load=load, copy_state=copy_state)
+    assert hit and loads == [1] and torch.equal(model.weight, source.weight)
+    assert model.weight.data_ptr() != weight_cache.get("k").tensors["weight"].data_ptr()
+    # a build that does not match (another dtype): the entry is dropped, the load runs, nothing kept again
+    _, hit = weight_cache.load("k", build=lambda e: _module(8, torch.float64), load=load, copy_state=copy_state)
+    assert not hit and loads == [1, 1] and weight_cache.stats()["fallbacks"] == 1
+    assert weight_cache.get("k") is None
+
+
+def test_the_key_follows_the_files_dtype_and_device(untied, tmp_path):
+    files = [os.path.join(untied, "model.safetensors")]
+    key = lambda **k: weight_cache.key(files, **{"dtype": torch.float32, "device": "cpu", **k})
+    assert key() == key() and key() != key(dtype=torch.bfloat16)
+    assert weight_cache.key([], dtype=torch.float32, device="cpu") is None
+    assert weight_cache.key([str(tmp_path / "missing.safetensors")], dtype=torch.float32, device="cpu") is None
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(files[0])
+    assert weight_cache.key([str(link)], dtype=torch.float32, device="cpu") == key()  # the real file counts
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    assert key(other_files=(str(config),)) != key()
+    weight_cache.enable(10**6, host=False)  # the worker on a CUDA host keeps GPU models only
+    assert key() is None
+
+
+def test_the_worker_limit_follows_the_setting():
+    assert weight_cache.worker_limit_bytes({"BATCHRL_WEIGHT_CACHE_GB": "1.5"}) == 1_500_000_000
+    assert weight_cache.worker_limit_bytes({"BATCHRL_WEIGHT_CACHE_GB": "0"}) == 0
+    default = weight_cache.worker_limit_bytes({})
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        assert 0 < default <= min(4 * 10**9, 0.1 * total)
+    else:
+        assert default == 0  # a host without CUDA: off unless asked for
+
+
+def test_off_in_a_normal_process(untied):
+    """A process that does not switch it on (the Dagster process, a job in a process of its own) keeps nothing."""
+    code = ("from batchrl.training import weight_cache; from batchrl.training.tiny_model import "
+            f"load_model_and_tokenizer as load; load({untied!r}); load({untied!r}); print(weight_cache.stats())")
+    env = {k: v for k, v in os.environ.items() if k != "BATCHRL_WEIGHT_CACHE_GB"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    stats = eval(out.strip().splitlines()[-1])
+    assert stats["limit_bytes"] == 0 and stats["entries"] == 0 and stats["hits"] == stats["misses"] == 0
