@@ -101,6 +101,32 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     os.kill(new_pid, signal.SIGTERM)
 
 
+def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(inputs, tmp_path):
+    """With the weight cache on (``BATCHRL_WEIGHT_CACHE_GB``; off by default on a host without CUDA): reference
+    log-probs load the base model and keep its weights; DPO, the next job in the same worker, builds its model
+    from them (a hit) and trains it in place; a third job still finds the base model's weights. Every output is
+    what fresh subprocesses give."""
+    worker = TrainerLauncherResource(backend="worker", worker_idle_s=60,
+                                     env={"BATCHRL_STORAGE": str(tmp_path), "BATCHRL_WEIGHT_CACHE_GB": "1"})
+    warm = dg.materialize(_graph(inputs, tmp_path / "warm"), resources={"trainer": worker})
+    again = dg.materialize(_graph(inputs, tmp_path / "again")[:1], resources={"trainer": worker})
+    fresh = dg.materialize(_graph(inputs, tmp_path / "fresh"), resources={"trainer": TrainerLauncherResource()})
+    assert warm.success and again.success and fresh.success
+    cache = lambda result, node: tuple(_metadata(result, node)[f"weight_cache_{k}"] for k in ("hits", "misses"))
+    assert cache(warm, "reference_logprobs") == (0, 1)  # loaded from the files, kept
+    assert cache(warm, "dpo_checkpoint") == (1, 0)  # the same folder, dtype and device: built from the cache
+    assert cache(again, "reference_logprobs") == (1, 0)  # DPO trained its model, not the cached weights
+    assert cache(fresh, "reference_logprobs") == cache(fresh, "dpo_checkpoint") == (0, 0)  # off outside the worker
+    pids = {_metadata(warm, node)["worker_pid"] for node in ("reference_logprobs", "dpo_checkpoint")}
+    assert pids == {_metadata(again, "reference_logprobs")["worker_pid"]}
+    read = lambda run: pd.read_parquet(tmp_path / run / "ref" / "reference_logprobs.parquet")
+    pd.testing.assert_frame_equal(read("warm"), read("fresh"))
+    pd.testing.assert_frame_equal(read("again"), read("fresh"))
+    weights = [load_file(tmp_path / run / "dpo" / "model" / "model.safetensors") for run in ("warm", "fresh")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+    os.kill(pids.pop(), signal.SIGTERM)
+
+
 def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
     """gpu_job_slots 2: while one worker runs a job (its slot held, as by another step of a multiprocess
     run), the next job goes to a second warm worker instead of queueing; once the slot is free, jobs go to

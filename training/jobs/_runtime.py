@@ -117,12 +117,19 @@ def choose_attention_kernels() -> None:
 
 def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: list[str] | None = None) -> int:
     """Read the config, run ``work(config, reporter) -> (result, output_dir)``, report materialisation
-    with ``data_version`` = content hash of ``output_dir``."""
+    with ``data_version`` = content hash of ``output_dir`` and the job's ``weight_cache_hits``/``_misses``
+    (its model loads built from the job worker's weight cache / read from their files while the cache was on;
+    both 0 where it is off)."""
+    from batchrl.training import weight_cache
+
     config = read_job_config(argv if argv is not None else sys.argv[1:])
     choose_attention_kernels()
+    before = weight_cache.stats()
     with reporter() as rep:
         result, output = work(config, rep)
         meta = metadata_from(result)
+        after = weight_cache.stats()  # models this job built from the warm worker's cached weights, or loaded
+        meta.update({f"weight_cache_{k}": after[k] - before[k] for k in ("hits", "misses")})
         started = time.perf_counter()
         version = tree_hash(output) if output and os.path.exists(output) and is_rank0() else None
         if version:

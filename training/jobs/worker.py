@@ -29,6 +29,8 @@ PROTOCOL = 1
 
 
 def _release_memory() -> None:
+    """Between jobs: the job's garbage collected and torch's unused cached blocks given back. The weight cache
+    (``training/weight_cache.py``) stays: its tensors are in use, not free blocks."""
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
@@ -76,8 +78,6 @@ def run_request(request: dict) -> dict:
     except BaseException as error:  # reported to the client; the worker then exits
         return {"ok": False, "pid": os.getpid(), "error": f"{type(error).__name__}: {error}",
                 "traceback": traceback.format_exc()[-6000:]}
-    finally:
-        _release_memory()
 
 
 # What the jobs import lazily (transformers' auto classes alone take seconds): loaded by ``preload``
@@ -92,9 +92,9 @@ PRELOAD_MODULES = (
 
 def preload() -> None:
     """What every job needs first (torch, transformers' model classes, DeepSpeed, batchrl's job libraries,
-    the CUDA context), loaded once the socket listens: a client connecting meanwhile waits in the backlog,
-    and a worker started ahead of the first job (``resources.job_worker.prestart``) has it ready by the
-    time the job comes."""
+    the CUDA context, the weight cache switched on), loaded once the socket listens: a client connecting
+    meanwhile waits in the backlog, and a worker started ahead of the first job
+    (``resources.job_worker.prestart``) has it ready by the time the job comes."""
     import torch
 
     for name in PRELOAD_MODULES:
@@ -104,6 +104,9 @@ def preload() -> None:
         import deepspeed  # noqa: F401
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")  # creates the context
+    from batchrl.training import weight_cache
+
+    weight_cache.enable_for_worker()  # jobs of this process reuse the models loaded before (BATCHRL_WEIGHT_CACHE_GB)
 
 
 def serve(socket_path: str, idle_s: float) -> int:
@@ -129,6 +132,10 @@ def serve(socket_path: str, idle_s: float) -> int:
                           else run_request(request))
                 stream.write(json.dumps(answer).encode() + b"\n")
                 stream.flush()
+            if not request.get("ping"):
+                # after the answer: the step goes on while this process collects the job's garbage (a full
+                # collection over torch's and transformers' objects, which every step waited for before)
+                _release_memory()
             if not answer["ok"]:
                 return 1
     finally:
