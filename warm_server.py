@@ -159,6 +159,9 @@ def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
         print(f"batchrl serve: a server already answers at {path}", file=sys.stderr)
         return 1
     _preload()
+    import gc
+
+    gc.freeze()  # the preloaded objects are never garbage: the commands' collections skip them, pages stay shared
     if os.path.exists(path):
         os.unlink(path)  # a server that died without removing it
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
