@@ -29,7 +29,8 @@ from batchrl.warm_server import code_fingerprint  # an edited batchrl gets a wor
 
 START_TIMEOUT_S = 120
 # variables that change what a job computes or where: a worker serves one combination of them
-_KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS")
+_KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS",
+              "BATCHRL_WEIGHT_CACHE_GB")
 
 
 def socket_path(env: dict[str, str]) -> str:
