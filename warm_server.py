@@ -172,7 +172,7 @@ def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake_w)  # a child's exit wakes the loop
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _terminated)
     print(f"batchrl serve: ready in {time.time() - started:.2f} s (pid {os.getpid()}, {path}); exits after "
           f"{idle_s:.0f} s without a command", flush=True)
     children: dict[int, tuple[socket.socket, list[str]]] = {}
@@ -219,6 +219,11 @@ def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
         signal.set_wakeup_fd(-1)
         if os.path.exists(path):
             os.unlink(path)
+
+
+def _terminated(signum, _frame) -> None:
+    print(f"batchrl serve: {signal.Signals(signum).name} received, exiting (commands running go on)", flush=True)
+    sys.exit(0)
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -88,7 +88,8 @@ def write_profile(out: str, model: str, landing: dict, a) -> str:
     return path
 
 
-TIMING_KEYS = ("engine_load_s", "generate_s", "write_s", "generated_tokens_per_s", "job_wall_s", "hash_s")
+TIMING_KEYS = ("engine_load_s", "generate_s", "write_s", "generated_tokens_per_s", "job_wall_s", "hash_s",
+               "weight_cache_hits", "weight_cache_misses")
 
 
 def step_windows(home: str) -> list[dict]:

@@ -24,7 +24,8 @@ def _run(tmp_path, name: str, steps: int, served: bool = False) -> dict:
     home.mkdir(parents=True)
     env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": str(storage)}
     if served:
-        subprocess.run([BATCHRL, "serve", "--detach", "--idle", "120"], env=env, check=True, timeout=300)
+        up = subprocess.run([BATCHRL, "serve", "--detach", "--idle", "120"], env=env, timeout=300)
+        assert up.returncode == 0, (home / "logs" / "server.log").read_text(errors="replace")[-3000:]
     try:
         done = subprocess.run([BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)],
                               env=env, capture_output=True, text=True, timeout=300)
