@@ -27,9 +27,10 @@ class ComputeResource(dg.ConfigurableResource):
         config = {**config, "task": task, "result_json": os.path.join(workdir, f"{task}_result.json")}
         if self.in_subprocess:
             reported = launcher.run_job(context, "inference", config, workdir).metadata or {}
-            # where the job's time went (load, tokenise, score...): on the asset's materialisation, beside its own
+            # where the job's time went (load, tokenise, score...) and whether its models came from the worker's
+            # weight cache: on the asset's materialisation, beside its own
             context.add_output_metadata({k: getattr(v, "value", v) for k, v in reported.items()
-                                         if k.startswith("phase_s/")})
+                                         if k.startswith(("phase_s/", "weight_cache_"))})
             with open(config["result_json"]) as f:
                 return json.load(f)
         result = run_task(config)

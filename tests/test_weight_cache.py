@@ -126,7 +126,7 @@ def test_the_cache_is_not_aliased_by_the_models_it_builds(untied, tmp_path):
     _assert_same_model(again, want)
 
 
-def test_a_rewritten_weight_file_is_a_miss_and_its_weights_load(untied, tmp_path):
+def test_a_rewritten_weight_file_is_a_miss_and_its_weights_load_even_with_its_old_mtime(untied, tmp_path):
     from safetensors.torch import load_file, save_file
 
     path = shutil.copytree(untied, tmp_path / "model")
@@ -136,8 +136,9 @@ def test_a_rewritten_weight_file_is_a_miss_and_its_weights_load(untied, tmp_path
     stamp = os.stat(file)
     new = {k: v + 0.5 for k, v in load_file(file).items()}
     save_file(new, str(file), metadata={"format": "pt"})  # same names and shapes: the same size, in place
+    os.utime(file, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # and its old mtime put back (`cp -p`, copy2)
     after_stat = os.stat(file)
-    if after_stat.st_mtime_ns == stamp.st_mtime_ns and after_stat.st_ino == stamp.st_ino:
+    if after_stat.st_ctime_ns == stamp.st_ctime_ns and after_stat.st_ino == stamp.st_ino:
         pytest.skip("the file system did not tell the rewrite apart (timestamp granularity)")
     after = load_model_and_tokenizer(str(path))[0]
     stats = weight_cache.stats()

@@ -18,9 +18,9 @@ objects). Never aliased: a hit copies into the new model's own storage, and a mi
 that train or overwrite their model in place (evaluation copies the next checkpoint in) leave the cache
 as it was.
 
-Key (``key``): each weight file's identity (real path, size, ``st_mtime_ns``, inode) plus the identity of
+Key (``key``): each weight file's identity (real path, size, ``st_mtime_ns``, ``st_ctime_ns``, inode) plus the identity of
 the folder's other files that shape the model (``config.json``, ``generation_config.json``), the dtype,
-the device and the kind of model. A rewritten file (new weights: another mtime, size or inode) is a miss.
+the device and the kind of model. A rewritten or replaced file (another mtime, ctime, size or inode) is a miss.
 
 Bounds: least-recently-used entries are evicted to stay within ``limit_bytes()``; an entry larger than the
 limit is not kept. Disabled by default (limit 0: nothing is stored, nothing is looked up): only the job
@@ -128,7 +128,9 @@ def stats() -> dict[str, int]:
 
 def _file_identity(path: str) -> tuple:
     st = os.stat(path)
-    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino
+    # ctime too: a file deleted and replaced by another of the same size, with its mtime copied over
+    # (``cp -p``, ``shutil.copy2``) on a reused inode number, has a new ctime, which nothing can set back
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
