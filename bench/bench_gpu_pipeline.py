@@ -20,7 +20,8 @@ run left (what a scheduled retrain on the same machine finds); each run's report
 ``--cudnn-attention`` / ``--dpo-self-play``: the jobs' BATCHRL_CUDNN_ATTENTION and the run's BATCHRL_DPO_SELF_PLAY,
 per run like ``--concurrent-steps``. ``--existing-home``: each run's Dagster home has its tables before the timer
 starts (by default the run creates them, as a first run on a machine does). ``--warm-server``: per run, whether
-`batchrl serve` is up (started before the timer) so that `batchrl run` runs in a fork of it.
+`batchrl serve` is up (started before the timer) so that `batchrl run` runs in a fork of it. ``--reselect A,B``:
+after the runs, those assets once more into the last run's storage, the job workers warm (run "reselect").
 """
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ TIMING_KEYS = ("engine_load_s", "generate_s", "write_s", "generated_tokens_per_s
                "weight_cache_hits", "weight_cache_misses")
 
 
-def step_windows(home: str) -> list[dict]:
-    """(asset, start, end) of every step of the runs in the instance, from the event log."""
+def step_windows(home: str, since: float = 0.0) -> list[dict]:
+    """(asset, start, end) of every step of the runs in the instance (those started after ``since``), from the
+    event log."""
     import dagster as dg
 
     os.environ["DAGSTER_HOME"] = home
@@ -113,7 +115,8 @@ def step_windows(home: str) -> list[dict]:
                     meta = event.dagster_event.event_specific_data.materialization.metadata
                     box["timings"] = {k: getattr(v, "value", v) for k, v in meta.items()
                                       if k.startswith("phase_s/") or k in TIMING_KEYS}
-    return sorted((s for s in steps.values() if "start" in s and "end" in s), key=lambda s: s["start"])
+    return sorted((s for s in steps.values() if "start" in s and "end" in s and s["start"] >= since),
+                  key=lambda s: s["start"])
 
 
 def read_trace(path: str) -> list[tuple[float, float, float]]:
@@ -179,13 +182,14 @@ def step_server_ready(home: str, started: float) -> float | None:
 
 
 def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps: int = 1,
-              warm_server: bool = False) -> dict:
-    """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report."""
-    for folder in ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
+              warm_server: bool = False, select: str | None = None) -> dict:
+    """One `batchrl run` of the profile into a fresh storage root and Dagster home; its report. ``select``: only
+    these assets, again, into the last run's storage and home (their inputs and the job workers as it left them)."""
+    for folder in () if select else ("storage", "home"):  # a run before would be reused (completed jobs, partitions)
         shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
     env = {**env, "BATCHRL_STORAGE": os.path.join(work, "storage"), "DAGSTER_HOME": os.path.join(work, "home")}
     os.makedirs(out, exist_ok=True)
-    if a.existing_home:
+    if a.existing_home and not select:
         from bench_run_startup import create_instance_tables  # this folder: the script's own
 
         create_instance_tables(env)
@@ -196,7 +200,8 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
     tracer = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used",
                                "--format=csv,noheader,nounits", "-lms", "200"], stdout=open(trace_path, "w"))
     started = time.time()
-    cmd = [*batchrl, "run", "--profile", profile, "--concurrent-steps", str(concurrent_steps)]
+    cmd = [*batchrl, "run", "--profile", profile, "--concurrent-steps", str(concurrent_steps),
+           *(["--select", select] if select else [])]
     with open(os.path.join(out, "run.log"), "w") as log:
         try:
             rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
@@ -207,7 +212,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
     if warm_server:
         subprocess.run([*batchrl, "serve", "--stop"], env=env, check=False, capture_output=True)
     trace = read_trace(trace_path)
-    steps = step_windows(env["DAGSTER_HOME"])
+    steps = step_windows(env["DAGSTER_HOME"], since=started)
     per_asset = []
     for s in steps:
         inside = [u for t, u, _ in trace if s["start"] <= t <= s["end"]]
@@ -260,6 +265,9 @@ def main() -> None:
     ap.add_argument("--warm-server", default="0", help=(
         "1: `batchrl serve` is started (untimed) before the run, which then runs in a fork of it (a user who keeps "
         "the server up); one value or one per run"))
+    ap.add_argument("--reselect", help=(
+        "after the runs, materialise these comma-separated assets again into the last run's storage (the job "
+        "workers as it left them: e.g. the base model's weights in their cache), reported as run 'reselect'"))
     a = ap.parse_args()
     concurrency, cudnn, self_play, warm = (per_run(ap, flag, value, a.runs) for flag, value in (
         ("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention),
@@ -289,6 +297,15 @@ def main() -> None:
         report = {**runs[-1], "model_build_s": round(build_s, 1), "settings": vars(a)}
         with open(os.path.join(out, "pipeline.json"), "w") as f:
             json.dump({**report, "runs": runs} if a.runs > 1 else report, f, indent=1)
+        print_run(runs[-1])
+    if a.reselect:  # the stages again on their own, the workers warm: a re-materialisation from the UI, say
+        runs.append({"run": "reselect", "caches": "warm", "select": a.reselect,
+                     **run_graph(profile, work, os.path.join(out, "reselect"), a,
+                                 {**env, "BATCHRL_CUDNN_ATTENTION": str(cudnn[-1]),
+                                  "BATCHRL_DPO_SELF_PLAY": str(self_play[-1])}, concurrency[-1], bool(warm[-1]),
+                                 select=a.reselect)})
+        with open(os.path.join(out, "pipeline.json"), "w") as f:
+            json.dump({**runs[-2], "model_build_s": round(build_s, 1), "settings": vars(a), "runs": runs}, f, indent=1)
         print_run(runs[-1])
     # the warm job workers outlive the runs (they wait for the next one): stop them, keep their logs
     subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
