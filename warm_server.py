@@ -11,13 +11,14 @@ takes the client's environment and working dir, rebuilds the code location from 
 is imported again, as a fresh process would) and runs ``cli.main``: same output, same exit status, same runs.
 
 A server serves one combination of interpreter, batchrl's code (its files' sizes and times: an edited
-checkout gets its own server, never a stale one), working dir and the variables read when modules are imported
-(``KEYED_PREFIXES``); a command from another environment runs in its own process as before. The server exits
+checkout gets its own server, never a stale one), installed packages (``installed_stamp``), working dir and the
+variables read when modules are imported (``KEYED_PREFIXES``); a command from another environment runs in its own process as before. The server exits
 after ``--idle`` seconds without a command; ``batchrl serve --stop`` ends it (commands running go on).
 ``BATCHRL_SERVER=off`` makes a command run in its own process even when a server answers.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -52,11 +53,25 @@ def code_fingerprint(package_dir: str) -> str:
     return h.hexdigest()
 
 
+def installed_stamp(folders: list[str] | None = None) -> list:
+    """The site-packages folders and their mtimes: installing, upgrading or removing a package renames or adds
+    entries there (the dist-info's name carries the version), so a server that imported the old Dagster or torch
+    no longer matches."""
+    import site
+
+    folders = folders if folders is not None else sorted({*site.getsitepackages(), site.getusersitepackages()})
+    stamps = []
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            stamps.append((folder, os.stat(folder).st_mtime_ns))
+    return stamps
+
+
 def server_key(env: dict[str, str], cwd: str) -> str:
     package = os.path.dirname(os.path.abspath(__file__))
     keyed = {k: v for k, v in env.items() if k.startswith(KEYED_PREFIXES) and k != OFF_ENV}
-    return hashlib.sha256(json.dumps([sys.executable, package, code_fingerprint(package), os.path.realpath(cwd),
-                                      keyed], sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([sys.executable, package, code_fingerprint(package), installed_stamp(),
+                                      os.path.realpath(cwd), keyed], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def socket_path(env: dict[str, str], cwd: str) -> str:

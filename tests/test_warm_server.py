@@ -91,7 +91,7 @@ def test_ctrl_c_reaches_the_served_command(server):
     assert "KeyboardInterrupt" in rest or "interrupt" in rest.lower()
 
 
-def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path):
+def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path, monkeypatch):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "batchrl.cli", "serve", "--idle", "0.5"], env=env,
@@ -110,3 +110,12 @@ def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path):
     assert warm_server.server_key({**env, "TERM": "other"}, str(tmp_path)) == key  # not read at import
     assert warm_server.server_key({**env, "BATCHRL_ENV": "gpu"}, str(tmp_path)) != key
     assert warm_server.server_key(env, str(package)) != key
+    # and the installed packages: a package added to (or upgraded in) a site-packages folder
+    site_packages = tmp_path / "site-packages"
+    site_packages.mkdir()
+    monkeypatch.setattr("site.getsitepackages", lambda: [str(site_packages)])
+    key = warm_server.server_key(env, str(tmp_path))
+    assert warm_server.server_key(env, str(tmp_path)) == key
+    time.sleep(0.01)
+    (site_packages / "newpkg-1.0.dist-info").mkdir()
+    assert warm_server.server_key(env, str(tmp_path)) != key
