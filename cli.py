@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from batchrl import warm_server  # stdlib only: the thin client's path stays light
+from batchrl import warm_client, warm_server  # stdlib only: the thin client's path stays light
 
 # concurrency pools: one step of the `batchrl_catalog` pool at a time (two log drops never write the
 # catalog at once; docs/PARTITIONS.md)
@@ -376,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main(argv: list[str] | None = None) -> None:
     """The ``batchrl`` command: in a fork of this environment's warm server when one answers
-    (``warm_server``), else ``main`` here, then a prompt exit. A process that has loaded torch, transformers
+    (``warm_client``), else ``main`` here, then a prompt exit. A process that has loaded torch, transformers
     and Dagster spends ~0.5-1 s after its work tearing those modules down; the exit handlers still run
     (log handlers, temporary files, child processes) and the output is flushed, then the process ends
     without the teardown. An exception takes the normal way out (traceback, exit status 1)."""
     import atexit
 
     argv = sys.argv[1:] if argv is None else argv
-    code = warm_server.run_remote(argv)
+    code = warm_client.run_remote(argv)
     if code is None:
         code = main(argv)
         atexit._run_exitfuncs()

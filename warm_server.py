@@ -2,152 +2,33 @@
 storage code imported, and each ``batchrl`` command that finds it runs in a fork of it instead of a fresh
 interpreter — the imports were ~2.7 s of every command's start on the H200 host (bench/RESULTS.md), 40-65%
 of a retrain's orchestration overhead. The multiprocess runs' step server is a fork of the command's process
-too (``start_step_server``), so the first step no longer waits for a second interpreter's imports.
+too (``fork_step_server``), so the first step no longer waits for a second interpreter's imports.
 
-The command (``cli.console_main``) is a thin client while a server of its environment answers: it passes its
+The command (``cli.console_main``) is a thin client (``warm_client``) while a server of its environment answers: it passes its
 arguments, working dir, environment and its stdin/stdout/stderr (the descriptors themselves, over the Unix
 socket), forwards Ctrl-C and termination to the forked child, and exits with the child's status. The child
 takes the client's environment and working dir, rebuilds the code location from them (``batchrl.definitions``
 is imported again, as a fresh process would) and runs ``cli.main``: same output, same exit status, same runs.
 
-A server serves one combination of interpreter, batchrl's code (its files' sizes and times: an edited
-checkout gets its own server, never a stale one), installed packages (``installed_stamp``), working dir and the
-variables read when modules are imported (``KEYED_PREFIXES``); a command from another environment runs in its own process as before. The server exits
-after ``--idle`` seconds without a command; ``batchrl serve --stop`` ends it (commands running go on).
+A server serves the commands of its environment (``warm_client.server_key``); a command from another environment
+runs in its own process as before. The server exits after ``--idle`` seconds without a command; ``batchrl serve
+--stop`` ends it (commands running go on).
 ``BATCHRL_SERVER=off`` makes a command run in its own process even when a server answers.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import selectors
 import signal
 import socket
 import sys
-import tempfile
 import time
 import traceback
 
-# variables read when modules are imported or a process starts (libraries' settings, paths): a server imported
-# its modules under one combination of them, so it serves commands with the same; the rest of a command's
-# environment (credentials, terminal) reaches its child as is
-KEYED_PREFIXES = ("BATCHRL_", "DAGSTER_", "PYTHON", "CUDA_", "HF_", "TRANSFORMERS_", "TORCH", "OMP_", "MKL_",
-                  "NCCL_", "TOKENIZERS_", "VLLM_", "TRITON_", "LD_", "PATH", "VIRTUAL_ENV", "LANG", "LC_", "TZ")
-OFF_ENV = "BATCHRL_SERVER"
+from batchrl.warm_client import STREAMS, ping, socket_path, stop
+
 DEFAULT_IDLE_S = 1800.0
-_STREAMS = 3  # stdin, stdout, stderr
-
-
-def code_fingerprint(package_dir: str) -> str:
-    """Size and mtime of every source file of the package: an edited or upgraded batchrl gets a server (or job
-    worker) of its own instead of a warm one still running the old code (which lineage's code versions would
-    not show)."""
-    h = hashlib.sha256()
-    for folder, dirs, files in os.walk(package_dir):
-        dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(folder, d, "__init__.py")))  # packages only
-        for name in sorted(f for f in files if f.endswith(".py")):
-            stat = os.stat(os.path.join(folder, name))
-            h.update(f"{os.path.relpath(os.path.join(folder, name), package_dir)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return h.hexdigest()
-
-
-def installed_stamp(folders: list[str] | None = None) -> list:
-    """The site-packages folders and their mtimes: installing, upgrading or removing a package renames or adds
-    entries there (the dist-info's name carries the version), so a server that imported the old Dagster or torch
-    no longer matches."""
-    import site
-
-    folders = folders if folders is not None else sorted({*site.getsitepackages(), site.getusersitepackages()})
-    stamps = []
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            stamps.append((folder, os.stat(folder).st_mtime_ns))
-    return stamps
-
-
-def server_key(env: dict[str, str], cwd: str) -> str:
-    package = os.path.dirname(os.path.abspath(__file__))
-    keyed = {k: v for k, v in env.items() if k.startswith(KEYED_PREFIXES) and k != OFF_ENV}
-    return hashlib.sha256(json.dumps([sys.executable, package, code_fingerprint(package), installed_stamp(),
-                                      os.path.realpath(cwd), keyed], sort_keys=True).encode()).hexdigest()[:16]
-
-
-def socket_path(env: dict[str, str], cwd: str) -> str:
-    """A short path (Unix sockets allow ~100 bytes) under the temp dir, one per ``server_key``."""
-    folder = os.path.join(tempfile.gettempdir(), f"batchrl-server-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    return os.path.join(folder, server_key(env, cwd) + ".sock")
-
-
-def _connect(path: str) -> socket.socket | None:
-    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        client.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
-        client.close()
-        return None
-    return client
-
-
-# ---- the client -------------------------------------------------------------------------------------------
-
-def run_remote(argv: list[str]) -> int | None:
-    """Run the command ``argv`` in the warm server of this environment; its exit status, or None when no
-    server answers (or ``BATCHRL_SERVER=off``): the caller runs the command itself."""
-    if os.environ.get(OFF_ENV, "").lower() in ("off", "0", "false", "no") or (argv[:1] == ["serve"]):
-        return None
-    cwd = os.getcwd()
-    client = _connect(socket_path(dict(os.environ), cwd))
-    if client is None:
-        return None
-    with client, client.makefile("rb") as answers:
-        request = json.dumps({"argv": argv, "cwd": cwd, "env": dict(os.environ)}).encode() + b"\n"
-        socket.send_fds(client, [request], list(range(_STREAMS)))
-        first = answers.readline()
-        if not first.startswith(b"pid "):  # a server going away between connect and fork: run it here
-            return None
-        child = int(first.split()[1])
-
-        def forward(signum, _frame):
-            try:
-                os.kill(child, signum)
-            except ProcessLookupError:
-                pass
-
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, forward)
-        last = answers.readline()
-        if not last.startswith(b"exit "):
-            print(f"batchrl: the warm server's process {child} for this command ended without an exit status",
-                  file=sys.stderr)
-            return 1
-        return int(last.split()[1])
-
-
-def stop(env: dict[str, str], cwd: str) -> bool:
-    """Ask this environment's server to exit; False when none answers."""
-    client = _connect(socket_path(env, cwd))
-    if client is None:
-        return False
-    with client, client.makefile("rb") as answers:
-        client.sendall(json.dumps({"stop": True}).encode() + b"\n")
-        answers.readline()
-    return True
-
-
-def ping(env: dict[str, str], cwd: str) -> dict | None:
-    client = _connect(socket_path(env, cwd))
-    if client is None:
-        return None
-    with client, client.makefile("rb") as answers:
-        client.sendall(json.dumps({"ping": True}).encode() + b"\n")
-        line = answers.readline()
-    return json.loads(line) if line else None
-
-
-# ---- the server -------------------------------------------------------------------------------------------
 
 # what a command's process would import in its first seconds: Dagster, the definitions' modules (pandas, the
 # assets, the resources), the instance's storage code and migration scripts (``step_preload``), the CLI and the
@@ -243,7 +124,7 @@ def _terminated(signum, _frame) -> None:
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     """One request line and the descriptors sent with it (a command's come with its first bytes)."""
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, _STREAMS)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, STREAMS)
     while not data.endswith(b"\n"):
         more = conn.recv(1 << 16)
         if not more:
@@ -305,7 +186,7 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         encoding = sys.__stdout__.encoding if sys.__stdout__ else "utf-8"
-        sys.stdin, sys.stdout, sys.stderr = (_stream(fd, encoding) for fd in range(_STREAMS))
+        sys.stdin, sys.stdout, sys.stderr = (_stream(fd, encoding) for fd in range(STREAMS))
         sys.argv = [sys.argv[0], *request["argv"]]
         # the code location is built from this command's environment (and profile), as in a fresh process
         sys.modules.pop("batchrl.definitions", None)

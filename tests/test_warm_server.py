@@ -12,7 +12,7 @@ import time
 import pytest
 from test_concurrent_run import BATCHRL, SELECTION, _run
 
-from batchrl import warm_server
+from batchrl import warm_client
 
 
 def test_a_served_run_gives_what_a_fresh_process_gives(tmp_path):
@@ -70,10 +70,10 @@ def test_exit_status_errors_and_other_environments(server, tmp_path):
     other = subprocess.run([BATCHRL, "stale"], env={**env, "BATCHRL_PROFILE": "real"}, capture_output=True,
                            text=True, timeout=120)
     assert _served(log) == 2, other.stderr  # another environment: not this server's command
-    assert warm_server.ping(env, os.getcwd())["served"] == 2
+    assert warm_client.ping(env, os.getcwd())["served"] == 2
     stop = subprocess.run([BATCHRL, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=60)
-    assert stop.returncode == 0 and warm_server.ping(env, os.getcwd()) is None
-    assert not os.path.exists(warm_server.socket_path(env, os.getcwd()))
+    assert stop.returncode == 0 and warm_client.ping(env, os.getcwd()) is None
+    assert not os.path.exists(warm_client.socket_path(env, os.getcwd()))
     again = subprocess.run([BATCHRL, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "no server" in again.stdout
 
@@ -103,19 +103,19 @@ def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path, monkeyp
     (package / "sub").mkdir(parents=True)
     (package / "sub" / "__init__.py").write_text("")
     (package / "a.py").write_text("x = 1\n")
-    before = warm_server.code_fingerprint(str(package))
+    before = warm_client.code_fingerprint(str(package))
     (package / "a.py").write_text("x = 22\n")
-    assert warm_server.code_fingerprint(str(package)) != before
-    key = warm_server.server_key(env, str(tmp_path))
-    assert warm_server.server_key({**env, "TERM": "other"}, str(tmp_path)) == key  # not read at import
-    assert warm_server.server_key({**env, "BATCHRL_ENV": "gpu"}, str(tmp_path)) != key
-    assert warm_server.server_key(env, str(package)) != key
+    assert warm_client.code_fingerprint(str(package)) != before
+    key = warm_client.server_key(env, str(tmp_path))
+    assert warm_client.server_key({**env, "TERM": "other"}, str(tmp_path)) == key  # not read at import
+    assert warm_client.server_key({**env, "BATCHRL_ENV": "gpu"}, str(tmp_path)) != key
+    assert warm_client.server_key(env, str(package)) != key
     # and the installed packages: a package added to (or upgraded in) a site-packages folder
     site_packages = tmp_path / "site-packages"
     site_packages.mkdir()
     monkeypatch.setattr("site.getsitepackages", lambda: [str(site_packages)])
-    key = warm_server.server_key(env, str(tmp_path))
-    assert warm_server.server_key(env, str(tmp_path)) == key
+    key = warm_client.server_key(env, str(tmp_path))
+    assert warm_client.server_key(env, str(tmp_path)) == key
     time.sleep(0.01)
     (site_packages / "newpkg-1.0.dist-info").mkdir()
-    assert warm_server.server_key(env, str(tmp_path)) != key
+    assert warm_client.server_key(env, str(tmp_path)) != key
