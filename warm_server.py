@@ -17,6 +17,7 @@ runs in its own process as before. The server exits after ``--idle`` seconds wit
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -84,13 +85,19 @@ def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
                     return 0
                 for key, _ in selector.select(wait):
                     if key.fileobj is wake_r:
-                        while os.read(wake_r, 4096) == 4096:
-                            pass
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(wake_r, 4096):
+                                pass
                         _reap(children)
                         last = time.monotonic()
                         continue
                     conn, _ = listener.accept()
-                    request, fds = _receive(conn)
+                    try:
+                        request, fds = _receive(conn)
+                    except (OSError, ValueError) as error:  # a client that sent no request, or a broken one
+                        print(f"batchrl serve: a request could not be read ({error}); ignored", flush=True)
+                        conn.close()
+                        continue
                     if request.get("ping") or request.get("stop"):
                         conn.sendall(json.dumps({"pid": os.getpid(), "served": served, "running": len(children),
                                                  "since": started}).encode() + b"\n")
@@ -101,10 +108,13 @@ def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
                         continue
                     pid = os.fork()
                     if pid == 0:
-                        listener.close()
-                        for fd in (wake_r, wake_w):
-                            os.close(fd)
-                        _run_child(conn, fds, request)
+                        try:  # never back into this loop: the child ends in _run_child (or here)
+                            listener.close()
+                            for fd in (wake_r, wake_w):
+                                os.close(fd)
+                            _run_child(conn, fds, request)
+                        finally:
+                            os._exit(1)
                     for fd in fds:
                         os.close(fd)
                     served += 1
@@ -124,13 +134,19 @@ def _terminated(signum, _frame) -> None:
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
     """One request line and the descriptors sent with it (a command's come with its first bytes)."""
+    conn.settimeout(30)  # the client sends its request right after connecting
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, STREAMS)
     while not data.endswith(b"\n"):
         more = conn.recv(1 << 16)
         if not more:
             break
         data += more
-    return json.loads(data), list(fds)
+    try:
+        return json.loads(data), list(fds)
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def _reap(children: dict[int, tuple[socket.socket, list[str]]]) -> None:

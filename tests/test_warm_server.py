@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,10 @@ def test_exit_status_errors_and_other_environments(server, tmp_path):
     other = subprocess.run([BATCHRL, "stale"], env={**env, "BATCHRL_PROFILE": "real"}, capture_output=True,
                            text=True, timeout=120)
     assert _served(log) == 2, other.stderr  # another environment: not this server's command
+    with socket.socket(socket.AF_UNIX) as broken:  # a request that is not one: ignored, the server goes on
+        broken.connect(warm_client.socket_path(env, os.getcwd()))
+        broken.sendall(b"not json\n")
+        assert broken.recv(10) == b""
     assert warm_client.ping(env, os.getcwd())["served"] == 2
     stop = subprocess.run([BATCHRL, "serve", "--stop"], env=env, capture_output=True, text=True, timeout=60)
     assert stop.returncode == 0 and warm_client.ping(env, os.getcwd()) is None
