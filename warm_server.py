@@ -243,8 +243,12 @@ def fork_step_server() -> bool:
     if not _served or threading.active_count() > 1:  # a fork copies no other thread, nor what one was holding
         return False
     import importlib
+    import inspect
     from multiprocessing import connection, forkserver, resource_tracker
 
+    if set(inspect.signature(forkserver.main).parameters) - {"listener_fd", "alive_r", "preload", "main_path",
+                                                              "sys_path"}:
+        return False  # a fork server protocol this code does not know (Python 3.14 adds an auth key): spawn it
     server = forkserver._forkserver
     with server._lock:
         if server._forkserver_pid is not None:
