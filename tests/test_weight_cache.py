@@ -234,3 +234,31 @@ def test_off_in_a_normal_process(untied):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     stats = eval(out.strip().splitlines()[-1])
     assert stats["limit_bytes"] == 0 and stats["entries"] == 0 and stats["hits"] == stats["misses"] == 0
+
+
+def test_a_reward_model_comes_from_the_cache_and_a_head_its_files_lack_is_not_kept(untied, tmp_path):
+    """Reward scoring (``rewards``, then ``evaluation``) loads the trained reward model again: a hit scores as
+    the files do. A base model's folder loaded as a reward model gets a head initialised at load: not kept, so
+    no later load is handed that load's random head."""
+    import numpy as np
+    from transformers import AutoModelForSequenceClassification
+
+    from batchrl.training.reward_model import load_reward_model, score_texts
+
+    rm = str(tmp_path / "rm")
+    torch.manual_seed(3)
+    AutoModelForSequenceClassification.from_pretrained(untied, num_labels=1).save_pretrained(rm)
+    shutil.copytree(untied, rm, ignore=shutil.ignore_patterns("*.safetensors", "config.json"), dirs_exist_ok=True)
+    prompts, responses = ["1 + 1 =", "2 + 3 =", "4 + 4 ="], [" 2", " 7", " 8"]
+    model, tokenizer = load_reward_model(rm)
+    want = score_texts(model, tokenizer, prompts, responses)
+    weight_cache.enable(10**9, host=True)
+    load_reward_model(rm)
+    assert weight_cache.stats()["entries"] == 1
+    model, tokenizer = load_reward_model(rm)
+    assert weight_cache.stats()["hits"] == 1
+    np.testing.assert_array_equal(score_texts(model, tokenizer, prompts, responses), want)
+    base_as_rm = score_texts(*load_reward_model(untied), prompts, responses)
+    assert weight_cache.stats()["entries"] == 1  # the reward model's only
+    again = score_texts(*load_reward_model(untied), prompts, responses)
+    assert weight_cache.stats()["hits"] == 1 and not np.array_equal(again, base_as_rm)  # a head of its own

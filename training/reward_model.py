@@ -17,7 +17,7 @@ import torch
 
 from batchrl.training.phases import phase
 from batchrl.training.text import encode_prompt_completions
-from batchrl.training.tiny_model import load_tokenizer, placed_on, resolve_dtype
+from batchrl.training.tiny_model import load_pretrained, load_tokenizer
 
 
 def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,15 +36,16 @@ def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "c
 def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu", num_labels: int = 1,
                       tokenizer: Any = None):
     """Any HF folder as a scalar-head sequence classifier, with the pad token id set in its config
-    (``tokenizer``: the folder's, already loaded)."""
+    (``tokenizer``: the folder's, already loaded). In the job worker, a trained reward model loaded before
+    (``rewards``, then ``evaluation``) comes from its weight cache (``load_pretrained``)."""
     from transformers import AutoModelForSequenceClassification
 
     with phase("load_model"):
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels,
-                                                                   dtype=resolve_dtype(dtype), **placed_on(device))
+        model = load_pretrained(path, AutoModelForSequenceClassification, dtype=dtype, device=device,
+                                kind=f"sequence_classification/{num_labels}", num_labels=num_labels)
         model.config.pad_token_id = tokenizer.pad_token_id
-        return model.to(device), tokenizer
+        return model, tokenizer
 
 
 def encode_scored(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int) -> list[list[int]]:

@@ -211,7 +211,7 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def _weight_cache_key(path: str, dtype: torch.dtype, device: str) -> tuple | None:
+def _weight_cache_key(path: str, dtype: torch.dtype, device: str, kind: str = "causal_lm") -> tuple | None:
     """The folder's key in the weight cache (``training/weight_cache.py``), None when the cache is off or the
     folder is not cacheable (a hub id, no safetensors weights, ZeRO-3's partitioned construction)."""
     from batchrl.training import weight_cache
@@ -226,48 +226,78 @@ def _weight_cache_key(path: str, dtype: torch.dtype, device: str) -> tuple | Non
         return None
     others = tuple(os.path.join(path, name) for name in
                    ("model.safetensors.index.json", "config.json", "generation_config.json"))
-    return weight_cache.key(_weight_files(path), dtype=dtype, device=device, kind="causal_lm", other_files=others)
+    return weight_cache.key(_weight_files(path), dtype=dtype, device=device, kind=kind, other_files=others)
 
 
-def _empty_model(entry: Any, dtype: torch.dtype, device: str):
+def _empty_model(entry: Any, auto_class: Any, dtype: torch.dtype, device: str):
     """The cached model's architecture built straight on ``device`` from the loaded model's config, its weights
     left uninitialised (they are copied in next): no file is read."""
-    from transformers import AutoModelForCausalLM
-
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # an older transformers: the random init runs, then is overwritten
         no_init_weights = contextlib.nullcontext
     with torch.device(device), no_init_weights():
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(entry.extras["config"]), dtype=dtype)
+        model = auto_class.from_config(copy.deepcopy(entry.extras["config"]), dtype=dtype)
     model.tie_weights()  # part of the init that no_init_weights skips (tied embeddings: one tensor again)
-    model.generation_config = copy.deepcopy(entry.extras["generation_config"])
+    if "generation_config" in entry.extras:
+        model.generation_config = copy.deepcopy(entry.extras["generation_config"])
     return model.eval()
 
 
-def load_model_and_tokenizer(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
-    """Load any HF causal-LM folder (the tiny default or a real model) in eval mode on ``device``. Where the
-    weight cache is on (the job worker), a folder loaded before with the same files, dtype and device is built
-    from the cached weights instead of read again (``weight_cache.load``)."""
-    from transformers import AutoModelForCausalLM
+def _files_cover(model: Any, path: str) -> bool:
+    """Whether the folder's weight files hold every tensor of ``model`` (a tied one through its twin): else the
+    load initialised some at random (e.g. a new classification head on a base model), and a cached copy would
+    hand the next load this load's random values instead of its own."""
+    from safetensors import safe_open
 
+    from batchrl.training.weights import _weight_files
+
+    names: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    state = model.state_dict()
+    stored = {state[k].untyped_storage().data_ptr() for k in names if k in state}
+    return all(k in names or v.untyped_storage().data_ptr() in stored for k, v in state.items())
+
+
+def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, device: str, kind: str,
+                    **load_kwargs: Any):
+    """``auto_class.from_pretrained(path, ...)`` on ``device`` in eval mode; where the weight cache is on (the job
+    worker), a folder loaded before with the same files, dtype, device and ``kind`` is built from the cached
+    weights instead of read again (``weight_cache.load``). A load that initialised tensors the files do not hold
+    is not kept."""
     from batchrl.training import weight_cache
     from batchrl.training.weights import load_weights_in_place
 
     dtype = resolve_dtype(dtype)
+    cache_key = _weight_cache_key(path, dtype, device, kind)
 
     def from_files():
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placed_on(device))
-        return loaded.to(device).eval()
+        return auto_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placed_on(device)).to(device).eval()
+
+    def extras(loaded) -> dict[str, Any]:
+        kept = {"config": copy.deepcopy(loaded.config)}
+        if getattr(loaded, "generation_config", None) is not None:
+            kept["generation_config"] = copy.deepcopy(loaded.generation_config)
+        return kept
+
+    model, hit = weight_cache.load(
+        cache_key, load=from_files, build=lambda entry: _empty_model(entry, auto_class, dtype, device),
+        copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors), extras=extras)
+    if cache_key is not None and not hit and not _files_cover(model, path):
+        weight_cache.discard(cache_key)
+    return model
+
+
+def load_model_and_tokenizer(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):
+    """Load any HF causal-LM folder (the tiny default or a real model) in eval mode on ``device`` (from the job
+    worker's weight cache where it holds the folder: ``load_pretrained``)."""
+    from transformers import AutoModelForCausalLM
 
     with phase("load_model"):
         tokenizer = load_tokenizer(path)
-        model, _ = weight_cache.load(
-            _weight_cache_key(path, dtype, device), load=from_files,
-            build=lambda entry: _empty_model(entry, dtype, device),
-            copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors),
-            extras=lambda loaded: {"config": copy.deepcopy(loaded.config),
-                                   "generation_config": copy.deepcopy(loaded.generation_config)})
+        model = load_pretrained(path, AutoModelForCausalLM, dtype=dtype, device=device, kind="causal_lm")
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer

@@ -226,6 +226,13 @@ def reject(cache_key: Hashable) -> None:
         _counts["fallbacks"] += 1
 
 
+def discard(cache_key: Hashable) -> None:
+    """Drop ``cache_key``'s entry (the caller found the load not worth keeping); a later load may store it again."""
+    with _lock:
+        if _entries.pop(cache_key, None) is not None:
+            _counts["stores"] -= 1
+
+
 @torch.no_grad()
 def restore(model: torch.nn.Module, entry: Entry,
             copy_state: Callable[[torch.nn.Module, dict[str, torch.Tensor]], bool]) -> bool:
