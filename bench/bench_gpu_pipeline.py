@@ -268,6 +268,9 @@ def main() -> None:
     ap.add_argument("--reselect", help=(
         "after the runs, materialise these comma-separated assets again into the last run's storage (the job "
         "workers as it left them: e.g. the base model's weights in their cache), reported as run 'reselect'"))
+    ap.add_argument("--profile-jobs", action="store_true", help=(
+        "with --reselect: those assets a second time with BATCHRL_PROFILE_JOBS (torch profiler per job: where each "
+        "job left the GPU idle), reported as run 'reselect-profiled' with the jobs' summaries"))
     a = ap.parse_args()
     concurrency, cudnn, self_play, warm = (per_run(ap, flag, value, a.runs) for flag, value in (
         ("--concurrent-steps", a.concurrent_steps), ("--cudnn-attention", a.cudnn_attention),
@@ -298,14 +301,20 @@ def main() -> None:
         with open(os.path.join(out, "pipeline.json"), "w") as f:
             json.dump({**report, "runs": runs} if a.runs > 1 else report, f, indent=1)
         print_run(runs[-1])
-    if a.reselect:  # the stages again on their own, the workers warm: a re-materialisation from the UI, say
-        runs.append({"run": "reselect", "caches": "warm", "select": a.reselect,
-                     **run_graph(profile, work, os.path.join(out, "reselect"), a,
+    # the stages again on their own, the workers warm (a re-materialisation from the UI, say); then profiled
+    for name in ("reselect", "reselect-profiled")[:(1 + a.profile_jobs) if a.reselect else 0]:
+        profiles = os.path.join(out, name, "job-profiles")
+        runs.append({"run": name, "caches": "warm", "select": a.reselect,
+                     **run_graph(profile, work, os.path.join(out, name), a,
                                  {**env, "BATCHRL_CUDNN_ATTENTION": str(cudnn[-1]),
-                                  "BATCHRL_DPO_SELF_PLAY": str(self_play[-1])}, concurrency[-1], bool(warm[-1]),
-                                 select=a.reselect)})
+                                  "BATCHRL_DPO_SELF_PLAY": str(self_play[-1]),
+                                  **({"BATCHRL_PROFILE_JOBS": profiles} if name.endswith("profiled") else {})},
+                                 concurrency[-1], bool(warm[-1]), select=a.reselect)})
+        if os.path.isdir(profiles):
+            runs[-1]["job_profiles"] = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(profiles, "*.json")))]
         with open(os.path.join(out, "pipeline.json"), "w") as f:
-            json.dump({**runs[-2], "model_build_s": round(build_s, 1), "settings": vars(a), "runs": runs}, f, indent=1)
+            json.dump({**runs[a.runs - 1], "model_build_s": round(build_s, 1), "settings": vars(a), "runs": runs},
+                      f, indent=1)
         print_run(runs[-1])
     # the warm job workers outlive the runs (they wait for the next one): stop them, keep their logs
     subprocess.run(["pkill", "-f", "batchrl.training.jobs.worker --socket"], check=False)
@@ -324,7 +333,12 @@ def per_run(ap, flag: str, value: str, runs: int) -> list[int]:
 
 
 def print_run(run: dict) -> None:
-    print(json.dumps({k: v for k, v in run.items() if k != "per_asset"}), flush=True)
+    print(json.dumps({k: v for k, v in run.items() if k not in ("per_asset", "job_profiles")}), flush=True)
+    for job in run.get("job_profiles", []):
+        print(f"  profile {job['job']}: wall {job['wall_s']} s, GPU busy {job['gpu_busy_s']} s "
+              f"({job['gpu_busy_pct']}%), phases {json.dumps(job['phases'])}", flush=True)
+        for gap in job["gaps"][:8]:
+            print(f"    gap {json.dumps(gap)}", flush=True)
     for p in run["per_asset"]:
         timings = " ".join(f"{k.removeprefix('phase_s/')}={v:.1f}" for k, v in p["job_timings"].items()
                            if isinstance(v, (int, float)))

@@ -31,6 +31,7 @@ START_TIMEOUT_S = 120
 # variables that change what a job computes or where: a worker serves one combination of them
 _KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS",
               "BATCHRL_WEIGHT_CACHE_GB")
+JOB_SETTING_PREFIX = "BATCHRL_"  # per-job settings (BATCHRL_CUDNN_ATTENTION, BATCHRL_PROFILE_JOBS ...): sent per request
 
 
 def socket_path(env: dict[str, str]) -> str:
@@ -138,6 +139,13 @@ def _tail(path: str, n: int = 4000) -> str:
     return ""
 
 
+def job_request_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables a job request carries: what the job sets on top of this process's environment, and every
+    ``BATCHRL_`` setting (the worker may have been started by another run's step with other settings: a job sees
+    exactly the ``BATCHRL_`` variables of the step that asked for it, ``training.jobs.worker._job_environment``)."""
+    return {k: v for k, v in env.items() if os.environ.get(k) != v or k.startswith(JOB_SETTING_PREFIX)}
+
+
 def run_in_worker(context: dg.AssetExecutionContext, job: str, config_path: str, workdir: str,
                   env: dict[str, str], idle_s: float, path: str) -> dg.PipesClientCompletedInvocation:
     """Run ``job`` in the warm worker of socket ``path`` (a slot ``free_slot`` holds for it) and return Pipes'
@@ -145,9 +153,8 @@ def run_in_worker(context: dg.AssetExecutionContext, job: str, config_path: str,
     with dg.open_pipes_session(
             context=context, context_injector=dg.PipesTempFileContextInjector(),
             message_reader=dg.PipesTempFileMessageReader()) as session:
-        job_env = {k: v for k, v in env.items() if os.environ.get(k) != v}  # what this job sets on top
         answer = request(path, {"job": job, "config": config_path, "cwd": workdir,
-                                "env": {**job_env, **session.get_bootstrap_env_vars()}}, env, idle_s)
+                                "env": {**job_request_env(env), **session.get_bootstrap_env_vars()}}, env, idle_s)
         if not answer.get("ok"):
             raise dg.Failure(f"job {job!r} failed in the job worker (pid {answer.get('pid')}): {answer.get('error')}",
                              metadata={"traceback": answer.get("traceback", "")})

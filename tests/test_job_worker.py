@@ -254,3 +254,21 @@ def test_preload_imports_what_jobs_would_import_lazily():
             "missing = [m for m in PRELOAD_MODULES if m not in sys.modules]; print(missing); assert not missing")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_a_job_sees_exactly_the_batchrl_settings_of_its_step(tmp_path, monkeypatch):
+    """A worker started by one run's step serves the next run's: its own BATCHRL_ settings must not leak into a
+    job whose step lacks them, and the step's settings reach the job even where they equal this process's."""
+    from batchrl.resources.job_worker import job_request_env
+    from batchrl.training.jobs.worker import _job_environment
+
+    monkeypatch.setenv("BATCHRL_PROFILE_JOBS", str(tmp_path))  # left by the run that started the worker
+    monkeypatch.setenv("BATCHRL_CUDNN_ATTENTION", "1")
+    monkeypatch.setenv("UNRELATED", "kept")
+    step_env = {**{k: v for k, v in os.environ.items() if k != "BATCHRL_PROFILE_JOBS"}, "PIPES_X": "p"}
+    sent = job_request_env(step_env)
+    assert sent["BATCHRL_CUDNN_ATTENTION"] == "1" and sent["PIPES_X"] == "p" and "UNRELATED" not in sent
+    with _job_environment(sent, str(tmp_path)):
+        assert "BATCHRL_PROFILE_JOBS" not in os.environ and os.environ["BATCHRL_CUDNN_ATTENTION"] == "1"
+        assert os.environ["PIPES_X"] == "p" and os.environ["UNRELATED"] == "kept"
+    assert os.environ["BATCHRL_PROFILE_JOBS"] == str(tmp_path) and "PIPES_X" not in os.environ

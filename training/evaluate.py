@@ -25,7 +25,7 @@ import pandas as pd
 from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import tokenizer_key
+from batchrl.training.tiny_model import load_tokenizer, tokenizer_key
 from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
 from batchrl.training.weights import load_weights_in_place, read_weights, same_model_files
@@ -63,6 +63,10 @@ def _engine_for(model_path: str, same_model: Any, *, engine: str, max_new_tokens
     with phase("load_model"):
         return make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
                                    batch_size=batch_size, device=device, dtype=dtype)
+
+
+def _encoded_pairs(tokenizer: Any, pairs: pd.DataFrame, max_length: int) -> list[dict]:
+    return encode_pairs(tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
 
 
 def _evaluate(
@@ -105,11 +109,12 @@ def _evaluate(
                      "rejected_logp": reference["ref_rejected_logp"].to_numpy(np.float64)}
         else:  # the reference pass's own function: policy and reference margins are computed alike
             encoded = {} if encoded is None else encoded
-            with phase("tokenise"):
+            with phase("tokenise"):  # done ahead on a thread for the first tokenizer (evaluate_models)
                 if pairs_key not in encoded:
-                    encoded[pairs_key] = encode_pairs(
-                        engine.tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
+                    encoded[pairs_key] = _encoded_pairs(engine.tokenizer, pairs, max_length)
                 items = encoded[pairs_key]
+                if isinstance(items, Future):
+                    items = encoded[pairs_key] = items.result()
             with phase("logprobs"):
                 logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
                                       batch_size=batch_size)
@@ -145,7 +150,11 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
     ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again)."""
     results, samples, current, encoded = {}, {}, None, {}  # current: (folder, engine) of the last model
     paths, ahead = list(models.values()), None  # ahead: the next checkpoint's weights, being read meanwhile
-    with ThreadPoolExecutor(1, thread_name_prefix="read-ahead") as reader:
+    with ThreadPoolExecutor(2, thread_name_prefix="read-ahead") as reader:
+        pairs = options.get("pairs")
+        if pairs is not None and len(pairs) and paths:  # tokenised while the first model loads and answers
+            encoded[tokenizer_key(paths[0])] = reader.submit(_encoded_pairs, load_tokenizer(paths[0]), pairs,
+                                                             pair_max_length or max_length)
         for index, (name, path) in enumerate(models.items()):
             reuse = current[1] if current is not None and same_model_files(current[0], path) else None
             current = None  # another model: the last one's memory is free before this one loads

@@ -32,7 +32,8 @@ class PhaseClock:
         started = time.perf_counter()
         self._inner_s.append(0.0)
         try:
-            yield
+            with _annotation(name):
+                yield
         finally:
             took = time.perf_counter() - started
             self.add(name, took - self._inner_s.pop())
@@ -47,6 +48,26 @@ class PhaseClock:
 
 
 _ACTIVE: contextvars.ContextVar[PhaseClock | None] = contextvars.ContextVar("batchrl_phase_clock", default=None)
+_ANNOTATED = contextvars.ContextVar("batchrl_phase_annotated", default=False)
+
+
+@contextlib.contextmanager
+def annotated() -> Iterator[None]:
+    """While a job is profiled (``training/profiling.py``): each phase is also a ``phase/<name>`` range in the
+    profiler's trace, so its idle GPU stretches can be named."""
+    token = _ANNOTATED.set(True)
+    try:
+        yield
+    finally:
+        _ANNOTATED.reset(token)
+
+
+def _annotation(name: str) -> contextlib.AbstractContextManager:
+    if not _ANNOTATED.get():
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.profiler.record_function(f"phase/{name}")
 
 
 @contextlib.contextmanager

@@ -120,13 +120,16 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     with ``data_version`` = content hash of ``output_dir`` and the job's ``weight_cache_hits``/``_misses``
     (its model loads built from the job worker's weight cache / read from their files while the cache was on;
     both 0 where it is off)."""
-    from batchrl.training import weight_cache
+    from batchrl.training import profiling, weight_cache
 
     config = read_job_config(argv if argv is not None else sys.argv[1:])
     choose_attention_kernels()
     before = weight_cache.stats()
     with reporter() as rep:
-        result, output = work(config, rep)
+        source = getattr(sys.modules.get(work.__module__), "__file__", None) or work.__module__
+        job_name = "-".join(filter(None, (os.path.splitext(os.path.basename(source))[0], config.get("task"))))
+        with profiling.profiled(job_name):  # BATCHRL_PROFILE_JOBS: where this job left the GPU idle
+            result, output = work(config, rep)
         meta = metadata_from(result)
         after = weight_cache.stats()  # models this job built from the warm worker's cached weights, or loaded
         meta.update({f"weight_cache_{k}": after[k] - before[k] for k in ("hits", "misses")})

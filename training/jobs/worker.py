@@ -26,6 +26,7 @@ import time
 import traceback
 
 PROTOCOL = 1
+JOB_SETTING_PREFIX = "BATCHRL_"  # resources.job_worker sends every one of these per request
 
 
 def _release_memory() -> None:
@@ -39,8 +40,13 @@ def _release_memory() -> None:
 
 @contextlib.contextmanager
 def _job_environment(env: dict[str, str], cwd: str):
-    """The request's variables (Pipes bootstrap, per-job settings) and working dir, for this job only."""
-    saved_env = {key: os.environ.get(key) for key in env}
+    """The request's variables (Pipes bootstrap, per-job settings) and working dir, for this job only. The
+    request holds all of its step's ``BATCHRL_`` settings: one of this process's that it lacks (left by the
+    run that started the worker) is unset for the job."""
+    stale = [key for key in os.environ if key.startswith(JOB_SETTING_PREFIX) and key not in env]
+    saved_env = {key: os.environ.get(key) for key in [*env, *stale]}
+    for key in stale:
+        del os.environ[key]
     saved_cwd = os.getcwd()
     os.environ.update(env)
     os.chdir(cwd)
