@@ -98,6 +98,16 @@ def test_exported_model_loads_with_transformers(dpo_inputs, tmp_path):
     meta = json.loads((tmp_path / "batchrl_train.json").read_text())  # beside the export, not in it
     assert not (tmp_path / "model" / "batchrl_train.json").exists()
     assert meta["config"]["beta"] == 0.1 and meta["global_step"] == 2
+    # the tokenizer's files are its base's, byte for byte: the checkpoint is the same model but for its weights
+    from batchrl.training.tiny_model import tokenizer_files, tokenizer_key
+    from batchrl.training.weights import same_model_files
+
+    names = tokenizer_files(dpo_inputs["model_path"])
+    assert names and names == tokenizer_files(str(tmp_path / "model"))
+    for name in names:
+        assert (tmp_path / "model" / name).read_bytes() == open(os.path.join(dpo_inputs["model_path"], name), "rb").read()
+    assert tokenizer_key(str(tmp_path / "model")) == tokenizer_key(dpo_inputs["model_path"])
+    assert same_model_files(str(tmp_path / "model"), dpo_inputs["model_path"])
 
 
 def test_policy_resume_is_exact(dpo_inputs, tmp_path):

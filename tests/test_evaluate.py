@@ -161,8 +161,12 @@ def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tm
     missing = variant("missing", lambda t: {k: v for i, (k, v) in enumerate(sorted(t.items())) if i})
     reshaped = variant("reshaped", lambda t: {k: (v[:1] if v.dim() == 2 else v) for k, v in t.items()})
     assert same_model_files(model_path, shifted) and not same_model_files(model_path, str(tmp_path))
-    (tmp_path / "shifted" / "config.json").write_text("{}")  # a file of the model itself differs
-    assert not same_model_files(model_path, shifted)
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    stored = {**config, "dtype": "float32", "transformers_version": "0.0.1"}  # how it was stored: the same model
+    (tmp_path / "shifted" / "config.json").write_text(json.dumps(stored, indent=1))
+    assert same_model_files(model_path, shifted)
+    (tmp_path / "shifted" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7}))
+    assert not same_model_files(model_path, shifted)  # a file of the model itself differs
     shutil.copy(Path(model_path) / "config.json", tmp_path / "shifted")
     model, _ = load_model_and_tokenizer(model_path, dtype="bfloat16")
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -27,16 +27,24 @@ def encode_prompt_completion(
     return encode_prompt_completions(tokenizer, [prompt], [completion], max_length)[0]
 
 
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """The rendered prompts' ids, one batched tokenizer call; a prompt repeated (rollouts ask each one n times,
+    preference pairs share theirs between chosen and rejected) is rendered and encoded once."""
+    unique = list(dict.fromkeys(prompts))
+    encoded = dict(zip(unique, tokenizer([render_prompt(tokenizer, p) for p in unique],
+                                         add_special_tokens=False)["input_ids"])) if unique else {}
+    return [encoded[p] for p in prompts]
+
+
 def encode_prompt_completions(tokenizer: Any, prompts: list[str], completions: list[str],
-                              max_length: int | None = None) -> list[tuple[list[int], int]]:
+                              max_length: int | None = None,
+                              prompt_ids: list[list[int]] | None = None) -> list[tuple[list[int], int]]:
     """``encode_prompt_completion`` for many rows, with one batched tokenizer call per side (the
-    per-row Python calls dominated the CPU time of a training step on GPUs)."""
+    per-row Python calls dominated the CPU time of a training step on GPUs). ``prompt_ids``: the prompts'
+    ids from ``encode_prompts`` when the caller has them already."""
     if not prompts:
         return []
-    unique = list(dict.fromkeys(prompts))  # rollouts repeat each prompt n times: render and encode it once
-    encoded = dict(zip(unique, tokenizer([render_prompt(tokenizer, p) for p in unique],
-                                         add_special_tokens=False)["input_ids"]))
-    prompt_rows = [encoded[p] for p in prompts]
+    prompt_rows = encode_prompts(tokenizer, prompts) if prompt_ids is None else prompt_ids
     completion_rows = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []

@@ -56,6 +56,7 @@ class TransformersRolloutEngine:
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
         self.stop_ids = _stop_token_ids(model, tokenizer)
+        self._last_encoded: tuple[tuple[str, ...] | None, list[list[int]]] = (None, [])
 
     def _generation_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -110,10 +111,17 @@ class TransformersRolloutEngine:
             rows.append((row_tokens[:end], row_logprobs[:end], stop_at is not None))
         return rows
 
+    def _encode_prompts(self, prompts: list[str]) -> list[list[int]]:
+        """The chat-rendered prompts' ids; the last call's are kept (evaluation asks the same prompts of each
+        checkpoint it copies into this engine: rendering them is host time with the GPU idle)."""
+        key = tuple(prompts)
+        if self._last_encoded[0] != key:
+            self._last_encoded = (key, [self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)
+                                        ["input_ids"] for p in prompts])
+        return self._last_encoded[1]
+
     def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
-        encoded = [
-            self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
-        ]
+        encoded = self._encode_prompts(prompts)
         # Rows are chunked in order of prompt length, so a chunk's prompts need little padding.
         jobs = sorted(((p, s) for p in range(len(prompts)) for s in range(n)), key=lambda job: len(encoded[job[0]]))
         results: dict[tuple[int, int], tuple[list[int], list[float], bool]] = {}
@@ -121,20 +129,13 @@ class TransformersRolloutEngine:
             chunk = jobs[start : start + self.batch_size]
             chunk_seed = seed * 1_000_003 + chunk_index
             results.update(zip(chunk, self._generate_chunk([encoded[p] for p, _ in chunk], chunk_seed)))
+        order = [(p, s) for p in range(len(prompts)) for s in range(n)]
+        # one batch call: a fast tokenizer decodes the rows in parallel, outside the GIL
+        texts = self.tokenizer.batch_decode([results[job][0] for job in order], skip_special_tokens=True)
         samples: list[dict[str, Any]] = []
-        for p in range(len(prompts)):
-            for s in range(n):
-                response_ids, logprobs, stopped = results[(p, s)]
-                samples.append(
-                    make_sample(
-                        prompt_index=p,
-                        sample_index=s,
-                        prompt=prompts[p],
-                        response=self.tokenizer.decode(response_ids, skip_special_tokens=True),
-                        prompt_ids=encoded[p],
-                        response_ids=response_ids,
-                        rollout_logprobs=logprobs,
-                        stopped=stopped,
-                    )
-                )
+        for (p, s), response in zip(order, texts):
+            response_ids, logprobs, stopped = results[(p, s)]
+            samples.append(make_sample(prompt_index=p, sample_index=s, prompt=prompts[p], response=response,
+                                       prompt_ids=encoded[p], response_ids=response_ids,
+                                       rollout_logprobs=logprobs, stopped=stopped))
         return samples

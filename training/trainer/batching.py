@@ -100,13 +100,14 @@ def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperatu
 
 def encode_pairs(tokenizer: Any, rows: Sequence[dict], max_length: int) -> list[dict]:
     """Tokenise preference rows (``prompt, chosen, rejected``) into prompt / completion id lists."""
-    from batchrl.training.text import encode_prompt_completions
+    from batchrl.training.text import encode_prompt_completions, encode_prompts
 
     prompts = [row["prompt"] for row in rows]
+    prompt_ids = encode_prompts(tokenizer, prompts)  # once for both sides
     encoded = [{"id": str(row.get("id", i))} for i, row in enumerate(rows)]
     for side in ("chosen", "rejected"):
         for item, (ids, start) in zip(encoded, encode_prompt_completions(
-                tokenizer, prompts, [row[side] for row in rows], max_length)):
+                tokenizer, prompts, [row[side] for row in rows], max_length, prompt_ids=prompt_ids)):
             item[f"{side}_prompt"], item[side] = ids[:start], ids[start:]
     return encoded
 

@@ -221,6 +221,23 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     return None  # save_pretrained reads the module's own state dict
 
 
+def _write_tokenizer(tokenizer: Any, folder: str) -> None:
+    """The tokenizer's own files, copied byte for byte from the folder it was loaded from (training does not
+    change it); ``save_pretrained`` where there is none. Saving it again would rewrite them (transformers spells
+    out the class's pipeline: another class name, the pre-tokenizer's regex, a normaliser), so a checkpoint's
+    tokenizer key would differ from its base's although both tokenise alike — and evaluation, which shares one
+    engine between checkpoints of one model and tokenizer, would load the model again."""
+    from batchrl.training.tiny_model import tokenizer_files
+
+    source = getattr(tokenizer, "name_or_path", "") or ""
+    names = tokenizer_files(source) if os.path.isdir(source) else []
+    if not any(name.startswith("tokenizer") or name.endswith((".model", ".txt")) for name in names):
+        tokenizer.save_pretrained(folder)
+        return
+    for name in names:
+        shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+
+
 TRAIN_RECORD = "batchrl_train.json"  # next to an export: the run's config and metrics (times included)
 
 
@@ -241,7 +258,7 @@ def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
             module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
                                    max_shard_size=EXPORT_SHARD_SIZE)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            _write_tokenizer(tokenizer, tmp)
         if extra_metadata:
             _write_text_atomic(os.path.join(os.path.dirname(os.path.abspath(out_dir)), TRAIN_RECORD),
                                json.dumps(extra_metadata, indent=2, sort_keys=True, default=str))
