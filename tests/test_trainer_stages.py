@@ -249,3 +249,24 @@ def test_dpo_refuses_reference_log_probs_over_other_tokens(setup, tmp_path):
                                          r"chosen / \d+ rejected completion tokens, this run tokenises"):
         train_dpo(DPOConfig(epochs=1, micro_batch_size=8, max_length=64), out_dir=str(tmp_path / "out"),
                   **{**setup["dpo"], "reference_parquet": str(short)})
+
+
+def test_padding_by_array_indexing_equals_row_by_row():
+    import random
+
+    from batchrl.training.trainer.batching import pad_prompt_completion
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 99) for _ in range(rng.randrange(1, 9))] for _ in range(12)]
+    completions = [[rng.randrange(3, 99) for _ in range(rng.randrange(0, 7))] for _ in range(12)]
+    completions[3] = []  # a completion cut to nothing
+    out = pad_prompt_completion(prompts, completions, pad_id=1)
+    P, R = max(map(len, prompts)), max(map(len, completions))
+    for i, (p, c) in enumerate(zip(prompts, completions)):  # the layout, row by row
+        row = [1] * (P - len(p)) + p + c + [1] * (R - len(c))
+        mask = [0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (R - len(c))
+        assert out["input_ids"][i].tolist() == row and out["attention_mask"][i].tolist() == mask
+        assert out["position_ids"][i].tolist() == [max(0, k) for k in torch.tensor(mask).cumsum(0).sub(1).tolist()]
+        assert out["responses"][i].tolist() == c + [1] * (R - len(c))
+        assert out["response_mask"][i].tolist() == [1.0] * len(c) + [0.0] * (R - len(c))
+    assert out["input_ids"].dtype == torch.long and out["response_mask"].dtype == torch.float32

@@ -7,6 +7,7 @@ row's logits do not depend on how much padding its batch has. The model is asked
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Sequence
 
@@ -17,19 +18,27 @@ from batchrl.training.algos import entropy_from_logits, token_logprobs_from_hidd
 from batchrl.training.transfer import to_device_async
 
 
+def _ragged(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(lengths, row index of each token, the tokens) of ragged id rows, flattened."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    return lengths, np.repeat(np.arange(len(rows)), lengths), flat
+
+
 def pad_prompt_completion(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                           pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad prompts, right-pad completions; returns input_ids, attention_mask, position_ids,
-    responses ``[B, R]`` and response_mask ``[B, R]`` (1 on real completion tokens)."""
-    P = max(len(p) for p in prompts)
-    R = max(1, max(len(c) for c in completions))
-    B = len(prompts)
-    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, P + R), dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        input_ids[i, P - len(p):P] = torch.as_tensor(list(p), dtype=torch.long)
-        input_ids[i, P:P + len(c)] = torch.as_tensor(list(c), dtype=torch.long)
-        attention[i, P - len(p):P + len(c)] = 1
+    responses ``[B, R]`` and response_mask ``[B, R]`` (1 on real completion tokens). Built with array
+    indexing, not row by row: on GPUs the host pads the next batch while the device runs this one."""
+    (p_len, p_row, p_ids), (c_len, c_row, c_ids) = _ragged(prompts), _ragged(completions)
+    P, R, B = int(p_len.max()), max(1, int(c_len.max(initial=0))), len(prompts)
+    ids = np.full((B, P + R), pad_id, dtype=np.int64)
+    # a token's column: its offset in its row, shifted right so that prompts end at P, completions start there
+    ids[p_row, P - p_len[p_row] + np.arange(len(p_ids)) - np.repeat(np.cumsum(p_len) - p_len, p_len)] = p_ids
+    ids[c_row, P + np.arange(len(c_ids)) - np.repeat(np.cumsum(c_len) - c_len, c_len)] = c_ids
+    columns = np.arange(P + R)
+    attention = torch.from_numpy(((columns >= P - p_len[:, None]) & (columns < P + c_len[:, None])).astype(np.int64))
+    input_ids = torch.from_numpy(ids)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention, "position_ids": position_ids,
             "responses": input_ids[:, P:].clone(), "response_mask": attention[:, P:].float()}
