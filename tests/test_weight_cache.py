@@ -262,3 +262,45 @@ def test_a_reward_model_comes_from_the_cache_and_a_head_its_files_lack_is_not_ke
     assert weight_cache.stats()["entries"] == 1  # the reward model's only
     again = score_texts(*load_reward_model(untied), prompts, responses)
     assert weight_cache.stats()["hits"] == 1 and not np.array_equal(again, base_as_rm)  # a head of its own
+
+
+def _assert_same_weights(got, want):
+    """The engine keeps its own config (the base's path in it): its weights and outputs are the checkpoint's."""
+    mine, theirs = _tensors(got), _tensors(want)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], v) for n, v in theirs.items())
+
+
+def test_a_checkpoint_copied_into_a_loaded_model_comes_from_the_cache_once_kept(untied, tmp_path, monkeypatch):
+    """Evaluation copies each checkpoint of one model into the engine it loaded (its CUDA graphs stay valid): the
+    first copy of a folder reads its files and keeps it; the next job's copy of it reads no file."""
+    from safetensors.torch import load_file, save_file
+
+    from batchrl.training import weights
+    from batchrl.training.tiny_model import cached_in_worker, load_checkpoint_in_place
+
+    other = shutil.copytree(untied, tmp_path / "trained")
+    save_file({k: v * 0.5 for k, v in load_file(other / "model.safetensors").items()}, str(other / "model.safetensors"),
+              metadata={"format": "pt"})
+    want = _uncached(str(other))
+    weight_cache.enable(10**9)
+    engine_model = load_model_and_tokenizer(untied)[0]  # a miss: the base model, kept
+    assert not cached_in_worker(str(other), dtype="float32", device="cpu")
+    assert load_checkpoint_in_place(engine_model, str(other), dtype="float32", device="cpu")
+    _assert_same_weights(engine_model, want)
+    assert cached_in_worker(str(other), dtype="float32", device="cpu") and weight_cache.stats()["misses"] == 2
+    next_job = load_model_and_tokenizer(untied)[0]  # the next evaluation: base from the cache (hit 1) ...
+    import safetensors
+
+    def no_file(*args, **kwargs):
+        raise AssertionError("a weight file was read")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_file)  # ... and no file read for the checkpoint
+    monkeypatch.setattr(weights, "read_weights", no_file)
+    assert load_checkpoint_in_place(next_job, str(other), dtype="float32", device="cpu")
+    assert weight_cache.stats()["hits"] == 2
+    _assert_same_weights(next_job, want)
+    with torch.no_grad():
+        next_job.lm_head.weight.add_(1.0)  # the engine's copy is its own: the cache is untouched
+    assert load_checkpoint_in_place(load_model_and_tokenizer(untied)[0], str(other), dtype="float32", device="cpu")
+    cached = load_model_and_tokenizer(str(other))[0]
+    _assert_same_model(cached, want)

@@ -25,10 +25,10 @@ import pandas as pd
 from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import load_tokenizer, tokenizer_key
+from batchrl.training.tiny_model import cached_in_worker, load_checkpoint_in_place, load_tokenizer, tokenizer_key
 from batchrl.training.trainer.batching import encode_pairs
 from batchrl.training.trainer.reference import pair_logprobs
-from batchrl.training.weights import load_weights_in_place, read_weights, same_model_files
+from batchrl.training.weights import read_weights, same_model_files
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> dict[str, Any]:
@@ -57,8 +57,9 @@ def _engine_for(model_path: str, same_model: Any, *, engine: str, max_new_tokens
     these weights copied in (no second load, its CUDA graphs stay valid; ``weights``: them being read ahead),
     else a new one."""
     if getattr(same_model, "model", None) is not None:  # an engine over a transformers model
-        with phase("load_weights"):
-            if load_weights_in_place(same_model.model, model_path, weights.result() if weights else None):
+        with phase("load_weights"):  # from the worker's weight cache, else as read ahead, else the files
+            if load_checkpoint_in_place(same_model.model, model_path, dtype=dtype, device=device,
+                                        tensors=weights.result() if weights else None):
                 return same_model
     with phase("load_model"):
         return make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
@@ -149,8 +150,8 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
     reference pass's: a log-ratio margin over other tokens would mean nothing; default ``max_length``);
     ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again)."""
     results, samples, current, encoded = {}, {}, None, {}  # current: (folder, engine) of the last model
-    paths, ahead = list(models.values()), None  # ahead: the next checkpoint's weights, being read meanwhile
-    with ThreadPoolExecutor(2, thread_name_prefix="read-ahead") as reader:
+    paths, ahead = list(models.values()), {}  # ahead: later checkpoints' weights, being read meanwhile
+    with ThreadPoolExecutor(3, thread_name_prefix="read-ahead") as reader:
         pairs = options.get("pairs")
         if pairs is not None and len(pairs) and paths:  # tokenised while the first model loads and answers
             encoded[tokenizer_key(paths[0])] = reader.submit(_encoded_pairs, load_tokenizer(paths[0]), pairs,
@@ -158,12 +159,14 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
         for index, (name, path) in enumerate(models.items()):
             reuse = current[1] if current is not None and same_model_files(current[0], path) else None
             current = None  # another model: the last one's memory is free before this one loads
-            current = (path, _engine_for(path, reuse, engine=engine, max_new_tokens=max_new_tokens,
-                                         batch_size=batch_size, device=device, dtype=dtype, weights=ahead))
-            reuse, ahead = None, None
-            following = paths[index + 1] if index + 1 < len(paths) else None
-            if following and getattr(current[1], "model", None) is not None and same_model_files(path, following):
-                ahead = reader.submit(read_weights, following)
+            current = (path, _engine_for(path, reuse, engine=engine, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                         device=device, dtype=dtype, weights=ahead.pop(path, None)))
+            reuse = None
+            if getattr(current[1], "model", None) is not None:  # every later checkpoint of this model, read from
+                for following in paths[index + 1:]:  # now on (the first ones evaluated are short: the base model)
+                    if following not in ahead and same_model_files(path, following) and not cached_in_worker(
+                            following, dtype=dtype, device=device):
+                        ahead[following] = reader.submit(read_weights, following)
             results[name], samples[name] = _evaluate(
                 current[1], arith_eval=arith_eval, batch_size=batch_size, max_length=pair_max_length or max_length,
                 encoded=encoded, pairs_key=tokenizer_key(path), pairs_from_reference=name == reference_model,

@@ -292,18 +292,47 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
     def from_files():
         return auto_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placed_on(device)).to(device).eval()
 
-    def extras(loaded) -> dict[str, Any]:
-        kept = {"config": copy.deepcopy(loaded.config)}
-        if getattr(loaded, "generation_config", None) is not None:
-            kept["generation_config"] = copy.deepcopy(loaded.generation_config)
-        return kept
-
     model, hit = weight_cache.load(
         cache_key, load=from_files, build=lambda entry: _empty_model(entry, auto_class, dtype, device),
-        copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors), extras=extras)
+        copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors), extras=_model_extras)
     if cache_key is not None and not hit and not _files_cover(model, path):
         weight_cache.discard(cache_key)
     return model
+
+
+def load_checkpoint_in_place(model: Any, path: str, *, dtype: torch.dtype | str, device: str,
+                             tensors: dict[str, torch.Tensor] | None = None) -> bool:
+    """Copy the weights of ``path`` (another checkpoint of ``model``'s model) into ``model``: from the job worker's
+    weight cache where it holds them (device to device), else from ``tensors`` (``weights.read_weights``) or the
+    files, then kept in the cache for the next load. False, ``model`` untouched, when they do not fit it."""
+    from batchrl.training import weight_cache
+    from batchrl.training.weights import load_weights_in_place
+
+    cache_key = _weight_cache_key(path, resolve_dtype(dtype), device)
+    if weight_cache.load_into(cache_key, model, lambda m, cached: load_weights_in_place(m, path, tensors=cached)):
+        return True
+    if not load_weights_in_place(model, path, tensors):
+        return False
+    extras = _model_extras(model)
+    extras["config"]._name_or_path = path  # a model built from the entry later: as if loaded from ``path``
+    weight_cache.keep(cache_key, model, extras)
+    return True
+
+
+def _model_extras(model: Any) -> dict[str, Any]:
+    """What the weight cache keeps beside a model's weights to build it again: its config objects."""
+    kept = {"config": copy.deepcopy(model.config)}
+    if getattr(model, "generation_config", None) is not None:
+        kept["generation_config"] = copy.deepcopy(model.generation_config)
+    return kept
+
+
+def cached_in_worker(path: str, *, dtype: torch.dtype | str, device: str) -> bool:
+    """Whether the job worker's weight cache holds ``path``'s weights (no need to read them ahead)."""
+    from batchrl.training import weight_cache
+
+    cache_key = _weight_cache_key(path, resolve_dtype(dtype), device)
+    return cache_key is not None and weight_cache.get(cache_key) is not None
 
 
 def load_model_and_tokenizer(path: str, *, dtype: torch.dtype | str = torch.float32, device: str = "cpu"):

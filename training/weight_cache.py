@@ -283,3 +283,28 @@ def load(cache_key: Hashable | None, *, build: Callable[[Entry], M], load: Calla
                 with _lock:
                     _counts["not_kept"] += 1  # too large, or not plain tensors
     return model, False
+
+
+def load_into(cache_key: Hashable | None, model: torch.nn.Module,
+              copy_state: Callable[[torch.nn.Module, dict[str, torch.Tensor]], bool]) -> bool:
+    """Copy ``cache_key``'s cached weights into an existing ``model`` (device to device; a hit), e.g. an engine
+    whose CUDA graphs stay valid while checkpoints of its model are copied in. False (nothing copied, not
+    counted) when nothing is cached for it or the entry does not fit."""
+    entry = get(cache_key) if cache_key is not None else None
+    if entry is None or not restore(model, entry, copy_state):
+        return False
+    with _lock:
+        _counts["hits"] += 1
+    return True
+
+
+def keep(cache_key: Hashable | None, model: torch.nn.Module, extras: dict[str, Any] | None = None) -> bool:
+    """Keep a snapshot of ``model``, which now holds ``cache_key``'s weights (loaded into it some other way: a
+    miss), for later loads of them. Returns whether it was kept."""
+    if cache_key is None or not enabled() or cache_key in _rejected:
+        return False
+    with _lock:
+        _counts["misses"] += 1
+    kept = snapshot(model, extras, max_bytes=_limit)
+    return kept is not None and put(cache_key, kept)
+
