@@ -103,8 +103,10 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
                             model_path=model_path, out_dir=str(tmp_path / "rm"))
     prompts = load_rows("eval.jsonl")[:4]
     other = str(tmp_path / "other")  # a second model: other weights (seed), same tokenizer
-    build_tiny_model([f"{r['prompt']} {r['answer']}" for r in load_rows("train.jsonl")], other, seed=1)
-    models = {"base": model_path, "other": other}
+    third = str(tmp_path / "third")
+    for path, seed in ((other, 1), (third, 2)):
+        build_tiny_model([f"{r['prompt']} {r['answer']}" for r in load_rows("train.jsonl")], path, seed=seed)
+    models = {"base": model_path, "other": other, "third": third}
     alone = {name: evaluate_policy(path, arith_eval=prompts, reward_model_path=rm["model_dir"], max_new_tokens=4,
                                    pairs=pairs) for name, path in models.items()}
     assert alone["base"]["rm_mean_score"] != alone["other"]["rm_mean_score"]
@@ -128,10 +130,11 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
     together = evaluate_models(models, arith_eval=prompts,
                                reward_model_path=rm["model_dir"], max_new_tokens=4, pairs=pairs)
     assert len(loads) == 1
-    # the second checkpoint's weights were read beside the first one's evaluation, and those were copied in
-    assert [(path, thread.startswith("read-ahead")) for path, thread in read_ahead] == [(other, True)]
-    assert len(encodes) == 1  # one tokenizer: the pairs are tokenised once for both models
-    # the two checkpoints of one model (same config and tokenizer): loaded once, the second's weights copied in
+    # the third checkpoint's weights were read beside the first ones' evaluation (the second is read when it is
+    # copied in: a read begun beside the first model's would not be done in time), and those were copied in
+    assert [(path, thread.startswith("read-ahead")) for path, thread in read_ahead] == [(third, True)]
+    assert len(encodes) == 1  # one tokenizer: the pairs are tokenised once for every model
+    # the checkpoints of one model (same config and tokenizer): loaded once, the others' weights copied in
     assert len(policy_loads) == 1
     for name in alone:  # per-model scores as when each model was evaluated alone
         assert together[name]["rm_mean_score"] == pytest.approx(alone[name]["rm_mean_score"], abs=1e-5)
