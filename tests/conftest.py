@@ -54,13 +54,3 @@ def arith_model(tmp_path_factory) -> str:
     from arith_pairs import build_arith_model
 
     return build_arith_model(tmp_path_factory.mktemp("arith_model") / "model")
-
-
-# the longest modules first (test_real_profile's fixture trains SmolLM2 on CPU for ~4 min): with two xdist workers
-# and --dist loadscope, a long module scheduled last ran alone at the end of the suite
-SLOW_MODULES_FIRST = ("test_real_profile.py", "test_pipeline_e2e.py", "test_trainer_jobs.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: k for k, name in enumerate(SLOW_MODULES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module keeps its order
