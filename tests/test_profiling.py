@@ -54,3 +54,15 @@ def test_off_without_the_variable(tmp_path, monkeypatch):
         with phases.phase("p"):
             pass
     assert not os.listdir(tmp_path)
+
+
+def test_the_chrome_trace_is_kept_when_asked(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv(profiling.ENV, str(tmp_path))
+    monkeypatch.setenv(profiling.TRACE_ENV, "1")
+    with phases.recording(), profiling.profiled("evaluation"):
+        torch.ones(4).sum()
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".trace.json")
+    assert json.load(open(tmp_path / names[1]))["traceEvents"]

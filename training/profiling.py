@@ -110,7 +110,11 @@ def profiled(name: str) -> Iterator[None]:
     with profile(activities=activities) as prof, phases.annotated():
         yield
     keep_trace = os.environ.get(TRACE_ENV) == "1"
-    trace = f"{stem}.trace.json" if keep_trace else tempfile.mktemp(suffix=".json", dir=out_dir)
+    if keep_trace:
+        trace = f"{stem}.trace.json"
+    else:
+        with tempfile.NamedTemporaryFile(suffix=".json", dir=out_dir, delete=False) as scratch:
+            trace = scratch.name
     prof.export_chrome_trace(trace)
     try:
         with open(trace) as f:
