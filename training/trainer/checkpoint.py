@@ -223,7 +223,8 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
 
 def _write_tokenizer(tokenizer: Any, folder: str) -> None:
     """The tokenizer's own files, copied byte for byte from the folder it was loaded from (training does not
-    change it); ``save_pretrained`` where there is none. Saving it again would rewrite them (transformers spells
+    change it; batchrl's loader only fills a missing pad token with eos, as it does again at every load);
+    ``save_pretrained`` where there is none. Saving it again would rewrite them (transformers spells
     out the class's pipeline: another class name, the pre-tokenizer's regex, a normaliser), so a checkpoint's
     tokenizer key would differ from its base's although both tokenise alike — and evaluation, which shares one
     engine between checkpoints of one model and tokenizer, would load the model again."""
