@@ -42,14 +42,42 @@ def test_whiten_single_valid_token_gives_zero_not_nan():
 @pytest.mark.parametrize(
     "mode,expected",
     [("token-mean", 10 / 4), ("seq-mean-token-sum", (6 + 4) / 2), ("seq-mean-token-mean", (2 + 4) / 2),
-     ("seq-mean-token-sum-norm", 10 / 3)],
+     ("seq-mean-token-sum-norm", (6 + 4) / 2 / 3)],
 )
 def test_agg_loss_hand_values(mode, expected):
     assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
 
 
 def test_agg_loss_norm_constant():
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=5).item() == pytest.approx(2.0)
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=5).item() == pytest.approx(1.0)
+
+
+def _verl_agg_loss(loss_mat, loss_mask, mode):
+    """verl 0.9's ``agg_loss`` at dp_size=1 with no global batch info, written out row by row:
+    token sums of the sequences with a valid token, averaged; Dr.GRPO divides by the horizon T."""
+    rows = [(sum(l * m for l, m in zip(lr, mr)), sum(mr)) for lr, mr in zip(loss_mat.tolist(), loss_mask.tolist())]
+    present = [(total, n) for total, n in rows if n > 0]
+    if mode == "token-mean":
+        return sum(t for t, _ in present) / sum(n for _, n in present)
+    if mode == "seq-mean-token-mean":
+        return sum(t / n for t, n in present) / len(present)
+    seq_mean = sum(t for t, _ in present) / len(present)
+    return seq_mean / loss_mask.shape[-1] if mode == "seq-mean-token-sum-norm" else seq_mean
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_matches_verl_on_a_12_by_9_batch(mode):
+    g = torch.Generator().manual_seed(12)
+    loss = torch.randn(12, 9, generator=g, dtype=torch.float64) * 1e-3
+    lengths = torch.randint(0, 10, (12,), generator=g)
+    lengths[3] = 0  # an all-padding row
+    mask = (torch.arange(9)[None, :] < lengths[:, None]).long()
+    assert agg_loss(loss, mask, mode).item() == pytest.approx(_verl_agg_loss(loss, mask, mode), rel=1e-12)
+
+
+def test_seq_mean_token_sum_norm_does_not_grow_with_the_batch():
+    doubled = agg_loss(torch.cat([LOSS, LOSS]), torch.cat([MASK, MASK]), "seq-mean-token-sum-norm")
+    assert doubled.item() == pytest.approx(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm").item())
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

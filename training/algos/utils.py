@@ -69,12 +69,15 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     - ``token-mean``:              sum_it m L / sum_it m
     - ``seq-mean-token-sum``:      mean_{i in S} sum_t m L
     - ``seq-mean-token-mean``:     mean_{i in S} (sum_t m L / sum_t m)
-    - ``seq-mean-token-sum-norm``: sum_i sum_t m L / norm_constant  (Dr.GRPO; norm_constant
-      defaults to T = loss_mask.shape[-1], as verl — pass a fixed constant so that changing the
-      padded length does not rescale the loss)
+    - ``seq-mean-token-sum-norm``: (mean_{i in S} sum_t m L) / norm_constant  (Dr.GRPO: the
+      per-sequence token sums averaged over the batch, then divided by a constant; norm_constant
+      defaults to T = loss_mask.shape[-1], as verl — pass a fixed constant (e.g. the maximum
+      response length) so that changing the padded length does not rescale the loss)
 
-    Divergence from verl: the seq-mean modes average over sequences that have at least one
-    valid token (verl averages over all B rows), so all-padding rows never dilute the loss.
+    As verl >= 0.9 (``agg_loss`` with ``dp_size=1`` and no global batch info), every seq-mean mode
+    averages over S, the sequences with at least one valid token, so all-padding rows never dilute
+    the loss. (verl before 0.9 summed ``seq-mean-token-sum-norm`` over the batch without the mean,
+    which made the loss — and the effective learning rate — grow with the batch size.)
     """
     valid = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
@@ -88,7 +91,7 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
         return masked_mean(seq_sum / tokens_per_seq.clamp_min(1e-8), seq_present)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         norm = loss_mask.shape[-1] if norm_constant is None else norm_constant
-        return seq_sum.sum() / norm
+        return masked_mean(seq_sum, seq_present) / norm
     raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
