@@ -39,6 +39,27 @@ def test_gsm8k_thousands_decimals_and_signs():
     assert score("gsm8k_flexible", "It costs 0.75 dollars.", "#### 0.75") == 1.0
 
 
+@pytest.mark.parametrize("name", ["gsm8k_strict", "gsm8k_flexible", "final_answer"])
+@pytest.mark.parametrize("response,gold", [
+    ("#### 1000001", "1000000"), ("#### 5000004", "#### 5,000,000"), ("#### 12345678901234567", "12345678901234568"),
+    ("#### 0.5000001", "0.5"),
+])
+def test_large_and_close_wrong_answers_score_zero(name, response, gold):
+    assert score(name, response, gold) == 0.0
+
+
+@pytest.mark.parametrize("name", ["gsm8k_strict", "gsm8k_flexible", "final_answer"])
+def test_equal_answers_written_differently_score_one(name):
+    assert score(name, "#### 5,000,000.00", "5000000") == 1.0
+    assert score(name, "#### 12345678901234567", "#### 12,345,678,901,234,567") == 1.0
+
+
+def test_only_a_rounded_non_terminating_gold_allows_a_tolerance():
+    assert score("gsm8k_flexible", "#### 0.3333333", "0.333333333333") == 1.0  # 1/3 as written by two hands
+    assert score("gsm8k_flexible", "#### 0.334", "0.333333333333") == 0.0
+    assert score("gsm8k_flexible", "#### 0.3333333", "0.33") == 0.0  # a short decimal is exact
+
+
 def test_the_first_integer_rule_fails_worked_solutions_where_gsm8k_succeeds():
     wrong_first = "Start with 16 eggs, eat 3, bake 4: 16 - 3 - 4 = 9, sold at 2 dollars: 9 * 2 = 18.\n#### 18"
     assert score("arith_exact", wrong_first, "#### 18") == 0.0

@@ -24,7 +24,8 @@ import threading
 from fractions import Fraction
 from typing import Any, Mapping
 
-from batchrl.training.rewards import _NUMBER, _answer_text, final_number, register_reward
+from batchrl.training.rewards import (_NUMBER, _answer_text, final_number_text, gold_number_text, register_reward,
+                                     same_number)
 
 _UNLOADED = object()
 # imported on first use (pinned in pyproject.toml, installed by scripts/bootstrap.sh): sympy behind it costs
@@ -48,26 +49,20 @@ _BOXED_COMMANDS = ("\\boxed", "\\fbox")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
-def _to_float(number_text: str) -> float:
-    return float(number_text.replace(",", ""))
-
-
-def gsm8k_answer(text: str, mode: str = "flexible") -> float | None:
-    """The numeric answer of a GSM8K-style text. strict: the number right after the last ``####``
-    (signs, thousands separators, decimals, a ``$``); flexible: ``rewards.final_number``."""
+def gsm8k_answer(text: str, mode: str = "flexible") -> str | None:
+    """The answer of a GSM8K-style text as written. strict: the number right after the last ``####``
+    (signs, thousands separators, decimals, a ``$``); flexible: ``rewards.final_number_text``."""
     if mode == "flexible":
-        return final_number(text)
+        return final_number_text(text)
     if mode != "strict":
         raise ValueError(f"mode must be 'strict' or 'flexible', got {mode!r}")
     matches = _GSM8K_STRICT.findall(text)
-    return _to_float(matches[-1]) if matches else None
+    return matches[-1] if matches else None
 
 
 def _gsm8k_score(response: str, meta: Mapping[str, Any], mode: str) -> float:
-    gold_text = _answer_text(meta)
-    gold = final_number(gold_text) if gold_text is not None else None
-    got = gsm8k_answer(response, mode)
-    return float(gold is not None and got is not None and abs(got - gold) <= 1e-6 * max(1.0, abs(gold)))
+    """Exact comparison (``rewards.same_number``): GSM8K answers are integers or short decimals."""
+    return float(same_number(gsm8k_answer(response, mode), gold_number_text(meta)))
 
 
 @register_reward("gsm8k_strict", needs=("answer",))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -53,15 +54,46 @@ def first_integer(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def final_number(text: str) -> float | None:
-    """The final answer written in ``text``: the first number after the last ``####`` if there is
-    one (GSM8K's convention), else the last number in the text; thousands separators dropped."""
+def final_number_text(text: str) -> str | None:
+    """The final answer written in ``text`` as written: the first number after the last ``####`` if
+    there is one (GSM8K's convention), else the last number in the text."""
     head, mark, tail = text.rpartition(_FINAL_MARK)
     if mark:
         match = _NUMBER.search(tail)
-        return float(match.group().replace(",", "")) if match else None
+        return match.group() if match else None
     numbers = _NUMBER.findall(head or tail)
-    return float(numbers[-1].replace(",", "")) if numbers else None
+    return numbers[-1] if numbers else None
+
+
+def final_number(text: str) -> float | None:
+    """``final_number_text`` as a float, thousands separators dropped (for display and statistics;
+    answers are compared exactly with ``same_number``)."""
+    number = final_number_text(text)
+    return None if number is None else float(number.replace(",", ""))
+
+
+# A gold answer written with this many decimals or more is a rounded non-terminating value (1/3 as
+# 0.333333): there, and only there, a prediction within ANSWER_TOLERANCE counts as equal.
+ROUNDED_DECIMALS = 6
+ANSWER_TOLERANCE = Decimal("1e-6")
+
+
+def same_number(predicted: str | None, gold: str | None) -> bool:
+    """Whether two written numbers are the same answer: exact decimal equality after dropping
+    thousands separators, a plus sign and trailing zeros ("1,234.50" = "1234.5", "-5" ≠ "5",
+    "1000001" ≠ "1000000" — no relative tolerance that grows with the number). Only when the gold has
+    ``ROUNDED_DECIMALS`` or more decimals (a rounded non-terminating decimal) may they differ by
+    ``ANSWER_TOLERANCE``."""
+    if predicted is None or gold is None:
+        return False
+    try:
+        got, want = (Decimal(n.replace(",", "")) for n in (predicted, gold))
+    except InvalidOperation:
+        return False
+    if got == want:
+        return True
+    decimals = -want.as_tuple().exponent if want.as_tuple().exponent < 0 else 0
+    return decimals >= ROUNDED_DECIMALS and abs(got - want) <= ANSWER_TOLERANCE
 
 
 def _answer_text(meta: Mapping[str, Any]) -> str | None:
@@ -94,17 +126,16 @@ def arith_partial(prompt: str, response: str, meta: dict) -> float:
 
 @register_reward("final_answer", needs=("answer",))
 def final_answer(prompt: str, response: str, meta: dict) -> float:
-    """1.0 iff the response's final number (``final_number``: after the last ``####``, else the last
-    number) equals ``meta["answer"]`` (|Δ| < 1e-6); 0.0 otherwise. Credits worked solutions:
-    "17 + 25 = 42" and "... so 16 - 7 = 9. #### 9" score 1 for answers 42 and 9."""
-    gold = _gold_number(meta)
-    got = final_number(response)
-    return float(gold is not None and got is not None and abs(got - gold) < 1e-6)
+    """1.0 iff the response's final number (``final_number_text``: after the last ``####``, else the
+    last number) is the gold answer's final number (``same_number``: exact); 0.0 otherwise. Credits
+    worked solutions: "17 + 25 = 42" and "... so 16 - 7 = 9. #### 9" score 1 for answers 42 and 9."""
+    return float(same_number(final_number_text(response), gold_number_text(meta)))
 
 
-def _gold_number(meta: Mapping[str, Any]) -> float | None:
+def gold_number_text(meta: Mapping[str, Any]) -> str | None:
+    """The final number of the row's gold answer (a bare answer or a worked solution), as written."""
     text = _answer_text(meta)
-    return None if text is None else final_number(text)
+    return None if text is None else final_number_text(text)
 
 
 @register_reward("length_penalty")
