@@ -14,11 +14,12 @@ from batchrl.ingest import (
     IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, ingest_logs, scored_to_pairs,
     validate_scored,
 )
+from batchrl.ingest.config import PreferenceDropConfig
 from batchrl.ingest.window import combine_drops
 from batchrl.resources import Artifact, CatalogResource, LandingResource, StorageResource
 
 INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
-IngestRunConfig = run_config_for(IngestConfig, "IngestRunConfig")
+IngestRunConfig = run_config_for(PreferenceDropConfig, "IngestRunConfig")
 REPORT_FILE = "report.json"
 DROP_CONTENT_TAG = "batchrl/drop_content"  # set by the sensor: the drop's content key it saw
 
@@ -64,7 +65,7 @@ def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing
     reasons stay on its own asset; the drop's blocking checks. A drop whose content differs from what the
     sensor saw fails."""
     drop = context.partition_key
-    cfg = to_library_config(config, IngestConfig).model_copy(update={"storage_options": landing.storage_options})
+    cfg = to_library_config(config, PreferenceDropConfig).model_copy(update={"storage_options": landing.storage_options})
     inputs = discover_inputs(drop_uri(landing, drop), landing.storage_options, hash_files=False)
     with storage.staging_dir("validated_preferences") as staging:
         clean, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)  # hashes each file as it reads it

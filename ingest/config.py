@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 #: Contract fields per kind (strings, required) and the optional metadata kept through the pipeline.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -133,6 +133,26 @@ class IngestConfig(BaseModel):
     @property
     def metadata(self) -> tuple[str, ...]:
         return METADATA_FIELDS[self.kind]
+
+
+class PreferenceDropConfig(IngestConfig):
+    """Ingest of one log drop into ``validated_preferences``: the drop must hold preference pairs, so
+    another ``kind`` is refused when the config is written (never published under the wrong name)."""
+
+    # the launchpad lists both kinds so that 'scored' reaches the validator below and its reason is shown
+    kind: Literal["preference", "scored"] = Field("preference", description=(
+        "'preference' only: a log drop publishes validated_preferences (prompt/chosen/rejected); scored "
+        "logs (prompt/response/score) land in the scored landing folder and are read by scored_logs"))
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _preference_only(cls, kind):
+        if kind != "preference":
+            raise ValueError(
+                f"kind {kind!r}: a log drop publishes validated_preferences, which holds preference pairs "
+                "(prompt/chosen/rejected) only; put scored logs (prompt/response/score) in the landing's scored "
+                "folder, which the scored_logs asset reads")
+        return kind
 
 
 class IngestError(ValueError):

@@ -192,3 +192,23 @@ def test_validated_drop_published_with_the_hash_its_writers_took(tmp_path, monke
             assert fsutil.tree_hash(data_files)[:16] == folder.name
     assert not any("validated_preferences" in root for root in hashed_trees)  # publish took the writers' hash
     assert hashed_trees  # the JSON artifacts (manifest, report) are still hashed at publish
+
+
+def test_a_scored_drop_is_refused_before_anything_is_published(tmp_path):
+    """``kind: scored`` on log_drop once published scored rows as validated_preferences (checks passing) and the
+    window then failed with a bare FileNotFoundError: now both the CLI's up-front check and the step itself
+    refuse it, naming the reason, and no data asset is materialised."""
+    bad = tmp_path / "run.yaml"
+    bad.write_text("ops:\n  log_drop:\n    config:\n      kind: scored\n")
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "BATCHRL_STORAGE": str(tmp_path / "storage")}
+    out = subprocess.run([sys.executable, "-m", "batchrl.cli", "run", "-c", str(bad)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "kind 'scored'" in out.stderr and "scored_logs" in out.stderr, out.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "storage")
+    with dg.DagsterInstance.ephemeral() as instance:  # a run launched from the UI skips the CLI's check
+        result = run_assets(local_resources(str(tmp_path / "s"), _landing_copy(tmp_path)), instance,
+                            selection=DATA, run_config={"ops": {"log_drop": {"config": {"kind": "scored"}}}})
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "kind 'scored'" in str(failure.event_specific_data.error)
+        assert instance.get_latest_materialization_event(dg.AssetKey("validated_preferences")) is None
