@@ -19,6 +19,7 @@ from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
 )
+from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.prompts import load_prompts
 from batchrl.training.rewards import RewardConfig
@@ -114,22 +115,32 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"},
+          ins={"reward_model": dg.AssetIn(metadata={OPTIONAL_KEY: True})},
           metadata=declared_files(table="rewards.parquet"))
-def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: Artifact, reward_model: Artifact,
-            storage: StorageResource, catalog: CatalogResource, compute: ComputeResource,
-            trainer: TrainerLauncherResource) -> dg.Output:
-    """Rule reward + reward-model score per sample, mixed by weights (optionally routed by category)."""
+def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: Artifact,
+            reward_model: Optional[Artifact], storage: StorageResource, catalog: CatalogResource,
+            compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
+    """Rule reward + reward-model score per sample, mixed by weights (optionally routed by category). The
+    reward model is an input only when the mix weighs it: at weight 0 it is neither required nor loaded."""
+    reward_config = to_library_config(config, RewardConfig)
+    if reward_config.needs_reward_model and reward_model is None:
+        raise dg.Failure("rewards: the reward mix weighs the reward model (weights "
+                         f"{reward_config.weights}, routing {reward_config.routing}) but reward_model has never "
+                         "been materialised: materialise it first (batchrl run --select reward_model) or set its "
+                         "weight to 0")
+    inputs = {"rollouts": rollouts}
+    if reward_config.needs_reward_model:
+        inputs["reward_model"] = reward_model
     with storage.staging_dir("rewards_work") as workdir, storage.staging_dir("rewards") as staging:
         out = output_file(context, staging)
         compute.run(context, trainer, "rewards", {
-            "rollouts_parquet": rollouts.file(), "reward_config": to_library_config(config, RewardConfig).model_dump(),
-            "reward_model_path": reward_model.path, "device": compute.device, "dtype": compute.dtype,
-            "out_parquet": out},
+            "rollouts_parquet": rollouts.file(), "reward_config": reward_config.model_dump(),
+            "reward_model_path": reward_model.path if "reward_model" in inputs else None,
+            "device": compute.device, "dtype": compute.dtype, "out_parquet": out},
             workdir=workdir)
         scored = pd.read_parquet(out)
         by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()
-        return publish(context, storage, catalog, staging, config=config.model_dump(),
-                       inputs={"rollouts": rollouts, "reward_model": reward_model},
+        return publish(context, storage, catalog, staging, config=config.model_dump(), inputs=inputs,
                        metadata={"samples": len(scored), "mean_reward": float(scored["reward"].mean()),
                                  "mean_reward_by_category": by_category})
 

@@ -363,3 +363,20 @@ with dg.DagsterInstance.ephemeral() as instance:
                          text=True, timeout=600, cwd=tests_dir, env={**os.environ, "PYTHONPATH": tests_dir})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-4:] == ["[]", "True []", "True []", ""], out.stdout[-2000:]
+
+
+def test_rewards_at_reward_model_weight_zero_need_no_reward_model(tmp_path):
+    """A fresh root without a reward model: the RL loop runs when the mix gives the RM weight 0 (it is neither
+    required nor loaded, nor named in the lineage); a non-zero weight fails the rewards step saying what to do."""
+    root = str(tmp_path / "storage")
+    data = [a for a in UPSTREAM if a not in ("scored_logs", "scored_pairs", "reward_model")]
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        ops = {"base_model": BASE["base_model"], "rollouts": {"config": SMALL_ROLLOUTS}}
+        result = run_assets(local_resources(root), instance, data + ["rollouts", "rewards"], {"ops": ops})
+        assert result.success
+        assert instance.get_latest_materialization_event(dg.AssetKey("reward_model")) is None
+        assert "reward_model" not in _lineage(instance, root, "rewards")["inputs"]
+        weighted = {"rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.5}}}}
+        result, failures = _run_rl((instance, root), weighted, ["rewards"])
+        assert not result.success and "reward_model has never been materialised" in failures[0]

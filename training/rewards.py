@@ -214,8 +214,9 @@ class RewardConfig(BaseModel):
 
     - ``rule``: the rule reward (registry name or ``module:function``), column ``rule``;
     - ``custom``: more rule-like components, ``{column name: registry name or module:function}``;
-    - ``reward_model_path``: RM folder; when set, column ``reward_model`` is always computed (it is
-      reported even at weight 0); a non-zero RM weight without a path is an error;
+    - ``reward_model_path``: RM folder, loaded only when a weight (or a routing entry) gives the RM a
+      non-zero weight: then column ``reward_model`` is computed; a non-zero RM weight without a path is
+      an error. At weight 0 the RM is neither required nor loaded;
     - ``weights`` / ``routing``: see ``mix_rewards``. The default keeps the RM out of the mix: the
       embedded arithmetic task is judged exactly by its rule, and an RM trained on unrelated logs
       should be weighted in deliberately (e.g. routed to the categories it was trained on).
@@ -231,10 +232,13 @@ class RewardConfig(BaseModel):
     rm_batch_size: int = 32
     rm_max_length: int = 256
 
+    def weighs(self, component: str) -> bool:
+        """Whether ``component`` has a non-zero weight in ``weights`` or any routing entry."""
+        return any(w.get(component, 0.0) for w in [self.weights, *(self.routing or {}).values()])
 
-def _uses(cfg: RewardConfig, component: str) -> bool:
-    all_weights = [cfg.weights, *(cfg.routing or {}).values()]
-    return any(w.get(component, 0.0) for w in all_weights)
+    @property
+    def needs_reward_model(self) -> bool:
+        return self.weighs(REWARD_MODEL)
 
 
 def compute_rewards(
@@ -242,8 +246,8 @@ def compute_rewards(
     device: str = "cpu", dtype: str = "float32",
 ) -> pd.DataFrame:
     """The input rows (needs ``prompt``, ``response``; ``category``/``answer`` etc. go to ``meta``) plus
-    one float column per component (``rule``, each ``custom`` name, ``reward_model`` if an RM path is
-    set) and ``reward``, the mix. ``reward_model_path``, when given, overrides ``cfg.reward_model_path``."""
+    one float column per component (``rule``, each ``custom`` name, ``reward_model`` if the mix weighs
+    the RM) and ``reward``, the mix. ``reward_model_path``, when given, overrides ``cfg.reward_model_path``."""
     cfg = cfg or RewardConfig()
     if reward_model_path:
         cfg = cfg.model_copy(update={"reward_model_path": reward_model_path})
@@ -255,12 +259,12 @@ def compute_rewards(
         for name, spec in rule_specs.items():
             fn = get_reward_function(spec)
             components[name] = np.array([float(fn(r["prompt"], r["response"], r)) for r in records], dtype=np.float64)
-    if cfg.reward_model_path:
+    if cfg.needs_reward_model and cfg.reward_model_path:
         components[REWARD_MODEL] = score_with_reward_model(
             cfg.reward_model_path, frame["prompt"].tolist(), frame["response"].tolist(),
             batch_size=cfg.rm_batch_size, max_length=cfg.rm_max_length, device=device, dtype=dtype,
         ).astype(np.float64)
-    elif _uses(cfg, REWARD_MODEL):
+    elif cfg.needs_reward_model:
         raise ValueError("the reward mix weights the reward model but no reward_model_path is set")
     key = cfg.route_by
     categories = [c if isinstance(c, str) else None for c in frame[key]] if key in frame else None
