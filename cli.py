@@ -41,12 +41,15 @@ def open_instance():
 
 
 def _latest_uri(instance, asset: str) -> str | None:
+    """Where the latest materialisation of ``asset`` lies under this environment's storage root: a root copied
+    with its Dagster home answers with its own copy, not the folder the event recorded."""
     import dagster as dg
 
-    event = instance.get_latest_materialization_event(dg.AssetKey(asset))
-    if event is None or event.asset_materialization is None:
-        return None
-    return event.asset_materialization.metadata["uri"].value
+    from batchrl.definitions import environment_resources
+    from batchrl.resources.artifacts import latest_ref
+
+    ref = latest_ref(instance, dg.AssetKey(asset))
+    return environment_resources()["storage"].locate(ref).uri if ref else None
 
 
 RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
@@ -138,14 +141,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job
-    from batchrl.runconfig import RunConfigError, check_op_names, config_file_tags, validate_run_config
+    from batchrl.runconfig import RunConfigError, config_file_tags, validate_plan
 
     defs = build_definitions()
     plan = _plan(defs, args, run_config, iterations)
     try:  # every execution's config, before the first asset runs
-        check_op_names(defs, run_config, ", ".join(args.config or []))
-        for _, selection, config in plan:
-            validate_run_config(defs, selected_job(defs, selection), config, ", ".join(args.config or []))
+        validate_plan(defs, run_config, [(selected_job(defs, sel), config) for _, sel, config in plan],
+                      ", ".join(args.config or []))
     except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2
@@ -204,8 +206,9 @@ def _config_for(run_config: dict, selection: list[str] | None) -> dict:
 
 
 def _catalog_path(args: argparse.Namespace) -> str:
-    return args.catalog or os.path.join(os.path.abspath(os.environ.get("BATCHRL_STORAGE", ".storage")),
-                                        "catalog.duckdb")
+    from batchrl.lineage import catalog_path_of, local_storage_root
+
+    return args.catalog or catalog_path_of(local_storage_root())
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -213,14 +216,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return _audit_catalog(args)
     from batchrl.audit import artifact_files, format_tree, lineage_tree, policy_chain
 
-    uri = args.uri
+    uri = _target_uri(args.uri or args.asset)
     if uri is None:
-        ensure_dagster_home()
-        with open_instance() as instance:
-            uri = _latest_uri(instance, args.asset)
-        if uri is None:
-            print(f"no materialisation of {args.asset} in {os.environ['DAGSTER_HOME']}", file=sys.stderr)
-            return 2
+        print(f"no materialisation of {args.asset} in {os.environ['DAGSTER_HOME']}", file=sys.stderr)
+        return 2
     tree = lineage_tree(uri)
     if args.json:
         print(json.dumps(tree, indent=2, sort_keys=True))

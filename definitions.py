@@ -18,6 +18,7 @@ from batchrl import step_server
 from batchrl.assets import automation, data, dpo, evaluation, models, policy_chain, rl
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP, landing_drops
+from batchrl.lineage import cache_dir_of, catalog_path_of, local_storage_root
 from batchrl.resources import (
     ArtifactIOManager, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -32,10 +33,6 @@ def step_executor(config: dict) -> dict:
             "start_method": {"forkserver": {"preload_modules": step_server.PRELOAD}}}
 
 
-def _storage_root() -> str:
-    return os.path.abspath(os.environ.get("BATCHRL_STORAGE", ".storage"))
-
-
 def _landing(storage_options: dict | None = None) -> LandingResource:
     """``BATCHRL_LANDING`` (a folder or ``s3://`` prefix holding ``preferences/``, ``scored/`` and
     ``arith/{train,eval}.jsonl``): where the team's logs land; unset: the shipped samples."""
@@ -48,10 +45,10 @@ def _landing(storage_options: dict | None = None) -> LandingResource:
 
 
 def _local() -> dict:
-    root = _storage_root()
+    root = local_storage_root()
     return {
-        "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
-        "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")),
+        "storage": StorageResource(root=root, cache_dir=cache_dir_of(root)),
+        "catalog": CatalogResource(path=catalog_path_of(root)),
         "landing": _landing(),
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
@@ -65,7 +62,7 @@ def _s3() -> dict:
     return {**_local(),
             "storage": StorageResource(root=os.environ.get("BATCHRL_S3_ROOT", "s3://batchrl/artifacts"),
                                        storage_options=options,
-                                       cache_dir=os.path.join(_storage_root(), "_cache")),
+                                       cache_dir=cache_dir_of(local_storage_root())),
             "landing": _landing(options)}
 
 
@@ -83,7 +80,7 @@ def _gpu() -> dict:
                                                backend=os.environ.get("BATCHRL_JOB_BACKEND", "worker"),
                                                # two jobs share the GPU when a run overlaps steps
                                                gpu_job_slots=int(os.environ.get("BATCHRL_GPU_JOB_SLOTS", "2")),
-                                               env=_job_env(os.path.join(_storage_root(), "_cache"))),
+                                               env=_job_env(cache_dir_of(local_storage_root()))),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 
 
@@ -184,7 +181,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
                    run_config: dict | None = None, on_run=None, concurrent_steps: int = 1,
                    **execute_kwargs) -> dg.ExecuteInProcessResult:
     """Materialise ``selection`` (default: every asset, with its checks), after the whole-run config checks
-    (``assets.rl_config``: an impossible combination fails before anything runs; ``execute_kwargs``:
+    (``runconfig.check_whole_run``: an impossible combination fails before anything runs; ``execute_kwargs``:
     ``run_id``, ``tags`` of ``execute_in_process``). ``concurrent_steps`` 1: one step at a time in this
     process; N > 1: up to N independent steps at once, each in a process of its own (``execute_concurrently``).
 
@@ -192,11 +189,10 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     the drops are registered as partitions; a drop already ingested with the same content is not run
     again), then the rest in the run named by ``run_id``. ``on_run(run_id)`` is called before each run
     starts. Returns the first failed run's result, else the last run's (``NothingToRun`` if none ran)."""
-    from batchrl.assets.rl_config import check_rl_run_config
+    from batchrl.runconfig import check_whole_run
 
     graph = defs.resolve_asset_graph()
-    check_rl_run_config(run_config, selection)
-    dpo.check_pair_source(graph, run_config)
+    check_whole_run(defs, run_config, selection)
     if concurrent_steps > 1:
         step_server.start()  # its imports overlap the per-drop runs (a no-op when `batchrl run` started it)
     job = selected_job(defs, selection)

@@ -7,10 +7,12 @@ import inspect
 
 import dagster as dg
 import pydantic
+from dagster._config import ConfigTypeKind
 
 
 class RunConfigError(ValueError):
-    """A run config that Dagster's schema or a stage's library config rejects (the message names both)."""
+    """A run config that Dagster's schema, a stage's library config or a whole-run check rejects (the message
+    names the op and field). The one class for all of them, so a caller catches one."""
 
 
 def _library_model(assets_def: dg.AssetsDefinition):
@@ -22,13 +24,39 @@ def _library_model(assets_def: dg.AssetsDefinition):
     return getattr(annotation, "library_model", None)
 
 
+def _where(source: str) -> str:
+    return f"run config in {source}" if source else "run config"
+
+
 def check_op_names(defs: dg.Definitions, run_config: dict, source: str = "") -> None:
     """Every op named in ``run_config`` is an asset's step (a typo would otherwise be dropped silently)."""
-    known = set(_steps(defs))
-    unknown = sorted(set(run_config.get("ops") or {}) - known)
-    if unknown:
-        where = f" in {source}" if source else ""
-        raise RunConfigError(f"run config{where}: no asset named {unknown}; assets: {sorted(known)}")
+    steps = _steps(defs)
+    unknown = sorted(set(run_config.get("ops") or {}) - set(steps))
+    if not unknown:
+        return
+    # an asset of a multi-asset step (validated_preferences of log_drop) takes its config under the step's name
+    step_of = {key.to_user_string(): op for op, assets_def in steps.items() for key in assets_def.keys
+               if key.to_user_string() != op}
+    problems = [f"ops.{name}: {name} is an asset of the step {step_of[name]}, its config belongs under "
+                f"ops.{step_of[name]}" for name in unknown if name in step_of]
+    strangers = [name for name in unknown if name not in step_of]
+    if strangers:
+        problems.append(f"no asset named {strangers}; assets: {sorted(steps)}")
+    raise RunConfigError(f"{_where(source)}: " + "; ".join(problems))
+
+
+def check_config_taken(defs: dg.Definitions, run_config: dict, source: str = "") -> None:
+    """An asset without config (``scored_logs``, ``scored_pairs``) takes no keys. Dagster gives such an op a
+    permissive ``Any`` schema, so it would accept any key and the run would ignore it silently."""
+    steps = _steps(defs)
+    for op, body in (run_config.get("ops") or {}).items():
+        given = body.get("config") if isinstance(body, dict) else None
+        if not given or op not in steps:  # empty config is no key; an unknown op is check_op_names' to name
+            continue
+        field = steps[op].op.config_field
+        if field is None or field.config_type.kind == ConfigTypeKind.ANY:
+            keys = sorted(given) if isinstance(given, dict) else [repr(given)]
+            raise RunConfigError(f"{_where(source)}: ops.{op}.config: {op} takes no config, got {', '.join(keys)}")
 
 
 def _steps(defs: dg.Definitions) -> dict[str, dg.AssetsDefinition]:
@@ -40,13 +68,15 @@ def _steps(defs: dg.Definitions) -> dict[str, dg.AssetsDefinition]:
 
 def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config: dict, source: str = "") -> dict:
     """Dagster's validation of ``run_config`` against ``job``, then each stage's library config (its
-    pydantic validators reject bad combinations). Returns the resolved config (defaults filled)."""
-    where = f" in {source}" if source else ""
+    pydantic validators reject bad combinations), then the whole-run checks of what one stage's choice needs
+    from another's among the job's assets. Returns the resolved config (defaults filled)."""
+    where = _where(source)
     check_op_names(defs, run_config, source)
+    check_config_taken(defs, run_config, source)
     try:
         resolved = dg.validate_run_config(job, run_config)
     except dg.DagsterInvalidConfigError as error:
-        raise RunConfigError(f"run config{where}:\n  " + "\n  ".join(e.message for e in error.errors)) from None
+        raise RunConfigError(f"{where}:\n  " + "\n  ".join(e.message for e in error.errors)) from None
     steps = _steps(defs)
     for op, body in (resolved.get("ops") or {}).items():
         if op not in steps:
@@ -57,8 +87,33 @@ def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config:
         try:
             model(**(body.get("config") or {}))
         except (pydantic.ValidationError, ValueError, TypeError) as error:
-            raise RunConfigError(f"run config{where}: ops.{op}.config: {error}") from None
+            raise RunConfigError(f"{where}: ops.{op}.config: {error}") from None
+    check_whole_run(defs, run_config, [key.to_user_string() for key in job.asset_layer.executable_asset_keys], source)
     return resolved
+
+
+def check_whole_run(defs: dg.Definitions, run_config: dict | None, selection: list[str] | None,
+                    source: str = "") -> None:
+    """What one stage's choice needs from another's (``assets.rl_config``: remax needs greedy baselines, ...) and
+    the DPO pair source's graph (``assets.dpo``), among the ``selection`` (None: every asset)."""
+    from batchrl.assets.dpo import check_pair_source
+    from batchrl.assets.rl_config import check_rl_run_config
+
+    try:
+        check_rl_run_config(run_config, selection)
+        check_pair_source(defs.resolve_asset_graph(), run_config)
+    except RunConfigError as error:
+        raise RunConfigError(f"{_where(source)}: {error}") from None
+
+
+def validate_plan(defs: dg.Definitions, run_config: dict, executions: list[tuple[dg.JobDefinition, dict]],
+                  source: str = "") -> None:
+    """One command's run config, whole (its executions see only their ops), then each execution's (job, run config),
+    before the first asset runs."""
+    check_op_names(defs, run_config, source)
+    check_config_taken(defs, run_config, source)
+    for job, config in executions:
+        validate_run_config(defs, job, config, source)
 
 
 def config_file_tags(paths: list[str]) -> dict[str, str]:

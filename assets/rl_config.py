@@ -1,10 +1,11 @@
 """Whole-run checks of the RL assets' run config, before any asset runs.
 
 Each asset's config validates itself (allowed names come from the registries); what one asset's
-choice requires from another's is checked here, from what the estimators registered they need
-(``algos.registry``): a greedy baseline for ReMax, several samples per prompt for group estimators,
-a critic for GAE, and one place for the KL term. ``definitions.execute_assets`` (the CLI, tests)
-calls it before executing; the ``rollouts`` asset calls it too, for runs launched from the UI.
+choice requires from another's is checked here (``runconfig.RunConfigError``, naming the fields), from
+what the estimators registered they need (``algos.registry``): a greedy baseline for ReMax, several
+samples per prompt for group estimators, a critic for GAE, and one place for the KL term. `batchrl run`
+calls it with the rest of its up-front validation (``runconfig.validate_run_config``),
+``definitions.execute_assets`` (tests) before executing, the ``rollouts`` asset for runs launched from the UI.
 """
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ from typing import Iterable
 
 import pydantic
 
+from batchrl.runconfig import RunConfigError
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.algos import estimator_needs
 from batchrl.training.rewards import RewardConfig, get_reward_function
 from batchrl.training.trainer.config import PolicyConfig
-
-
-class RunConfigError(ValueError):
-    """An impossible combination in a run config; the message names the fields."""
 
 
 def _config(ops: dict, asset: str, cls: type):

@@ -1,0 +1,95 @@
+"""`batchrl run -c file.yaml` refuses a config it cannot honour before anything runs: one line on stderr naming the
+fields, exit status 2 (issue 29: cross-stage errors crashed with a traceback, keys of assets without config were
+ignored, config under an asset of a multi-asset step was called an unknown asset)."""
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+import yaml
+
+from batchrl.cli import main
+
+
+@pytest.fixture
+def run_cli(tmp_path, monkeypatch, capsys):
+    """``batchrl run --select SELECT -c <ops as YAML>`` in this process, in a fresh DAGSTER_HOME and storage root:
+    (exit status, stderr)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("BATCHRL_STORAGE", str(tmp_path / "storage"))
+    monkeypatch.setenv("BATCHRL_ENV", "local")
+    monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
+    monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")  # _run_config may set it; setenv records the undo
+
+    def run(select: str, ops: dict) -> tuple[int, str]:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump({"ops": ops}))
+        code = main(["run", "--select", select, "-c", str(path), "--concurrent-steps", "1"])
+        err = capsys.readouterr().err
+        with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+            assert not instance.get_runs(), "a run started although its config is refused"
+        return code, err
+
+    return run
+
+
+RL = "rollouts,rewards,advantages"
+
+
+@pytest.mark.parametrize("select, ops, fields", [
+    (RL, {"advantages": {"config": {"estimator": "remax"}}, "rollouts": {"config": {"greedy_baseline": False}}},
+     ["ops.advantages.config.estimator=remax", "ops.rollouts.config.greedy_baseline"]),
+    (RL, {"advantages": {"config": {"estimator": "grpo"}}, "rollouts": {"config": {"samples_per_prompt": 1}}},
+     ["ops.advantages.config.estimator=grpo", "ops.rollouts.config.samples_per_prompt"]),
+    (RL + ",policy_checkpoint", {"advantages": {"config": {"estimator": "gae"}}},
+     ["ops.advantages.config.estimator=gae", "ops.policy_checkpoint.config.critic"]),
+    (RL, {"rewards": {"config": {"rule": "no_such_reward"}}}, ["ops.rewards.config.rule", "no_such_reward"]),
+])
+def test_cross_stage_errors_are_one_line_and_exit_2(run_cli, select, ops, fields):
+    code, err = run_cli(select, ops)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("batchrl run: run config in ") and all(field in err for field in fields), err
+
+
+def test_one_run_config_error_class():
+    from batchrl import runconfig
+    from batchrl.assets import rl_config
+
+    assert rl_config.RunConfigError is runconfig.RunConfigError
+
+
+@pytest.mark.parametrize("select, ops, named", [
+    ("scored_logs", {"scored_logs": {"config": {"totally_bogus_key": 1}}}, "ops.scored_logs.config: scored_logs "
+     "takes no config, got totally_bogus_key"),
+    ("scored_pairs", {"scored_pairs": {"config": {"pair_min_margin": 10.0}}}, "ops.scored_pairs.config: "
+     "scored_pairs takes no config, got pair_min_margin"),
+    # an op outside the selection is still checked: the file says it, so it must mean something
+    ("prompts", {"scored_pairs": {"config": {"pair_min_margin": 10.0}}}, "got pair_min_margin"),
+])
+def test_config_for_an_asset_without_config_is_an_error(run_cli, select, ops, named):
+    code, err = run_cli(select, ops)
+    assert code == 2 and named in err, err
+
+
+def test_config_under_an_asset_of_a_multi_asset_step_names_the_step(run_cli):
+    code, err = run_cli("*", {"validated_preferences": {"config": {"reject_threshold": 0.5}}})
+    assert code == 2, err
+    assert "no asset named" not in err and "its config belongs under ops.log_drop" in err, err
+
+
+def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path):
+    from batchrl.definitions import build_definitions, selected_job
+    from batchrl.profiles import available_profiles, load_profile
+    from batchrl.runconfig import validate_plan
+    from pipeline_helpers import local_resources
+
+    defs = build_definitions(local_resources(str(tmp_path / "s")), dpo_self_play=True)
+    ops = {"log_drop": {"config": {"reject_threshold": 0.5, "pair_min_margin": 1.0}},
+           "scored_logs": {"config": {}}, "scored_pairs": {"config": None},  # no keys: nothing to refuse
+           "rollouts": {"config": {"greedy_baseline": True}}, "advantages": {"config": {"estimator": "remax"}}}
+    validate_plan(defs, {"ops": ops}, [(selected_job(defs), {"ops": ops})])
+    for name in available_profiles():
+        for env in ("local", "gpu"):
+            profile_ops = load_profile(name, env)["ops"]
+            validate_plan(defs, {"ops": profile_ops}, [(selected_job(defs), {"ops": profile_ops})])
