@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # never executed; code versions (lineage.module_closure reads imports statically) follow
     # every module below from whatever imports this package, as when they were imported eagerly
-    from . import advantages, kl, logprobs, names, policy_loss, preference, registry, utils  # noqa: F401
+    from . import advantages, kl, logprobs, names, offline, policy_loss, preference, registry, utils  # noqa: F401
 
 _EXPORTS = {
     "advantages": ("compute_drgrpo_outcome_advantage", "compute_gae_advantage_return",
@@ -23,6 +23,8 @@ _EXPORTS = {
                    "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
                    "compute_rloo_outcome_advantage"),
     "kl": ("AdaptiveKLController", "FixedKLController", "apply_kl_penalty", "kl_loss", "kl_penalty"),
+    "offline": ("awr_weights", "kto_kl_reference_point", "kto_loss", "orpo_loss", "rwr_weights", "simpo_loss",
+                "weighted_regression_loss"),
     "logprobs": ("entropy_from_logits", "token_logprobs_from_hidden", "token_logprobs_from_logits"),
     "policy_loss": ("compute_policy_loss", "compute_policy_loss_gspo", "compute_rollout_is_weights",
                     "compute_value_loss"),
