@@ -192,7 +192,11 @@ def tokenizer_files(path: str) -> list[str]:
 
 
 def tokenizer_key(path: str) -> str:
-    """What identifies a folder's tokenizer: its tokenizer files' key, or the name for a hub id."""
+    """What identifies a folder's tokenizer: its tokenizer files' key, or the name for a hub id (a LoRA adapter:
+    its base's)."""
+    from batchrl.training.lora import resolve_base
+
+    path = resolve_base(path)
     return folder_key(path, tokenizer_only=True) if os.path.isdir(path) else path
 
 
@@ -211,6 +215,9 @@ def load_tokenizer(path: str):
     process for the same tokenizer files; each caller gets its own copy to configure."""
     from transformers import AutoTokenizer
 
+    from batchrl.training.lora import resolve_base
+
+    path = resolve_base(path)  # a LoRA adapter folder: its base's tokenizer (the adapter carries none)
     key = tokenizer_key(path) if os.path.isdir(path) else None  # a hub id is not cached: its files may change
     if key is not None and key in _TOKENIZERS:
         _TOKENIZERS.move_to_end(key)
@@ -282,10 +289,13 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
     """``auto_class.from_pretrained(path, ...)`` on ``device`` in eval mode; where the weight cache is on (the job
     worker), a folder loaded before with the same files, dtype, device and ``kind`` is built from the cached
     weights instead of read again (``weight_cache.load``). A load that initialised tensors the files do not hold
-    is not kept."""
-    from batchrl.training import weight_cache
+    is not kept. A LoRA adapter folder: its base loaded so, the adapter merged in memory (``lora.load_merged``)."""
+    from batchrl.training import lora, weight_cache
     from batchrl.training.weights import load_weights_in_place
 
+    if lora.is_adapter_folder(path):
+        return lora.load_merged(path, lambda base: load_pretrained(base, auto_class, dtype=dtype, device=device,
+                                                                   kind=kind, **load_kwargs))
     dtype = resolve_dtype(dtype)
     cache_key = _weight_cache_key(path, dtype, device, kind)
 

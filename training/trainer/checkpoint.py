@@ -118,8 +118,9 @@ def latest_tag(ckpt_dir: str) -> str | None:
 
 
 def save_checkpoint(engine: Any, ckpt_dir: str, step: int, trainer_state: dict[str, Any],
-                    *, keep_last: int = 2) -> str:
+                    *, keep_last: int = 2, trainable_only: bool = False) -> str:
     """Save engine + RNG + ``trainer_state`` as tag ``step_<step>``; returns the checkpoint path.
+    ``trainable_only`` (LoRA): the frozen base's weights are left out (it is its own artifact).
 
     Every rank writes its shards into the shared temp dir; rank 0 renames, updates ``latest`` and
     prunes old tags after a barrier.
@@ -131,7 +132,7 @@ def save_checkpoint(engine: Any, ckpt_dir: str, step: int, trainer_state: dict[s
         os.makedirs(tmp_root, exist_ok=True)
     _barrier()
     engine.save_checkpoint(tmp_root, tag=tag, save_latest=False,
-                           client_state={"global_step": step})
+                           client_state={"global_step": step}, exclude_frozen_parameters=trainable_only)
     tmp_tag = os.path.join(tmp_root, tag)
     torch.save(rng_state(), os.path.join(tmp_tag, f"rng_rank{_rank()}.pt"))
     _barrier()
@@ -184,13 +185,14 @@ def universal_checkpoint(ckpt_dir: str, tag: str) -> str:
     return out
 
 
-def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0) -> dict[str, Any] | None:
+def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0,
+                    trainable_only: bool = False) -> dict[str, Any] | None:
     """Restore engine (model, optimizer, scheduler) and RNG from ``latest``; return trainer_state.
 
     Returns None when there is no complete checkpoint (fresh start). A run may resume on another number
     of ranks: without ZeRO the optimiser state is whole in every checkpoint; ZeRO 1-3 partition it per
     rank, so such a checkpoint is converted to DeepSpeed's universal form first (``needs_universal``:
-    the engine was built with ``load_universal``).
+    the engine was built with ``load_universal``). ``trainable_only``: saved without the frozen weights.
     """
     tag = latest_tag(ckpt_dir)
     if tag is None:
@@ -202,7 +204,7 @@ def load_checkpoint(engine: Any, ckpt_dir: str, zero_stage: int = 0) -> dict[str
                              f"{zero_stage}: build the engine with universal=True to resume it on another count")
         source = universal_checkpoint(ckpt_dir, tag)
     path, _client = engine.load_checkpoint(source, tag=tag, load_optimizer_states=True,
-                                           load_lr_scheduler_states=True)
+                                           load_lr_scheduler_states=True, load_module_strict=not trainable_only)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
     with open(os.path.join(ckpt_dir, tag, "trainer_state.json")) as f:
@@ -242,6 +244,13 @@ def _write_tokenizer(tokenizer: Any, folder: str) -> None:
 TRAIN_RECORD = "batchrl_train.json"  # next to an export: the run's config and metrics (times included)
 
 
+def write_train_record(out_dir: str, record: dict[str, Any]) -> None:
+    """``TRAIN_RECORD`` beside the export ``out_dir`` (rank 0): the run's config and metrics, times included."""
+    if _rank() == 0:
+        _write_text_atomic(os.path.join(os.path.dirname(os.path.abspath(out_dir)), TRAIN_RECORD),
+                           json.dumps(record, indent=2, sort_keys=True, default=str))
+
+
 def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
                     extra_metadata: dict[str, Any] | None = None) -> str:
     """Write an HF folder (``model.safetensors`` or its shards, ``config.json``, tokenizer files) atomically.
@@ -261,8 +270,7 @@ def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
         if tokenizer is not None:
             _write_tokenizer(tokenizer, tmp)
         if extra_metadata:
-            _write_text_atomic(os.path.join(os.path.dirname(os.path.abspath(out_dir)), TRAIN_RECORD),
-                               json.dumps(extra_metadata, indent=2, sort_keys=True, default=str))
+            write_train_record(out_dir, extra_metadata)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

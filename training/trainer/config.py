@@ -15,6 +15,8 @@ from batchrl.training.algos.names import ADV_ESTIMATOR_NEEDS, KL_KINDS, POLICY_L
 from batchrl.training.algos.registry import estimator_needs
 
 T = TypeVar("T", bound="TrainerConfig")
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
+LORA_KNOBS = ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save")  # need lora_rank > 0
 
 
 class TrainerConfig(BaseModel):
@@ -62,6 +64,37 @@ class TrainerConfig(BaseModel):
     keep_last: int = Field(2, ge=1)
     resume: bool = True  # continue from out_dir/checkpoints/latest when present
     stop_after_steps: int | None = Field(None, ge=1)  # stop early (as if killed) after N total steps
+    # LoRA (peft): adapters on the frozen base; the checkpoint is the adapter only (training/lora.py)
+    lora_rank: int = Field(0, ge=0, description="LoRA rank r: train low-rank adapters on the frozen base model and "
+                           "publish the adapter only (MBs); 0 = full fine-tuning (the default)")
+    lora_alpha: int = Field(16, ge=1, description="LoRA scale numerator: the update is (lora_alpha / lora_rank) B A")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input in training")
+    lora_target_modules: list[str] = Field(default_factory=lambda: [ALL_LINEAR], description=(
+        "modules that get adapters, by name or name suffix (e.g. [q_proj, v_proj]); all-linear = every linear "
+        "layer but the output head"))
+    lora_modules_to_save: list[str] = Field(default_factory=list, description=(
+        "modules trained in full beside the adapters and saved with them (e.g. [embed_tokens]); the reward "
+        "model's and critic's new score head always is"))
+
+    @model_validator(mode="after")
+    def _lora_fields_need_lora(self):
+        if self.lora_rank == 0:
+            defaults = {name: type(self).model_fields[name].get_default(call_default_factory=True)
+                        for name in LORA_KNOBS}
+            changed = sorted(name for name, default in defaults.items() if getattr(self, name) != default)
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set but lora_rank is 0 (full fine-tuning): set lora_rank > 0 "
+                                 "to train LoRA adapters, or leave these at their defaults")
+            return self
+        targets = self.lora_target_modules
+        if not targets or any(not name.strip() for name in targets):
+            raise ValueError("lora_target_modules must name at least one module (or be [all-linear])")
+        if ALL_LINEAR in targets and len(targets) > 1:
+            raise ValueError(f"lora_target_modules: {ALL_LINEAR} already covers every linear layer; give it alone")
+        if ALL_LINEAR in self.lora_modules_to_save or set(targets) & set(self.lora_modules_to_save):
+            raise ValueError("lora_modules_to_save: a module is either adapted (lora_target_modules) or trained in "
+                             "full, not both")
+        return self
 
     @model_validator(mode="after")
     def _global_batch_divides(self):
@@ -88,12 +121,21 @@ class TrainerConfig(BaseModel):
 class DPOConfig(TrainerConfig):
     """Direct Preference Optimisation (TRL conventions: summed completion log-probs)."""
 
-    beta: float = Field(0.1, gt=0)
-    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = "sigmoid"
+    beta: float = Field(0.1, gt=0, description="DPO/KTO-style temperature; ORPO's lambda; SimPO's beta (2.0-2.5 there)")
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo"] = Field("sigmoid", description=(
+        "sigmoid/hinge/ipo/robust: DPO family against the reference log-probs; simpo, orpo: reference-free "
+        "(algos/offline.py: length-normalised log-probs, the reference pass is not used)"))
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma (loss_type simpo only)")
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     epochs: int = Field(3, ge=1)
     lr: float = Field(5e-4, gt=0)
     micro_batch_size: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _simpo_gamma_needs_simpo(self):
+        if self.simpo_gamma != 0.5 and self.loss_type != "simpo":
+            raise ValueError(f"simpo_gamma is SimPO's margin but loss_type is {self.loss_type!r}: set loss_type simpo")
+        return self
 
 
 class RewardModelConfig(TrainerConfig):

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from batchrl.training import lora
 from batchrl.training.algos import compute_value_loss
 from batchrl.training.trainer.batching import (epoch_order, pad_floats, pad_prompt_completion, step_micro_batches,
                                                to_device)
@@ -39,10 +40,19 @@ def is_value_model(path: str) -> bool:
 def load_value_model(path: str, *, device: str = "cpu"):
     """(value model, tokenizer) from a critic checkpoint; from a reward model (sequence classifier,
     one label) its score head becomes the value head, so V(s_t) starts as the RM's score of the
-    prefix; from a causal LM the head starts at zero."""
+    prefix; from a causal LM the head starts at zero. A LoRA critic (an adapter of ``TOKEN_CLS``): its base as a
+    value model with the adapter merged in; another adapter (a policy's, a reward model's): a new critic from
+    its base."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from batchrl.training.tiny_model import load_tokenizer
+
+    if lora.is_adapter_folder(path):
+        if lora.read_adapter_config(path).get("task_type") == lora.TOKEN_CLS:
+            model = lora.load_merged(path, lambda base: load_value_model(base, device=device)[0])
+            model.config.use_cache = False
+            return model, load_tokenizer(path)
+        path = lora.resolve_base(path)
 
     existing, from_reward_model = is_value_model(path), any(
         a.endswith("ForSequenceClassification") for a in _architectures(path))
@@ -99,7 +109,12 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
     n = len(rows["prompt_ids"])
     ccfg = fit_batch(cfg.model_copy(update={"lr": cfg.critic_lr}), n)
     seed_everything(cfg.seed)
-    model, tokenizer = load_value_model(critic_path)
+    if lora.enabled(cfg):  # adapters on the frozen base, the value head trained in full (saved with them)
+        if lora.is_adapter_folder(critic_path) and lora.read_adapter_config(critic_path).get("task_type") != lora.TOKEN_CLS:
+            critic_path = lora.resolve_base(critic_path)  # a policy's adapter: a new critic from its base
+        model, tokenizer, lora_base = lora.trainable(load_value_model, critic_path, cfg, lora.TOKEN_CLS)
+    else:
+        (model, tokenizer), lora_base = load_value_model(critic_path), None
     model.train()
     n_steps = steps_per_epoch(n, ccfg.micro_batch_size, ccfg.grad_accum)
     optimizer = make_optimizer(model, ccfg)
@@ -128,7 +143,10 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
             curve.append(step_loss)
             if report is not None:
                 report({"critic_value_loss": step_loss}, len(curve))
-    export_hf_model(engine, tokenizer, os.path.join(out_dir, CRITIC_DIR))
+    if lora_base is None:
+        export_hf_model(engine, tokenizer, os.path.join(out_dir, CRITIC_DIR))
+    else:
+        lora.save_adapter(engine, os.path.join(out_dir, CRITIC_DIR), lora_base)
     return {"critic_value_loss_curve": curve, "critic_value_loss_first": curve[0], "critic_value_loss_last": curve[-1],
             "critic_vf_clipfrac": float(np.mean(clipfracs)) if clipfracs else 0.0,
             "critic_mean_return": float(np.mean(np.concatenate([np.asarray(r, dtype=np.float64)

@@ -11,10 +11,12 @@ from typing import Any, Callable
 
 import torch
 
+from batchrl.training import lora
 from batchrl.training.phases import PhaseClock
 from batchrl.training.trainer.batching import world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
-                                                 save_checkpoint, seed_everything, write_completion)
+                                                 save_checkpoint, seed_everything, write_completion,
+                                                 write_train_record)
 from batchrl.training.trainer.config import TrainerConfig
 from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler, trainer_clips
 
@@ -116,11 +118,15 @@ class TrainLoop:
 
     ``history`` holds every step's metrics since step 0 (restored on resume), so a resumed run
     returns the same loss curve as an uninterrupted one.
+
+    With ``cfg.lora_rank > 0`` the model is the base (``lora_base``, frozen) with LoRA adapters of
+    ``task_type`` (a new adapter, or the one ``model_path`` holds, trained further); only the adapters are
+    optimised, checkpointed and exported (``training/lora.py``).
     """
 
     def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
                  inputs: dict[str, str] | None = None, report: Report | None = None,
-                 load_model: Callable[[str], tuple[Any, Any]] = load_trainable):
+                 load_model: Callable[[str], tuple[Any, Any]] = load_trainable, task_type: str = lora.CAUSAL_LM):
         self.cfg, self.out_dir, self.total_steps, self.model_path = cfg, out_dir, total_steps, model_path
         self._clock = PhaseClock()  # where the job's wall time went (metadata: a GPU's idle parts)
         self._steps_from: float | None = None
@@ -129,7 +135,11 @@ class TrainLoop:
         self.ckpt_dir = os.path.join(out_dir, "checkpoints")
         os.makedirs(self.ckpt_dir, exist_ok=True)
         seed_everything(cfg.seed)
-        model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
+        self.lora_base: str | None = None  # the frozen base folder of a LoRA run
+        if lora.enabled(cfg):
+            model, self.tokenizer, self.lora_base = lora.trainable(load_model, model_path, cfg, task_type)
+        else:
+            model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if cfg.torch_compile:
@@ -145,7 +155,8 @@ class TrainLoop:
         self._sums: dict[str, Any] = {}  # this step's metrics so far (device tensors)
         self._pending: list[tuple[int, dict]] = []  # finished steps whose metrics the host has not read yet
         if cfg.resume:
-            restored = load_checkpoint(self.engine, self.ckpt_dir, zero_stage=cfg.zero_stage)
+            restored = load_checkpoint(self.engine, self.ckpt_dir, zero_stage=cfg.zero_stage,
+                                       trainable_only=self.lora_base is not None)
             if restored is not None:
                 if restored.get("run_key") != self.run_key:
                     raise ValueError(f"{self.ckpt_dir} holds checkpoints of another run (config or inputs "
@@ -274,18 +285,25 @@ class TrainLoop:
     def save(self) -> str:
         self.flush_metrics()  # the history in the checkpoint holds every step taken
         return save_checkpoint(self.engine, self.ckpt_dir, self.global_step, self.state,
-                               keep_last=self.cfg.keep_last)
+                               keep_last=self.cfg.keep_last, trainable_only=self.lora_base is not None)
 
     def export(self, extra_metadata: dict[str, Any]) -> str:
         self.engine.module.config.use_cache = True  # off only for training; generation wants the KV cache
+        out, record = os.path.join(self.out_dir, "model"), {"config": self.cfg.model_dump(), **extra_metadata}
         with self.phase("export"):
-            return export_hf_model(self.engine, self.tokenizer, os.path.join(self.out_dir, "model"),
-                                   {"config": self.cfg.model_dump(), **extra_metadata})
+            if self.lora_base is None:
+                return export_hf_model(self.engine, self.tokenizer, out, record)
+            write_train_record(out, {**record, "adapter_base": lora.base_reference(self.lora_base)})
+            return lora.save_adapter(self.engine, out, self.lora_base)  # the adapter only: MBs, not the base
 
     def complete(self, result: dict[str, Any]) -> dict[str, Any]:
         """Record a finished run's result next to its checkpoints (``completed_run`` reads it back); a run
         stopped early (``stop_after_steps``) resumes from its checkpoint instead."""
         result["phase_s"] = self._clock.summary()  # "other": tokenisation, data loading, checkpoints
+        if self.lora_base is not None:  # lineage: the base the adapter applies to (its data version for an artifact)
+            result.update(lora_rank=self.cfg.lora_rank, adapter_base=lora.base_reference(self.lora_base))
+            if os.path.isdir(result.get("model_dir") or ""):
+                result["adapter_bytes"] = lora.adapter_bytes(result["model_dir"])
         if not result["stopped_early"]:
             write_completion(self.ckpt_dir, self.run_key, result)
         return result

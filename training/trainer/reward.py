@@ -13,6 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from batchrl.training.lora import SEQ_CLS
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
 from batchrl.training.trainer.config import RewardModelConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
@@ -48,7 +49,8 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
         return done
     n_steps = steps_per_epoch(len(pairs), cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.epochs * n_steps,
-                     inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model)
+                     inputs={"pairs": pairs_parquet}, report=report, load_model=_trainable_reward_model,
+                     task_type=SEQ_CLS)  # with LoRA the new score head is trained in full and saved with the adapter
     pad_id, n = loop.tokenizer.pad_token_id, len(pairs)
     with loop.phase("tokenise"):  # once, for the accuracy passes and every step (no tokenising inside a step)
         sequences = encode_pairs_scored(loop.tokenizer, pairs, cfg.max_length)
