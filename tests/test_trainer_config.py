@@ -31,6 +31,8 @@ def test_config_defaults_and_validation():
         DPOConfig(lr=-1)
     with pytest.raises(ValidationError):
         DPOConfig(loss_type="nope")
+    with pytest.raises(ValidationError, match="simpo_gamma is SimPO's margin"):
+        DPOConfig(loss_type="sigmoid", simpo_gamma=1.0)
     with pytest.raises(ValidationError):
         PolicyConfig(unknown_field=1)  # typos fail loudly
     with pytest.raises(ValidationError):

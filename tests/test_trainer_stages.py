@@ -47,7 +47,8 @@ def test_reference_logprobs_table(setup):
     assert ref["ref_rejected_logp"].mean() < ref["ref_chosen_logp"].mean()
 
 
-@pytest.mark.parametrize("loss_type,extra", [("hinge", {}), ("ipo", {}), ("robust", {"label_smoothing": 0.1})])
+@pytest.mark.parametrize("loss_type,extra", [("hinge", {}), ("ipo", {}), ("robust", {"label_smoothing": 0.1}),
+                                             ("simpo", {"beta": 2.0, "simpo_gamma": 0.3}), ("orpo", {})])
 def test_dpo_loss_variants_learn(setup, tmp_path, loss_type, extra):
     cfg = DPOConfig(epochs=2, micro_batch_size=8, lr=1e-3, loss_type=loss_type, **extra)
     result = train_dpo(cfg, out_dir=str(tmp_path), **setup["dpo"])

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training.algos import dpo_loss, preference_metrics
+from batchrl.training.algos import dpo_loss, orpo_loss, preference_metrics, simpo_loss
 from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, epoch_order, pair_batch,
                                                step_micro_batches, steps_per_epoch, to_device)
 from batchrl.training.trainer.config import DPOConfig
@@ -31,6 +31,18 @@ def _pair_logps(model: Any, items: list[dict], pad_id: int, device, fused: bool 
     lengths = batch["response_mask"].sum(-1)
     n = len(items)
     return logps[:n], logps[n:], lengths[:n], lengths[n:]
+
+
+def pair_losses(cfg: DPOConfig, pc, pr, ref_c, ref_r, len_c, len_r) -> tuple[torch.Tensor, ...]:
+    """(losses, chosen rewards, rejected rewards) of the configured loss: the DPO family against the reference
+    log-probs, or a reference-free one (SimPO, ORPO) on the length-normalised policy log-probs."""
+    if cfg.loss_type in ("simpo", "orpo"):
+        avg_c, avg_r = pc / len_c.clamp_min(1), pr / len_r.clamp_min(1)
+        if cfg.loss_type == "simpo":
+            return simpo_loss(avg_c, avg_r, beta=cfg.beta, gamma=cfg.simpo_gamma, label_smoothing=cfg.label_smoothing)
+        return orpo_loss(avg_c, avg_r, -avg_c, beta=cfg.beta)  # the chosen NLL: minus its mean token log-prob
+    return dpo_loss(pc, pr, ref_c, ref_r, beta=cfg.beta, loss_type=cfg.loss_type,
+                    label_smoothing=cfg.label_smoothing, chosen_lengths=len_c, rejected_lengths=len_r)
 
 
 def load_pairs(pairs_parquet: str, reference_parquet: str) -> pd.DataFrame:
@@ -111,10 +123,8 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
                 with loop.forward_context():
                     pc, pr, lc, lr_ = _pair_logps(loop.model, [items[i] for i in idx], pad_id, loop.device,
                                                   cfg.fused_logprobs)
-                    losses, rc, rr = dpo_loss(pc, pr, to_device_async(ref_c_t[idx], loop.device),
-                                              to_device_async(ref_r_t[idx], loop.device), beta=cfg.beta,
-                                              loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
-                                              chosen_lengths=lc, rejected_lengths=lr_)
+                    losses, rc, rr = pair_losses(cfg, pc, pr, to_device_async(ref_c_t[idx], loop.device),
+                                                 to_device_async(ref_r_t[idx], loop.device), lc, lr_)
                     loss = losses.mean()
                 loop.backward(loss)
                 loop.accumulate({"loss": loss, **preference_metrics(rc.detach(), rr.detach()),
