@@ -181,7 +181,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if not result.success:
                     break
         latest = functools.lru_cache(maxsize=None)(lambda asset: _latest_uri(instance, asset))  # asked twice each
-        print_run_summary(done, result.success, time.monotonic() - started, None if args.verbose else log_path, latest)
+        print_run_summary(done, result.success, time.monotonic() - started, None if args.verbose else log_path, latest,
+                          dagster_home=home)
     return 0 if result.success else 1
 
 

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shlex
+import shutil
 import sys
 import threading
 import time
 from typing import IO, Iterator
+
+CHECK_BLOCKED_ERROR = "DagsterAssetCheckFailedError"  # a step's error when one of its blocking checks failed
 
 # a few numbers worth a glance per asset (the rest is in the UI and the audit)
 HEADLINE = {
@@ -60,14 +65,33 @@ def _fmt(value) -> str:
 
 
 def asset_line(index: int, total: int, asset: str, seconds: float, ok: bool, metadata: dict,
-               error: str = "") -> str:
+               error: str = "", blocked: list[str] | None = None) -> str:
     mark = "ok  " if ok else "FAIL"
     head = f"[{index:>2}/{total}] {mark} {asset:<22} {seconds:6.1f} s"
     if not ok:
-        return f"{head}  {error.strip().splitlines()[-1][:160] if error.strip() else ''}"
+        return f"{head}  {failure_line(error)}"
     version = metadata.get("data_version", "")
     shown = [f"{k.removeprefix('final/')}={_fmt(metadata[k])}" for k in HEADLINE.get(asset, ()) if k in metadata]
+    if blocked:  # published, but a blocking check failed: Dagster fails the step and skips what follows
+        shown.append(f"(published; blocking check {', '.join(blocked)} FAILED: downstream not run)")
     return f"{head}  {version:<16}  " + " ".join(shown)
+
+
+# a path or URI with folders: /a/b/file.csv, s3://bucket/key/file.csv (its last part is group 1)
+_LONG_PATH = re.compile(r"(?:[a-z][a-z0-9+.-]*://|/)[^\s:'\"()\[\],]*/([^\s:'\"()\[\],/]+)")
+
+
+def failure_line(error: str, width: int = 160) -> str:
+    """An error's last line (the cause, under Dagster's wrapping) in ``width`` characters. Too long, its paths
+    are shortened to their file name, then a trailing ``(hint)`` goes, and only then is it cut, so the part a
+    user acts on (``missing fields [...]``) stays on the line; the whole message is in the log and the UI."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    if len(line) > width:
+        line = _LONG_PATH.sub(lambda match: "…/" + match.group(1), line)
+    if len(line) > width:
+        line = re.sub(r"\s*\([^()]*\)$", "", line)
+    return line if len(line) <= width else line[:width - 1] + "…"
 
 
 class RunProgress:
@@ -80,6 +104,7 @@ class RunProgress:
         self._started: dict[str, float] = {}
         self._metadata: dict[str, dict] = {}
         self._checks: dict[str, list[str]] = {}  # check lines of a step still running
+        self._blocking_failed: dict[str, dict[str, list[str]]] = {}  # step -> asset -> its failed blocking checks
         self._cursor = None
         self._stop = threading.Event()
         self._lock = threading.RLock()  # the follower thread and follow()/__exit__ must not read one cursor twice
@@ -147,21 +172,29 @@ class RunProgress:
             self._metadata.setdefault(step, {})[mat.asset_key.to_user_string()] = \
                 {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
         elif kind == "STEP_FAILURE" or (kind == "STEP_SUCCESS" and (step in self.assets or step in self._metadata)):
-            ok = kind == "STEP_SUCCESS"
-            error = "" if ok else _root_cause(event.event_specific_data.error)
+            failure = None if kind == "STEP_SUCCESS" else event.event_specific_data.error
+            error = "" if failure is None else _root_cause(failure)
             seconds = entry.timestamp - self._started.get(step, entry.timestamp)
             # a multi-asset step (a log drop: raw_logs, cleaned_logs, validated_preferences) gives a line each
             materialised = {a: m for a, m in self._metadata.pop(step, {}).items() if a in self.assets}
+            blocked = self._blocking_failed.pop(step, {})
+            # a failed blocking check fails its step after the step published its assets: they are there
+            ok = failure is None or bool(materialised and blocked and failure.cls_name == CHECK_BLOCKED_ERROR)
             for asset, metadata in (materialised or {step: {}}).items():  # not promoted_policy: not a step
-                item = {"asset": asset, "ok": ok, "seconds": seconds, "metadata": metadata, "error": error}
+                item = {"asset": asset, "ok": ok, "seconds": seconds, "metadata": metadata, "error": error,
+                        "blocked": blocked.get(asset, [])}
                 self.done.append(item)
                 self._clear_progress()
-                self.out.write(asset_line(len(self.done), self.total, asset, seconds, ok, metadata, error) + "\n")
+                self.out.write(asset_line(len(self.done), self.total, asset, seconds, ok, metadata, error,
+                                          item["blocked"]) + "\n")
             self._write_checks(step)  # a step's checks, under the assets they check
         elif kind == "STEP_SUCCESS":  # a step of its own for checks
             self._write_checks(step)
         elif kind == "ASSET_CHECK_EVALUATION":
             check = event.event_specific_data
+            if not check.passed and check.blocking:
+                self._blocking_failed.setdefault(step, {}).setdefault(check.asset_key.to_user_string(), []) \
+                    .append(check.check_name)
             line = f"        check {check.check_name}: {'passed' if check.passed else 'FAILED'}\n"
             if step in self._started:  # evaluated inside the step: shown when the step's assets are
                 self._checks.setdefault(step, []).append(line)
@@ -244,7 +277,7 @@ def _is_tiny_default(base_model_dir) -> bool:
 
 
 def print_run_summary(done: list[dict], success: bool, seconds: float, log_path: str | None, latest_uri,
-                      out: IO[str] | None = None) -> None:
+                      out: IO[str] | None = None, dagster_home: str | None = None) -> None:
     """After the run: the outcome, the evaluation table with one sample answer per model, where things are."""
     import json
 
@@ -252,6 +285,10 @@ def print_run_summary(done: list[dict], success: bool, seconds: float, log_path:
     failed = [d for d in done if not d["ok"]]
     out.write(f"\n{'SUCCESS' if success else 'FAILED'}: {sum(d['ok'] for d in done)} assets materialised"
               f"{f', {len(failed)} failed' if failed else ''} in {seconds:.0f} s\n")
+    for item in done:
+        if item.get("blocked"):
+            out.write(f"  {item['asset']} was published, but its blocking check {', '.join(item['blocked'])} failed: "
+                      "the assets downstream of its step did not run\n")
     if not success and log_path and os.path.exists(log_path):
         with open(log_path, errors="replace") as f:
             tail = f.readlines()[-15:]
@@ -274,6 +311,39 @@ def print_run_summary(done: list[dict], success: bool, seconds: float, log_path:
             out.write(f"{asset:>22}: {latest_uri(asset)}\n")
     if log_path:
         out.write(f"{'log':>22}: {log_path}\n")
-    out.write("audit:  .venv/bin/batchrl audit policy_checkpoint    reproduce:  .venv/bin/batchrl reproduce "
-              "policy_checkpoint\nUI:     DAGSTER_HOME=$PWD/.dagster_home .venv/bin/dagster dev   "
-              "(then open http://127.0.0.1:3000)\n")
+    out.write(command_hints(dagster_home or os.environ.get("DAGSTER_HOME") or ".dagster_home"))
+
+
+def command_hints(dagster_home: str, argv0: str | None = None) -> str:
+    """The next commands, as this environment runs them: the DAGSTER_HOME in use, batchrl as it was invoked."""
+    batchrl = invoked_as(argv0)
+    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")  # beside this interpreter: its environment's
+    dagster = _program(dagster) if os.path.exists(dagster) else "dagster"
+    return (f"audit:  {batchrl} audit policy_checkpoint    reproduce:  {batchrl} reproduce policy_checkpoint\n"
+            f"UI:     DAGSTER_HOME={shlex.quote(os.path.abspath(dagster_home))} {dagster} dev   "
+            "(then open http://127.0.0.1:3000)\n")
+
+
+def invoked_as(argv0: str | None = None) -> str:
+    """How to call this batchrl again (``argv0``: default ``sys.argv[0]``): ``python -m batchrl.cli`` when it
+    ran as a module, else its program, by name when PATH finds that same file."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if not argv0 or argv0 in ("-c", "-m") or os.path.basename(argv0) in ("cli.py", "__main__.py"):
+        return f"{_path_shown(sys.executable)} -m batchrl.cli"
+    return _program(argv0)
+
+
+def _program(path: str) -> str:
+    """A program's name when PATH finds this same file (or it was called by name), else its path."""
+    name, found = os.path.basename(path), shutil.which(os.path.basename(path))
+    if os.sep not in path or (found and os.path.realpath(found) == os.path.realpath(path)):
+        return name
+    return _path_shown(path)
+
+
+def _path_shown(path: str) -> str:
+    """``path`` relative to the working folder when under it (``.venv/bin/batchrl``), else absolute."""
+    path = os.path.abspath(path)
+    relative = os.path.relpath(path)
+    shown = path if relative.startswith("..") else relative if os.sep in relative else f".{os.sep}{relative}"
+    return shlex.quote(shown)

@@ -97,7 +97,8 @@ def run_remote(argv: list[str]) -> int | None:
     if client is None:
         return None
     with client, client.makefile("rb") as answers:
-        request = json.dumps({"argv": argv, "cwd": cwd, "env": dict(os.environ)}).encode() + b"\n"
+        request = json.dumps({"argv": argv, "argv0": sys.argv[0], "cwd": cwd, "env": dict(os.environ)}).encode() \
+            + b"\n"  # argv0: how the user called batchrl, which the run's footer repeats
         socket.send_fds(client, [request], [fd if _is_open(fd) else os.open(os.devnull, os.O_RDWR)
                                             for fd in range(STREAMS)])  # a closed stream: the child's is /dev/null
         first = answers.readline()

@@ -203,7 +203,7 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
         os.environ.update(request["env"])
         encoding = sys.__stdout__.encoding if sys.__stdout__ else "utf-8"
         sys.stdin, sys.stdout, sys.stderr = (_stream(fd, encoding) for fd in range(STREAMS))
-        sys.argv = [sys.argv[0], *request["argv"]]
+        sys.argv = [request.get("argv0", sys.argv[0]), *request["argv"]]
         # the code location is built from this command's environment (and profile), as in a fresh process
         sys.modules.pop("batchrl.definitions", None)
         from batchrl import cli

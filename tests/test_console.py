@@ -61,3 +61,71 @@ def test_the_command_exits_promptly_with_its_status_output_and_exit_handlers(tmp
     assert "buffered before the command" in done.stdout
     assert "no materialisation of raw_logs" in done.stderr
     assert marker.read_text() == "yes"
+
+
+def test_a_failure_line_keeps_the_field_names_of_a_long_error(tmp_path):
+    """Issue 29.7: the one-line failure was cut at 160 characters, before ``missing fields [...]``."""
+    from batchrl.console import asset_line
+    from batchrl.ingest.config import IngestError
+
+    drop = "/".join(["s3://team-bucket/landing/preferences"] + [f"drop-2026-12-0{i}" for i in range(1, 6)])
+    error = f"IngestError: {IngestError(f'{drop}/bad.csv', 1, 'columns do not match the contract', ['chosen'], ['answer'])}"
+    line = asset_line(3, 20, "validated_preferences", 0.4, False, {}, error)
+    assert "bad.csv:1" in line and "missing fields ['chosen']" in line and "extra fields ['answer']" in line, line
+    assert len(line) <= 230, line
+
+
+@dg.asset(check_specs=[dg.AssetCheckSpec("positive", asset="signed", blocking=True)])
+def signed():
+    yield dg.Output([1, -2, 3], metadata={"data_version": "0123456789abcdef"})
+    yield dg.AssetCheckResult(passed=False)  # blocking: the step fails after the asset was published
+
+
+@dg.asset
+def signed_total(signed: list[int]) -> int:
+    return sum(signed)
+
+
+def test_a_failed_blocking_check_says_what_was_published_and_what_it_blocked(tmp_path):
+    """Issue 29.7: the console said "0 assets materialised" although the checked asset was published."""
+    from batchrl.console import print_run_summary
+
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        result = dg.materialize([signed, signed_total], instance=instance, raise_on_error=False)
+        assert not result.success
+        out = io.StringIO()
+        progress = RunProgress(instance, result.run_id, {"signed", "signed_total"}, out)
+        progress.poll()
+        print_run_summary(progress.done, False, 1.0, None, lambda asset: None, out=out)
+    text = out.getvalue()
+    assert "0 assets materialised" not in text and "1 assets materialised" in text, text
+    assert "0123456789abcdef" in text and "blocking check positive FAILED: downstream not run" in text, text
+    assert "signed was published, but its blocking check positive failed" in text, text
+
+
+def test_the_footer_names_the_dagster_home_and_the_batchrl_in_use(tmp_path, monkeypatch):
+    """Issue 29.7: the hints always said DAGSTER_HOME=$PWD/.dagster_home and .venv/bin/batchrl."""
+    import os
+    import sys
+
+    from batchrl.console import print_run_summary
+
+    home = tmp_path / "elsewhere" / "dagster home"
+
+    def footer(argv0: str, path: str) -> str:
+        monkeypatch.setattr(sys, "argv", [argv0, "run"])
+        monkeypatch.setenv("PATH", path)
+        out = io.StringIO()
+        print_run_summary([], True, 1.0, None, lambda asset: None, out=out, dagster_home=str(home))
+        return out.getvalue()
+
+    program = tmp_path / "tools" / "batchrl"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    shown = footer(str(program), os.defpath)
+    assert "$PWD/.dagster_home" not in shown and ".venv/bin/batchrl" not in shown, shown
+    assert f"DAGSTER_HOME='{home}'" in shown and f"{program} audit policy_checkpoint" in shown, shown
+    # found on PATH: by name
+    assert "audit:  batchrl audit" in footer(str(program), f"{program.parent}{os.pathsep}{os.defpath}")
+    assert " -m batchrl.cli audit" in footer("-m", os.defpath)  # python -m batchrl.cli
