@@ -370,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     repro.add_argument("-v", "--verbose", action="store_true", help="stream Dagster's and the libraries' output")
     repro.set_defaults(func=cmd_reproduce)
     warm_server.add_command(sub)
+    from batchrl.training import export  # `batchrl export`: its logic lives there (torch only when it runs)
+
+    export.add_command(sub, _target_uri)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -7,6 +7,9 @@ default, set explicitly) reports it from the raw logits (before temperature/top-
 as ``base`` documents. Off by default: on an H200 asking for them cost 1.45-1.9x vLLM's throughput while
 the trainer recomputes them in a fraction of that (bench/RESULTS.md); turn it on for the truncated-IS
 correction of the engine mismatch (``rollout_is_threshold``) or ``old_logprobs="rollout"``.
+
+A LoRA adapter folder as ``model_path``: vLLM loads its base and applies the adapter per request (its built-in
+LoRA support, ``enable_lora``), so no merged weights are written anywhere.
 """
 from __future__ import annotations
 
@@ -38,6 +41,24 @@ def _import_vllm(compile_cache_dir: str | None = None):
     return vllm
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def _with_adapter(model_path: str, llm_kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """``(model vLLM loads, LoRA request per generate call)``: for an adapter folder its base and the adapter
+    (``enable_lora`` and a ``max_lora_rank`` that holds its rank set in ``llm_kwargs``), else the folder, None."""
+    from batchrl.training import lora
+
+    if not lora.is_adapter_folder(model_path):
+        return model_path, None
+    from vllm.lora.request import LoRARequest
+
+    rank = int(lora.read_adapter_config(model_path)["r"])
+    llm_kwargs.setdefault("enable_lora", True)
+    llm_kwargs.setdefault("max_lora_rank", next((r for r in VLLM_LORA_RANKS if r >= rank), rank))
+    return lora.resolve_base(model_path), LoRARequest("batchrl-adapter", 1, os.path.abspath(model_path))
+
+
 class VLLMRolloutEngine:
     """``RolloutEngine`` over ``vllm.LLM``; extra keyword arguments go to ``vllm.LLM``."""
 
@@ -58,6 +79,7 @@ class VLLMRolloutEngine:
         vllm = _import_vllm(compile_cache_dir)
         self._sampling_params = vllm.SamplingParams
         llm_kwargs.setdefault("logprobs_mode", "raw_logprobs")
+        model_path, self._lora_request = _with_adapter(model_path, llm_kwargs)
         self.llm = vllm.LLM(
             model=model_path,
             dtype=dtype,
@@ -83,7 +105,8 @@ class VLLMRolloutEngine:
         encoded = [
             self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
         samples = []
         for p, request in enumerate(outputs):
             for s, completion in enumerate(request.outputs):
