@@ -9,10 +9,10 @@ import json
 from typing import Any
 
 from batchrl import fsutil
-from batchrl.lineage import resolve, root_of
+from batchrl.lineage import input_uri
 
 
-def _read_lineage(uri: str, storage_options: dict | None) -> dict[str, Any]:
+def read_lineage(uri: str, storage_options: dict | None = None) -> dict[str, Any]:
     fs, path = fsutil.filesystem_for(uri, storage_options)
     with fs.open(fsutil.join(path, "lineage.json"), "r") as f:
         return json.load(f)
@@ -33,7 +33,7 @@ def lineage_tree(uri: str, storage_options: dict | None = None, _seen: dict | No
     seen = {} if _seen is None else _seen
     if uri in seen:
         return {"ref": seen[uri]}
-    lineage = _read_lineage(uri, storage_options)
+    lineage = read_lineage(uri, storage_options)
     node = {
         "asset": lineage["asset"], "uri": uri, "data_version": lineage["data_version"],
         "code_version": lineage.get("code_version"), "seed": lineage.get("seed"),
@@ -41,7 +41,7 @@ def lineage_tree(uri: str, storage_options: dict | None = None, _seen: dict | No
         "input_files": [{**f, "status": _file_status(f, storage_options)} for f in lineage.get("input_files", [])],
     }
     seen[uri] = f"{node['asset']}@{node['data_version']}"
-    node["inputs"] = {name: lineage_tree(resolve(ref["uri"], root_of(uri)), storage_options, seen)
+    node["inputs"] = {name: lineage_tree(input_uri(ref, uri), storage_options, seen)
                       for name, ref in sorted(lineage.get("inputs", {}).items())}
     return node
 

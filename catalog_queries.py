@@ -14,6 +14,8 @@ from typing import Any
 
 import duckdb
 
+from batchrl.lineage import rooted_uri
+
 CHECKPOINT_ASSETS = ("base_model", "reward_model", "policy_checkpoint", "dpo_checkpoint")
 
 _DESCENDANTS = """
@@ -55,8 +57,16 @@ def artifacts_using_file(catalog_path: str, file: str, assets: tuple[str, ...] |
     exact = os.path.abspath(file) if "://" not in file else file
     with _connect(catalog_path) as con:
         rows = con.execute(_DESCENDANTS, [exact, f"%/{file.lstrip('/')}", file, f"{file.lower()}%"]).fetchall()
-    return [{"asset": a, "data_version": dv, "path": path, "uri": uri, "created_at": str(created)}
-            for a, dv, path, uri, created in rows if assets is None or a in assets]
+    return [{"asset": a, "data_version": dv, "path": path, "uri": _where_now(catalog_path, a, dv, uri),
+             "created_at": str(created)} for a, dv, path, uri, created in rows if assets is None or a in assets]
+
+
+def _where_now(catalog_path: str, asset: str, data_version: str, recorded_uri: str) -> str:
+    """An artifact of a local root under the root this catalog lies in now (the root may have been copied or
+    moved since the row was written); an ``s3://`` one where it was recorded."""
+    if "://" in recorded_uri:
+        return recorded_uri
+    return rooted_uri(recorded_uri, asset, data_version, os.path.dirname(os.path.abspath(catalog_path)))
 
 
 def find_artifact(catalog_path: str, ref: str) -> tuple[str, str]:

@@ -1,5 +1,6 @@
 """What a lineage record needs beyond inputs and config: code versions that follow imports, the
-environment a stage ran in, and paths that stay valid when a storage root moves.
+environment a stage ran in, the storage root's layout, and references that stay valid when a storage root
+is copied or moved.
 
 ``code_version(*modules)`` hashes the source of the named ``batchrl`` modules *and every batchrl module
 they import* (statically, imports inside functions included), so editing a helper such as
@@ -258,17 +259,56 @@ def relative_to_root(value: Any, root: str) -> Any:
     return value
 
 
-def is_relative(uri: str) -> bool:
-    return "://" not in uri and not os.path.isabs(uri)
+# -- the storage root's layout, derived here only --------------------------------------------------------
+# <root>/<asset>/<data version>/   a published artifact (lineage.json inside)
+# <root>/catalog.duckdb            the catalog (always local: beside a local root, or the local root of an s3 env)
+# <root>/_cache/                   staging, downloads of an s3 root, trainer work dirs, compile caches
+CATALOG_FILE = "catalog.duckdb"
+CACHE_FOLDER = "_cache"
+DEFAULT_ROOT = ".storage"
 
 
-def resolve(uri: str, root: str) -> str:
-    """A lineage uri made absolute against the storage root it was read from."""
-    if not is_relative(uri):
-        return uri
-    return f"{root.rstrip('/')}/{uri}" if "://" in root else os.path.join(root, uri)
+def local_storage_root() -> str:
+    """The local storage root in use: ``BATCHRL_STORAGE``, else ``./.storage`` (absolute)."""
+    return os.path.abspath(os.environ.get("BATCHRL_STORAGE", DEFAULT_ROOT))
+
+
+def catalog_path_of(root: str) -> str:
+    return os.path.join(root, CATALOG_FILE)
+
+
+def cache_dir_of(root: str) -> str:
+    return os.path.join(root, CACHE_FOLDER)
+
+
+def artifact_path(asset: str, data_version: str) -> str:
+    """Where an artifact lies relative to its storage root."""
+    return f"{asset}/{data_version}"
+
+
+def artifact_uri(root: str, asset: str, data_version: str) -> str:
+    return f"{root.rstrip('/')}/{artifact_path(asset, data_version)}" if "://" in root \
+        else os.path.join(root, asset, data_version)
 
 
 def root_of(artifact_uri: str) -> str:
     """The storage root of a published artifact (``<root>/<asset>/<data version>``)."""
     return artifact_uri.rstrip("/").rsplit("/", 2)[0]
+
+
+def rooted_uri(uri: str, asset: str, data_version: str, root: str) -> str:
+    """Where the artifact recorded as ``uri`` lies under ``root``, the storage root in use now. A reference
+    is its path relative to the root it was published in (lineage, catalog ``path``); an absolute one (Dagster
+    event metadata, older records) is read the same way, by its ``<asset>/<data version>`` tail, so a root
+    copied or moved with its Dagster home resolves to itself and never to the original. Anything else is
+    no artifact of a storage root: refused (refs travel through Dagster and JSON)."""
+    tail = artifact_path(asset, data_version)
+    recorded = uri.rstrip("/")
+    if recorded != tail and not recorded.endswith("/" + tail):
+        raise ValueError(f"artifact {uri!r} is outside the storage root {root!r} (not <root>/{tail})")
+    return artifact_uri(root, asset, data_version)
+
+
+def input_uri(entry: dict, consumer_uri: str) -> str:
+    """Where an input recorded in the lineage of the artifact at ``consumer_uri`` lies: in the same root."""
+    return rooted_uri(entry["uri"], entry["asset"], entry["data_version"], root_of(consumer_uri))

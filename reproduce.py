@@ -18,9 +18,9 @@ from typing import Any
 
 import dagster as dg
 
-from batchrl import fsutil
 from batchrl.assets.policy_chain import PROMOTED
-from batchrl.lineage import resolve, root_of
+from batchrl.audit import read_lineage
+from batchrl.lineage import cache_dir_of, catalog_path_of, input_uri
 from batchrl.resources.storage import ArtifactRef
 
 # lineage fields compared when a data version differs (environment: what explains a numeric drift)
@@ -40,12 +40,6 @@ class Node:
     inputs: dict[str, tuple[str, str]] = field(default_factory=dict)  # input name -> (asset, data version)
 
 
-def read_lineage(uri: str, storage_options: dict | None = None) -> dict[str, Any]:
-    fs, path = fsutil.filesystem_for(uri, storage_options)
-    with fs.open(fsutil.join(path, "lineage.json"), "r") as f:
-        return json.load(f)
-
-
 def lineage_graph(uri: str, storage_options: dict | None = None) -> list[Node]:
     """Every artifact the one at ``uri`` came from (itself last), inputs before the artifacts using them."""
     order: list[Node] = []
@@ -59,7 +53,7 @@ def lineage_graph(uri: str, storage_options: dict | None = None) -> list[Node]:
         node = Node(lineage["asset"], lineage["data_version"], artifact_uri, lineage)
         seen[key] = node
         for name, ref in sorted(lineage.get("inputs", {}).items()):
-            node.inputs[name] = visit(resolve(ref["uri"], root_of(artifact_uri)))
+            node.inputs[name] = visit(input_uri(ref, artifact_uri))
         order.append(node)
         return key
 
@@ -116,7 +110,7 @@ class PinnedInputs(dg.IOManager):
 def _storage(root: str):
     from batchrl.resources import StorageResource
 
-    return StorageResource(root=root, cache_dir=os.path.join(root, "_cache"))
+    return StorageResource(root=root, cache_dir=cache_dir_of(root))
 
 
 def _resources(root: str, recorded: dict[str, dict], io_manager: PinnedInputs) -> dict:
@@ -129,7 +123,7 @@ def _resources(root: str, recorded: dict[str, dict], io_manager: PinnedInputs) -
     resources = {key: cls(**{k: v for k, v in recorded.get(key, {}).items() if v != "<redacted>"})
                  for key, cls in classes.items()}
     return {**resources, "storage": io_manager.storage,
-            "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")), "io_manager": io_manager}
+            "catalog": CatalogResource(path=catalog_path_of(root)), "io_manager": io_manager}
 
 
 def _execute(defs: dg.Definitions, instance: dg.DagsterInstance, node: Node, run_config: dict,

@@ -5,7 +5,8 @@ Every asset publishes its output under the storage root itself (``assets.common.
 ``lineage.json``, catalog row) and reports ``uri`` and ``data_version`` as materialisation metadata. The
 IO manager loads an input from that record: the upstream's latest materialisation (per partition for a
 partitioned upstream: a mapping partition key -> artifact), made local (downloaded once into the cache
-from an ``s3://`` root), with its ``lineage.json`` read and its file names as the producer declared them
+from an ``s3://`` root; found under the storage root in use, so a copied root with its Dagster home reads
+its own copies), with its ``lineage.json`` read and its file names as the producer declared them
 (``batchrl/files`` in the producing asset's metadata). One way: artifacts flow down, nothing reads
 another asset's files by a name of its own.
 """
@@ -57,14 +58,17 @@ class Artifact(ArtifactRef):
 
 
 def make_local(storage: StorageResource, ref: ArtifactRef | dict, files: Mapping[str, str] | None = None) -> Artifact:
-    """``ref`` as an :class:`Artifact`: local folder (cached download for S3), lineage and declared files."""
-    ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
+    """``ref`` as an :class:`Artifact` under ``storage``'s root: local folder (cached download for S3), lineage
+    and declared files."""
+    ref = storage.locate(ref)
     return Artifact(ref.asset, ref.uri, ref.data_version, path=storage.localize(ref),
                     lineage=storage.read_lineage(ref), files=dict(files or {}))
 
 
 def latest_ref(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str | None = None) -> ArtifactRef | None:
-    """The artifact of ``key``'s (``partition``'s) latest materialisation, from its metadata."""
+    """The artifact of ``key``'s (``partition``'s) latest materialisation, from its metadata: its ``uri`` as
+    recorded there (absolute, where it was published: ``StorageResource.locate`` finds it under the root
+    in use now)."""
     if partition is None:
         event = instance.get_latest_materialization_event(key)
         materialization = event.asset_materialization if event else None

@@ -10,6 +10,8 @@ from typing import Any
 import dagster as dg
 import duckdb
 
+from batchrl.lineage import DEFAULT_ROOT, catalog_path_of
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
     asset VARCHAR, data_version VARCHAR, uri VARCHAR, run_id VARCHAR,
@@ -29,7 +31,7 @@ CREATE TABLE IF NOT EXISTS artifact_files (
 class CatalogResource(dg.ConfigurableResource):
     """DuckDB file recording artifacts; `batchrl audit` and ad-hoc SQL read it."""
 
-    path: str = ".storage/catalog.duckdb"
+    path: str = catalog_path_of(DEFAULT_ROOT)
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import dagster as dg
 
 from batchrl import fsutil
+from batchrl.lineage import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
 
 LINEAGE_FILE = "lineage.json"
 
@@ -61,9 +62,9 @@ def _take(staging: str, tmp: str) -> None:
 class StorageResource(dg.ConfigurableResource):
     """Where artifacts live. ``root`` is a local folder or ``s3://bucket/prefix``."""
 
-    root: str = ".storage"
+    root: str = DEFAULT_ROOT
     storage_options: dict[str, Any] = {}
-    cache_dir: str = ".storage/_cache"
+    cache_dir: str = cache_dir_of(DEFAULT_ROOT)
 
     def _fs(self):
         return fsutil.filesystem_for(self.root, self.storage_options)
@@ -100,15 +101,15 @@ class StorageResource(dg.ConfigurableResource):
                 json.dump(content, f, indent=2, sort_keys=True, default=str)
         with open(os.path.join(local_dir, LINEAGE_FILE), "w") as f:
             json.dump({**lineage, "asset": asset, "data_version": data_version}, f, indent=2, sort_keys=True)
-        fs, root = self._fs()
-        dest = fsutil.join(root, fsutil.safe_name(asset, "asset name"), fsutil.safe_name(data_version, "data version"))
+        fsutil.safe_name(data_version, "data version")
+        fs, _ = self._fs()
+        uri = artifact_uri(self.root_uri(), asset, data_version)
+        dest = uri.split("://", 1)[1] if "://" in uri else uri
         if self.is_local():
-            uri = dest = os.path.abspath(dest)
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 _move_into_place(lambda tmp: _take(local_dir, tmp), dest)
         else:
-            uri = f"{self.root.split('://')[0]}://{dest}"
             if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
                 # lineage.json is uploaded last: its presence marks a complete artifact
                 for name in sorted(os.listdir(local_dir)):
@@ -117,11 +118,17 @@ class StorageResource(dg.ConfigurableResource):
                 fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
         return ArtifactRef(asset=asset, uri=uri, data_version=data_version)
 
-    def localize(self, ref: ArtifactRef | dict) -> str:
-        """A local folder holding the artifact (downloaded once into the cache for S3 roots)."""
+    def locate(self, ref: ArtifactRef | dict) -> ArtifactRef:
+        """``ref`` with its uri under this root (``lineage.rooted_uri``: a copied root reads its own copy)."""
         ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
         fsutil.safe_name(ref.asset, "asset name")  # refs travel through Dagster and JSON: check, then trust
         fsutil.safe_name(ref.data_version, "data version")
+        return ArtifactRef(ref.asset, rooted_uri(ref.uri, ref.asset, ref.data_version, self.root_uri()),
+                           ref.data_version)
+
+    def localize(self, ref: ArtifactRef | dict) -> str:
+        """A local folder holding the artifact (downloaded once into the cache for S3 roots)."""
+        ref = self.locate(ref)
         if self.is_local():
             return self._inside_root(ref.uri)
         local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
@@ -142,12 +149,9 @@ class StorageResource(dg.ConfigurableResource):
         return uri
 
     def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
-        """``lineage.json`` of ``ref`` with its input uris made absolute (they are stored relative to the root)."""
-        from batchrl.lineage import resolve, root_of
-
-        ref = ref if isinstance(ref, ArtifactRef) else ArtifactRef(**ref)
+        """``lineage.json`` of ``ref`` with its input uris absolute under this root (stored relative to it)."""
         with open(os.path.join(self.localize(ref), LINEAGE_FILE)) as f:
             lineage = json.load(f)
         for entry in lineage.get("inputs", {}).values():
-            entry["uri"] = resolve(entry["uri"], root_of(ref.uri))
+            entry["uri"] = self.locate(entry).uri
         return lineage

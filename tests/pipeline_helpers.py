@@ -1,11 +1,10 @@
 """Shared helpers for the Dagster-level tests: resources on a temp storage root, run the asset graph."""
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 
 from batchrl.definitions import build_definitions, execute_assets
+from batchrl.lineage import cache_dir_of, catalog_path_of
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -14,8 +13,8 @@ from batchrl.resources import (
 
 def local_resources(root: str, landing: LandingResource | None = None, **overrides) -> dict:
     return {
-        "storage": StorageResource(root=root, cache_dir=os.path.join(root, "_cache")),
-        "catalog": CatalogResource(path=os.path.join(root, "catalog.duckdb")),
+        "storage": StorageResource(root=root, cache_dir=cache_dir_of(root)),
+        "catalog": CatalogResource(path=catalog_path_of(root)),
         "landing": landing or LandingResource(),
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
