@@ -31,6 +31,7 @@ ALL_LINEAR = "all-linear"
 # PEFT task types of batchrl's models: policy / DPO (causal LM), reward model (sequence classifier), critic
 # (token classifier). PEFT keeps the classifiers' new head (``score``) trainable and saves it with the adapter.
 CAUSAL_LM, SEQ_CLS, TOKEN_CLS = "CAUSAL_LM", "SEQ_CLS", "TOKEN_CLS"
+CLASSIFIER_HEAD = "score"  # the head transformers' *ForSequenceClassification / *ForTokenClassification LMs add
 # the list fields PEFT writes in whatever order a set iterates: sorted, so an adapter's bytes are stable
 _SET_VALUED = ("target_modules", "modules_to_save", "exclude_modules")
 
@@ -89,10 +90,12 @@ def peft_config(cfg: Any, task_type: str):
     """A ``peft.LoraConfig`` from a trainer config's ``lora_*`` fields."""
     from peft import LoraConfig
 
-    targets = list(cfg.lora_target_modules)
+    targets, to_save, excluded = list(cfg.lora_target_modules), list(cfg.lora_modules_to_save), None
+    if task_type in (SEQ_CLS, TOKEN_CLS):  # the new head: trained in full, never adapted (all-linear would)
+        to_save, excluded = sorted({*to_save, CLASSIFIER_HEAD}), [CLASSIFIER_HEAD]
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
-                      modules_to_save=list(cfg.lora_modules_to_save) or None, task_type=task_type, bias="none")
+                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, exclude_modules=excluded,
+                      modules_to_save=to_save or None, task_type=task_type, bias="none")
 
 
 def check_same_shape(cfg: Any, adapter_path: str) -> None:
