@@ -1,5 +1,9 @@
 """Data assets: per log drop, landing logs → cleaned → validated preference pairs in one pass; the
-training window over the drops; scored logs → pairs."""
+training window over the drops; scored logs → pairs; unpaired feedback (thumbs).
+
+Source files are named relative to their landing root in everything that is data (``source_file``,
+the manifest, the reports published as data), so the same logs at another path or on an object store
+give the same data versions; the lineage keeps their full URIs for the audit."""
 
 import json
 import os
@@ -9,17 +13,16 @@ import pydantic
 
 from batchrl import fsutil
 from batchrl.assets.common import code_version, declared_files, publish, run_config_for, to_library_config
-from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri
-from batchrl.ingest import (
-    IngestConfig, StageReport, check_reject_rate, clean_logs, discover_inputs, ingest_logs, scored_to_pairs,
-    validate_scored,
-)
-from batchrl.ingest.config import PreferenceDropConfig
+from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri, landing_root
+from batchrl.ingest import IngestConfig, StageReport, check_reject_rate, discover_inputs, ingest_logs, scored_to_pairs
+from batchrl.ingest.config import FeedbackLogsConfig, PreferenceDropConfig, ScoredLogsConfig
 from batchrl.ingest.window import combine_drops
 from batchrl.resources import Artifact, CatalogResource, LandingResource, StorageResource
 
 INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
 IngestRunConfig = run_config_for(PreferenceDropConfig, "IngestRunConfig")
+ScoredLogsRunConfig = run_config_for(ScoredLogsConfig, "ScoredLogsRunConfig")
+FeedbackLogsRunConfig = run_config_for(FeedbackLogsConfig, "FeedbackLogsRunConfig")
 REPORT_FILE = "report.json"
 DROP_CONTENT_TAG = "batchrl/drop_content"  # set by the sensor: the drop's content key it saw
 
@@ -32,7 +35,23 @@ def _report(report) -> dict:
 
 
 def _describe(inputs) -> list[dict]:
-    return [dict(uri=f.uri, size=f.size, sha256=f.sha256, format=f.format) for f in inputs]
+    """The landed files for the lineage: ``path`` (relative to the landing root) and the full ``uri``."""
+    return [dict(uri=f.uri, path=f.source, size=f.size, sha256=f.sha256, format=f.format) for f in inputs]
+
+
+def _manifest(files: list[dict]) -> list[dict]:
+    """What the data records of the landed files: no machine path (the URI stays in the lineage)."""
+    return [{k: v for k, v in f.items() if k != "uri"} for f in files]
+
+
+def _clean_report(clean: StageReport) -> dict:
+    """The cleaning stage's accounting as published data: no timings, staging paths or machine paths."""
+    report = {k: v for k, v in clean.to_metadata().items() if k not in ("seconds", "outputs", "content_hash")}
+    paths = {f["uri"]: f["path"] for f in clean.extra["inputs"]}
+    report["extra"] = {**{k: v for k, v in report["extra"].items() if k != "inputs"},  # inputs: in the manifest
+                       "bad_files": [{"path": paths.get(b["uri"], b["uri"]), "cause": b["cause"].replace(
+                           b["uri"], paths.get(b["uri"], b["uri"]))} for b in clean.extra["bad_files"]]}
+    return report
 
 
 def _out(kinds: set[str], description: str, **files: str) -> dg.AssetOut:
@@ -66,7 +85,8 @@ def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing
     sensor saw fails."""
     drop = context.partition_key
     cfg = to_library_config(config, PreferenceDropConfig).model_copy(update={"storage_options": landing.storage_options})
-    inputs = discover_inputs(drop_uri(landing, drop), landing.storage_options, hash_files=False)
+    inputs = discover_inputs(drop_uri(landing, drop), landing.storage_options, hash_files=False,
+                             root=landing_root(landing))
     with storage.staging_dir("validated_preferences") as staging:
         clean, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)  # hashes each file as it reads it
         written = _hash_as_written(staging, stage.output_sha256)
@@ -76,13 +96,12 @@ def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing
         if expected and content != expected:  # never publish other data than the run names
             raise dg.Failure(f"log drop {drop} changed since the sensor saw it (content {expected}, now "
                              f"{content}): {[f['uri'] for f in files]}")
-        raw = _publish_json(context, storage, catalog, "raw_logs", "manifest.json", files, input_files=files,
+        raw = _publish_json(context, storage, catalog, "raw_logs", "manifest.json", _manifest(files), input_files=files,
                             config={"landing": landing.preferences, "drop": drop},
                             metadata={"drop_content": content, "files": len(files),
                                       "bytes_in": sum(f["size"] for f in files), "manifest": files})
         stage = _report(stage)
-        clean = {k: v for k, v in clean.to_metadata().items() if k not in ("seconds", "outputs", "content_hash")}
-        clean["extra"] = {k: v for k, v in clean["extra"].items() if k != "inputs"}  # in the manifest
+        clean = _clean_report(clean)
         cleaned = _publish_json(context, storage, catalog, "cleaned_logs", REPORT_FILE, clean, input_files=files,
                                 inputs={"raw_logs": raw.value}, config=config.model_dump(), metadata=clean)
         # one pass: the contract stage saw every input row; the clean stage's rejects are among its quarantined
@@ -165,28 +184,61 @@ def preference_window(context: dg.AssetExecutionContext, config: WindowConfig,
                                  "drops_outside_window": [d for d in landed if d not in window]})
 
 
-@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"})
-def scored_logs(context: dg.AssetExecutionContext, landing: LandingResource, storage: StorageResource,
-                catalog: CatalogResource) -> dg.Output:
-    """Scored interaction logs (prompt/response/score) cleaned and validated against their contract."""
-    cfg = IngestConfig(kind="scored", storage_options=landing.storage_options)
-    inputs = discover_inputs(landing.scored, landing.storage_options)
+def _ingest_landing(context: dg.AssetExecutionContext, cfg: IngestConfig, landing_uri: str, landing: LandingResource,
+                    storage: StorageResource, catalog: CatalogResource, config: dg.Config) -> dg.Output:
+    """One landing folder (every file in it) cleaned and validated against ``cfg.kind``'s contract in one
+    pass; the quarantine and the report (accounting, reasons, how rows were mapped) beside the table."""
+    cfg = cfg.model_copy(update={"storage_options": landing.storage_options})
+    inputs = discover_inputs(landing_uri, landing.storage_options)
     files = _describe(inputs)
-    with storage.staging_dir("scored_logs") as staging:
-        cleaned_dir = os.path.join(staging, "cleaned")
-        cleaned = clean_logs(inputs, cleaned_dir, cfg)
-        stage = validate_scored(cleaned_dir, staging, cfg)
-        metadata = {"rows_in": cleaned.rows_in, "valid": stage.valid,
-                    "quarantined": cleaned.quarantined + stage.quarantined, "duplicates": stage.duplicates}
+    asset = context.asset_key.to_user_string()
+    with storage.staging_dir(asset) as staging:
+        _, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)
+        report = _report(stage)
+        report["extra"] = {k: v for k, v in report["extra"].items() if k != "inputs"}  # in the lineage
+        metadata = {k: report[k] for k in ("rows_in", "valid", "quarantined", "duplicates", "reasons",
+                                           "invariant_holds")}
+        metadata["mapped"] = stage.extra["mapped"]
         return publish(context, storage, catalog, staging, input_files=files,
-                       config={"landing": landing.scored}, metadata=metadata, sidecars={REPORT_FILE: metadata})
+                       config={"landing": landing_uri, **config.model_dump()}, metadata=metadata,
+                       sidecars={REPORT_FILE: report})
+
+
+@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"},
+          metadata=declared_files(table="scored.parquet", quarantine="quarantine.parquet"))
+def scored_logs(context: dg.AssetExecutionContext, config: ScoredLogsRunConfig, landing: LandingResource,
+                storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """Scored interaction logs (prompt/response/score) cleaned and validated against their contract; the
+    same mapping config as a log drop (field_mapping e.g. {rating: score}, score_values for text ratings,
+    chat_mapping, ...), its kind fixed to scored."""
+    return _ingest_landing(context, to_library_config(config, ScoredLogsConfig), landing.scored, landing,
+                           storage, catalog, config)
+
+
+@dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"},
+          metadata=declared_files(table="feedback.parquet", quarantine="quarantine.parquet"))
+def feedback_logs(context: dg.AssetExecutionContext, config: FeedbackLogsRunConfig, landing: LandingResource,
+                  storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """Unpaired binary feedback (thumbs): prompt / completion / label (bool, True = desirable) + metadata,
+    validated against its contract, for KTO-style trainers. Labels may be true/false, 1/0, up/down, ...
+    (``label_values`` adds more); a conversation's last assistant message is the completion."""
+    return _ingest_landing(context, to_library_config(config, FeedbackLogsConfig), landing.feedback, landing,
+                           storage, catalog, config)
+
+
+class ScoredPairsConfig(dg.Config):
+    """How scored logs become preference pairs (``ingest.pairs.scored_to_pairs``)."""
+
+    pair_min_margin: float = pydantic.Field(0.0, ge=0.0, description=(
+        "a prompt gives a pair only when best score - worst score > 0 and >= this margin; other prompts are "
+        "quarantined as below_margin"))
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"}, metadata=declared_files(table="pairs.parquet"))
-def scored_pairs(context: dg.AssetExecutionContext, scored_logs: Artifact, storage: StorageResource,
-                 catalog: CatalogResource) -> dg.Output:
+def scored_pairs(context: dg.AssetExecutionContext, config: ScoredPairsConfig, scored_logs: Artifact,
+                 storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Best-vs-worst preference pairs from prompts with two or more scored responses."""
-    cfg = IngestConfig()
+    cfg = IngestConfig(pair_min_margin=config.pair_min_margin)
     scored_dir = storage.localize(scored_logs)
     with storage.staging_dir("scored_pairs") as staging:
         metadata = _report(scored_to_pairs(os.path.join(scored_dir, "scored.parquet"), staging, cfg))

@@ -48,6 +48,12 @@ def drop_of(landing: LandingResource, uri: str, root: tuple[str, bool] | None = 
     return parts[0]
 
 
+def landing_root(landing: LandingResource) -> str:
+    """The folder (URI) the preference logs are named relative to: the landing, or the folder holding the
+    one-file landing."""
+    return landing.preferences.rstrip("/").rsplit("/", 1)[0] if _root(landing)[1] else landing.preferences
+
+
 def drop_uri(landing: LandingResource, drop: str) -> str:
     """Where a drop's files are: the landing file itself, or ``<landing>/<drop>`` (file or folder)."""
     fsutil.safe_name(drop, "log drop")

@@ -14,10 +14,10 @@ from batchrl.ingest.discover import InputFile, discover_inputs
 from batchrl.ingest.faults import BadInputFiles
 from batchrl.ingest.pairs import scored_to_pairs
 from batchrl.ingest.records import RowError
-from batchrl.ingest.validate import ingest_logs, validate_preferences, validate_scored
+from batchrl.ingest.validate import ingest_logs, validate_feedback, validate_preferences, validate_scored
 
 __all__ = [
     "BadInputFiles", "REASONS", "ChatMapping", "IngestConfig", "IngestError", "InputFile", "RowError", "StageReport",
-    "check_reject_rate", "clean_logs", "ingest_logs", "discover_inputs", "scored_to_pairs", "validate_preferences",
-    "validate_scored",
+    "check_reject_rate", "clean_logs", "ingest_logs", "discover_inputs", "scored_to_pairs", "validate_feedback",
+    "validate_preferences", "validate_scored",
 ]

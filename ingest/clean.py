@@ -24,8 +24,9 @@ R = TypeVar("R")
 
 
 def cleaned_text_columns(cfg: IngestConfig) -> list[str]:
-    # ``extra`` is JSON text kept as it came (nothing of it is lost or rewritten)
-    return [f for f in ARROW_SCHEMAS[cfg.kind].names if f not in ("score", "extra", "source_file", "source_line")]
+    # ``extra`` and ``prompt_messages`` are JSON text kept as they came (nothing of them is lost or rewritten)
+    return [f for f in ARROW_SCHEMAS[cfg.kind].names
+            if f not in ("score", "label", "extra", "prompt_messages", "source_file", "source_line")]
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], threads: int) -> Iterator[R]:
@@ -175,17 +176,18 @@ def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | Non
             if file.uri in bad:
                 if not file.sha256:  # recorded as one bad_file row: still named by its hash when readable
                     digests[file.uri] = _sha256_or_empty(file, cfg)
-                batches = [(rows_to_table([], [], file.uri, cfg.kind), [Reject("bad_file", bad[file.uri], 0, "")],
+                cause = bad[file.uri].replace(file.uri, file.source)  # no machine path in the data
+                batches = [(rows_to_table([], [], file.source, cfg.kind), [Reject("bad_file", cause, 0, "")],
                             None)]
             else:
                 batches = _batches(file, cfg, then, keep_rows, extras, digests)
             for table, rejects, checked in batches:
                 report.rows_in += table.num_rows + len(rejects)
                 report.valid += table.num_rows
-                upstream = rejects_table(rejects, file.uri) if rejects and sink is None else None
+                upstream = rejects_table(rejects, file.source) if rejects and sink is None else None
                 if sink is not None:
                     sink.write(table)
-                    quarantine.add(rejects, file.uri)
+                    quarantine.add(rejects, file.source)
                 if on_batch is not None and (table.num_rows or upstream is not None):
                     on_batch(table, upstream, checked)
                 if rejects:
@@ -202,8 +204,9 @@ def clean_files(inputs: list[InputFile], bad: dict[str, str], out_dir: str | Non
             quarantine.abort()
         raise
     report.seconds = time.perf_counter() - start
-    report.extra = {"inputs": [{"uri": f.uri, "sha256": f.sha256 or digests.get(f.uri, ""), "format": f.format}
-                               for f in inputs],
+    report.extra = {"inputs": [{"uri": f.uri, "path": f.source, "sha256": f.sha256 or digests.get(f.uri, ""),
+                                "format": f.format} for f in inputs],
+                    "mapped": dict(sorted(extras.routes.items())),
                     "kind": cfg.kind, "extra_fields": dict(sorted(extras.counts.items())),
                     "bad_files": [{"uri": uri, "cause": cause} for uri, cause in sorted(bad.items())]}
     return report

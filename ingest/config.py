@@ -8,19 +8,23 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 #: Contract fields per kind (strings, required) and the optional metadata kept through the pipeline.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
     "scored": ("prompt", "response", "score"),
+    "feedback": ("prompt", "completion", "label"),
 }
 METADATA_FIELDS: dict[str, tuple[str, ...]] = {
-    "preference": ("id", "category", "source", "timestamp"),
-    "scored": ("id", "category", "source", "timestamp"),
-}
+    kind: ("id", "category", "source", "timestamp") for kind in REQUIRED_FIELDS}
+#: where each kind's validated rows go: (file name, stage name)
+KIND_OUTPUTS = {"preference": ("preferences.parquet", "validate_preferences"),
+                "scored": ("scored.parquet", "validate_scored"),
+                "feedback": ("feedback.parquet", "validate_feedback")}
+Kind = Literal["preference", "scored", "feedback"]
 
 #: Reason codes written to quarantine.parquet (column ``reason``) and counted in ``StageReport.reasons``.
 REASONS = {
@@ -39,6 +43,15 @@ REASONS = {
     "nested_value": "a contract/metadata value is an object or list (records must be flat)",
     "wrong_type": "a value has the wrong type (e.g. number for a text field, text for score)",
     "reader_error": "a custom reader rejected the record",
+    # log shapes (ingest/shapes.py)
+    "unparsable_transcript": "a transcript (IngestConfig.transcript) without turn markers, with text before the "
+                             "first marker, or without a user turn before the answer",
+    "no_final_assistant": "a conversation / transcript / message list whose last turn is not the assistant's: "
+                          "nothing to train on (detail names the last role)",
+    "context_mismatch": "chosen and rejected continue different conversations (their turns before the final "
+                        "answer differ)",
+    "unknown_label": "a feedback label that is not a known thumbs value (true/false, 1/0, up/down, ...; add "
+                     "yours in IngestConfig.label_values)",
     # validate_* / scored_to_pairs: the pandera contract and filters
     "empty_field": "a text field is empty after cleaning (e.g. whitespace only)",
     "chosen_equals_rejected": "chosen and rejected are identical after cleaning",
@@ -53,19 +66,34 @@ REASONS = {
 class ChatMapping(BaseModel):
     """How chat-style records (lists of ``{role, content}`` messages) become flat text fields.
 
-    A contract text field whose value is a message list is flattened: completion fields
-    (chosen/rejected/response) take the content of the last ``assistant_role`` message; the turns before
-    it become the prompt when the record has no prompt of its own (TRL/HH conversational style).
-    ``messages_field`` names one conversation that provides prompt and response (scored logs) or prompt
-    only (preferences). A prompt with one user turn is its content; several turns are rendered as
-    ``"{role}: {content}"`` lines joined by ``turn_separator``.
-    """
+    Message lists are recognised without this config (its defaults apply); set it for other key/role
+    names or to name the conversation field. A contract text field whose value is a message list is
+    flattened: completion fields (chosen/rejected/response/completion) take the content of the final
+    message, which must be the ``assistant_role``'s; the turns before it become the prompt when the
+    record has no prompt of its own (TRL/UltraFeedback conversational style). ``messages_field`` names
+    one conversation that provides prompt and completion (scored, feedback) or the prompt only
+    (preferences); a record with a ``messages`` list and no prompt is read that way by default. A prompt
+    with one user turn is its content; several turns are rendered as ``"{role}: {content}"`` lines joined
+    by ``turn_separator`` and kept as messages in ``prompt_messages`` (rendered with the chat template
+    downstream)."""
 
-    messages_field: str | None = None
+    messages_field: str | None = Field(None, description="field (dotted path) holding one whole conversation; "
+                                       "default: 'messages' when the record has no prompt")
     role_key: str = "role"
     content_key: str = "content"
     assistant_role: str = "assistant"
     turn_separator: str = "\n"
+
+
+class TranscriptFormat(BaseModel):
+    """``chosen`` / ``rejected`` are whole dialogue transcripts (Anthropic HH-RLHF style:
+    ``"\\n\\nHuman: ...\\n\\nAssistant: ..."``, no prompt field). A turn starts at a marker at the
+    text's beginning or after a blank line. The turns both transcripts share become the prompt (multi-turn
+    context kept), the final Assistant turn of each the completion. Malformed transcripts are quarantined:
+    unparsable_transcript, no_final_assistant, context_mismatch."""
+
+    user_marker: str = Field("Human:", description="marker of a user turn")
+    assistant_marker: str = Field("Assistant:", description="marker of an assistant turn")
 
 
 MAX_DEFAULT_THREADS = 8
@@ -89,9 +117,18 @@ class IngestConfig(BaseModel):
     ``drop_fields``) is an *extra field*, handled by ``extra_fields``.
     """
 
-    kind: Literal["preference", "scored"] = "preference"
-    field_mapping: dict[str, str] = Field(default_factory=dict)
+    kind: Kind = Field("preference", description="the contract: preference (prompt/chosen/rejected), scored "
+                       "(prompt/response/score) or feedback (prompt/completion/label, unpaired thumbs)")
+    field_mapping: dict[str, str] = Field(default_factory=dict, description="{source field or dotted path: "
+                                          "contract/metadata field}, e.g. {rating: score}")
     chat_mapping: ChatMapping | None = None
+    transcript: TranscriptFormat | None = Field(None, description="parse chosen/rejected as whole dialogue "
+                                                "transcripts (HH-RLHF); `transcript: {}` takes the HH markers")
+    label_values: dict[str, bool] = Field(default_factory=dict, description="feedback labels written as text, "
+                                          "beside the built-in true/false, 1/0, up/down, thumbs_up/thumbs_down, "
+                                          "good/bad, like/dislike, positive/negative, yes/no (case-insensitive)")
+    score_values: dict[str, float] = Field(default_factory=dict, description="scores written as text that is "
+                                           "not a number, e.g. {up: 1, down: 0} or {'★★★★★': 5}")
     drop_fields: list[str] = Field(default_factory=list)
     reader: str | None = None  # "module:Class" for formats the built-in readers do not know
     batch_rows: int = 65536
@@ -126,6 +163,16 @@ class IngestConfig(BaseModel):
         "header without the contract columns): fail = stop before any output is written, naming every bad "
         "file of the drop; skip = leave it out, one 'bad_file' quarantine entry (source_line 0) with the cause")
 
+    @model_validator(mode="after")
+    def _shape_fits_kind(self):
+        if self.transcript is not None and self.kind != "preference":
+            raise ValueError(f"transcript parses chosen/rejected transcripts into preference pairs; kind is {self.kind!r}")
+        if self.label_values and self.kind != "feedback":
+            raise ValueError(f"label_values map feedback labels; kind is {self.kind!r} (kind: feedback)")
+        if self.score_values and self.kind != "scored":
+            raise ValueError(f"score_values map scores; kind is {self.kind!r} (kind: scored)")
+        return self
+
     @property
     def required(self) -> tuple[str, ...]:
         return REQUIRED_FIELDS[self.kind]
@@ -153,6 +200,35 @@ class PreferenceDropConfig(IngestConfig):
                 "(prompt/chosen/rejected) only; put scored logs (prompt/response/score) in the landing's scored "
                 "folder, which the scored_logs asset reads")
         return kind
+
+
+class _OneKindConfig(IngestConfig):
+    """The config of an asset that publishes one kind: another ``kind`` is refused when written."""
+
+    KIND: ClassVar[str] = "preference"
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _only_own_kind(cls, kind):
+        if kind != cls.KIND:
+            raise ValueError(f"kind {kind!r}: this asset publishes {cls.KIND} rows only ({', '.join(REQUIRED_FIELDS[cls.KIND])}); "
+                             "put other logs in the landing folder of their kind")
+        return kind
+
+
+class ScoredLogsConfig(_OneKindConfig):
+    """Ingest of the scored landing into ``scored_logs`` (prompt/response/score): ratings, stars, thumbs
+    or numeric rewards mapped to ``score`` by ``field_mapping`` (+ ``score_values`` for text ratings)."""
+
+    KIND: ClassVar[str] = "scored"
+    kind: Kind = Field("scored", description="'scored' only: scored_logs holds prompt/response/score rows")
+
+
+class FeedbackLogsConfig(_OneKindConfig):
+    """Ingest of the feedback landing into ``feedback_logs`` (prompt/completion/label): unpaired thumbs."""
+
+    KIND: ClassVar[str] = "feedback"
+    kind: Kind = Field("feedback", description="'feedback' only: feedback_logs holds prompt/completion/label rows")
 
 
 class IngestError(ValueError):

@@ -29,6 +29,13 @@ class InputFile:
     format: str       # jsonl | parquet | arrow | csv | unknown (needs IngestConfig.reader)
     compression: str | None = None
     error: str | None = None  # why the file could not even be listed/hashed (e.g. permission denied)
+    # the path relative to the landing root it was found under: what the data records (``source_file``),
+    # so the same logs at another path or on an object store give the same bytes and data versions
+    name: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.name or self.uri
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,23 +63,33 @@ def _hidden(path: str) -> bool:
     return any(part.startswith((".", "_")) for part in path.split("/")[-1:])
 
 
+def relative_name(path: str, root: str) -> str:
+    """``path`` relative to the folder ``root`` (both without protocol); its file name when not under it."""
+    root = root.rstrip("/")
+    return path[len(root) + 1:] if root and path.startswith(root + "/") else path.rsplit("/", 1)[-1]
+
+
 def discover_inputs(uri: str, storage_options: dict | None = None, include_unknown: bool = False,
-                    hash_files: bool = True) -> list[InputFile]:
+                    hash_files: bool = True, root: str | None = None) -> list[InputFile]:
     """List input files under ``uri``, sorted by URI (deterministic).
 
     ``uri`` may be a file, a folder (searched recursively; hidden/underscore files and, unless
     ``include_unknown``, files of unknown format are skipped), or a glob (every match is kept, so a
-    custom reader can be pointed at e.g. ``logs/*.tsv``).
+    custom reader can be pointed at e.g. ``logs/*.tsv``). Each file is named (``InputFile.name``)
+    relative to ``root`` (the landing root; default: the folder ``uri`` is, or lies in).
     """
     fs, path = filesystem_for(uri, storage_options)
     if fs.isfile(path):
-        paths, explicit = [path], True
+        paths, explicit, base = [path], True, path.rsplit("/", 1)[0] if "/" in path else ""
     elif any(ch in path for ch in "*?["):
         paths, explicit = fs.glob(path), True
+        base = path[:min(path.find(ch) for ch in "*?[" if ch in path)].rsplit("/", 1)[0]
     elif fs.isdir(path):
-        paths, explicit = fs.find(path), False
+        paths, explicit, base = fs.find(path), False, path
     else:
         raise FileNotFoundError(f"no input at {uri}")
+    if root is not None:
+        base = filesystem_for(root, storage_options)[1]
     found = []
     for p in sorted(paths):
         if fs.isdir(p) or _hidden(p):
@@ -86,7 +103,7 @@ def discover_inputs(uri: str, storage_options: dict | None = None, include_unkno
             digest = _sha256(fs, p) if hash_files else ""
         except OSError as e:
             error = f"cannot be read at discovery [{type(e).__name__}: {e}]"
-        found.append(InputFile(_with_protocol(fs, p), size, digest, fmt, comp, error))
+        found.append(InputFile(_with_protocol(fs, p), size, digest, fmt, comp, error, relative_name(p, base)))
     return found
 
 

@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 from batchrl.ingest.config import IngestConfig
 from batchrl.ingest.discover import InputFile
 from batchrl.ingest.jsonl import JsonlReader, _Block, split_lines
+from batchrl.ingest.shapes import flat_shape
 from batchrl.ingest.textclean import CANDIDATE_COLUMN
 from batchrl.schemas import ARROW_SCHEMAS
 
@@ -65,7 +66,7 @@ def duckdb_applies(cfg: IngestConfig) -> bool:
     """The DuckDB reader is exact only for flat records without renames (else: the Arrow path)."""
     if cfg.engine != "duckdb" or not cfg.fast_json:
         return False
-    return not cfg.field_mapping and cfg.chat_mapping is None
+    return not cfg.field_mapping and flat_shape(cfg)
 
 
 def _sql_list(items) -> str:
@@ -149,10 +150,10 @@ class DuckJsonlReader(JsonlReader):
         cols = {}
         for f in schema:
             if f.name == "source_file":
-                cols[f.name] = pa.repeat(pa.scalar(self.file.uri, f.type), n)
+                cols[f.name] = pa.repeat(pa.scalar(self.file.source, f.type), n)
             elif f.name == "source_line":
                 cols[f.name] = pc.add(fast.column("i"), line_base + 1)
-            elif f.name == "extra":  # lines with extra fields are not plain: the reference path keeps them
+            elif f.name in ("extra", "prompt_messages"):  # lines with extra fields / messages are not plain
                 cols[f.name] = pa.nulls(n, f.type)
             else:
                 cols[f.name] = fast.column(f.name).cast(f.type)

@@ -23,6 +23,7 @@ import pyarrow.json as pajson
 from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
 from batchrl.ingest.textclean import CANDIDATE_COLUMN
+from batchrl.ingest.shapes import flat_shape
 from batchrl.ingest.records import (
     EXTRA_JSON_COLUMN, ExtraFieldCounter, RecordStructurer, Reject, RowError, extra_json_column, raw_text,
     rows_to_table, structure_table,
@@ -68,7 +69,7 @@ class JsonlReader:
         self.file, self.cfg = file, cfg
         self.extras = extras if extras is not None else ExtraFieldCounter()
         self.structurer = RecordStructurer(cfg, self.extras)
-        self.fast = cfg.fast_json and cfg.chat_mapping is None and not any("." in k for k in cfg.field_mapping)
+        self.fast = cfg.fast_json and flat_shape(cfg)
         source = {dst: src for src, dst in cfg.field_mapping.items()}
         fields = []
         for name in cfg.required + cfg.metadata:
@@ -132,7 +133,7 @@ class JsonlReader:
             good, rejects = self._slow(ctx, slow_rows)
         tables = [t for t in fast_tables if t.num_rows] + ([good] if good.num_rows else [])
         if not tables:
-            table = rows_to_table([], [], self.file.uri, self.cfg.kind)
+            table = rows_to_table([], [], self.file.source, self.cfg.kind)
         elif len(tables) == 1:
             table = tables[0]
         else:
@@ -223,7 +224,7 @@ class JsonlReader:
             return [], sorted(set(slow))
         parsed_table = pa.concat_tables([t for t, _ in tables])
         lines = ctx.line_base + np.concatenate([seg for _, seg in tables]) + 1
-        structured, rejects = structure_table(parsed_table, lines, self.cfg, self.file.uri, lambda i: "",
+        structured, rejects = structure_table(parsed_table, lines, self.cfg, self.file.source, lambda i: "",
                                               extras=self.extras)
         assert not rejects, rejects  # the explicit schema guarantees flat, typed, non-null values
         return [structured], sorted(set(slow))
@@ -367,7 +368,7 @@ class JsonlReader:
                 good_lines.append(line_no)
             except RowError as e:
                 rejects.append(Reject(e.reason, e.detail, line_no, raw_text(raw)))
-        return rows_to_table(good, good_lines, self.file.uri, self.cfg.kind), rejects
+        return rows_to_table(good, good_lines, self.file.source, self.cfg.kind), rejects
 
 
 def _json_exact(t: pa.DataType) -> bool:

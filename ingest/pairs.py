@@ -31,7 +31,7 @@ WITH s AS (
 )
 SELECT b.prompt, b.response AS chosen, w.response AS rejected, b.score AS chosen_score,
        w.score AS rejected_score, b.n AS n_responses, coalesce(b.category, w.category) AS category,
-       b.source, b.timestamp, b.extra, b.source_file, b.source_line, b.id AS chosen_id, w.id AS rejected_id
+       b.source, b.timestamp, b.extra, b.prompt_messages, b.source_file, b.source_line, b.id AS chosen_id, w.id AS rejected_id
 FROM r b JOIN r w ON b.prompt = w.prompt AND b.best_rank = 1 AND w.worst_rank = 1
 ORDER BY b.first_ord
 """
@@ -93,7 +93,8 @@ def rewards_to_scored(rewards, scored_parquet: str, source: str) -> int:
     table = pa.table({
         "id": ids, "prompt": rewards["prompt"].astype(str).tolist(), "response": rewards["response"].astype(str).tolist(),
         "score": rewards["reward"].astype(float).tolist(), "category": categories, "source": [source] * n,
-        "timestamp": pa.nulls(n, pa.string()), "extra": pa.nulls(n, pa.string()), "source_file": [source] * n, "source_line": list(range(1, n + 1)),
+        "timestamp": pa.nulls(n, pa.string()), "extra": pa.nulls(n, pa.string()),
+        "prompt_messages": pa.nulls(n, pa.string()), "source_file": [source] * n, "source_line": list(range(1, n + 1)),
     }, schema=SCORED_ARROW)
     pq.write_table(table, scored_parquet)
     return n

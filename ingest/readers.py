@@ -21,6 +21,7 @@ from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
 from batchrl.ingest.duckjsonl import DuckJsonlReader, duckdb_applies
 from batchrl.ingest.jsonl import JsonlReader
+from batchrl.ingest.shapes import flat_shape
 from batchrl.ingest.records import (
     ExtraFieldCounter, RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table,
 )
@@ -78,10 +79,10 @@ def _records(records: Iterator[tuple[int, Any]], file: InputFile, cfg: IngestCon
             rejects.append(Reject(e.reason, e.detail, line_no, raw_text(record if not isinstance(record, RowError)
                                                                          else getattr(record, "raw", ""))))
         if len(good) + len(rejects) >= cfg.batch_rows:
-            yield rows_to_table(good, lines, file.uri, cfg.kind), rejects
+            yield rows_to_table(good, lines, file.source, cfg.kind), rejects
             good, lines, rejects = [], [], []
     if good or rejects:
-        yield rows_to_table(good, lines, file.uri, cfg.kind), rejects
+        yield rows_to_table(good, lines, file.source, cfg.kind), rejects
 
 
 def _columnar_tables(file: InputFile, cfg: IngestConfig) -> Iterator[tuple[pa.Table, np.ndarray, list[Reject]]]:
@@ -147,16 +148,17 @@ def _csv_tables(stream, cfg: IngestConfig):
 
 def _columnar(file: InputFile, cfg: IngestConfig, extras: ExtraFieldCounter | None = None):
     header_line = 1 if file.format == "csv" else 0
-    nested = cfg.chat_mapping is not None or any("." in k for k in cfg.field_mapping)
+    per_record = not flat_shape(cfg)
     for table, lines, skipped in _columnar_tables(file, cfg):
-        if nested:  # mapping into nested values: per-record reference path
+        # shapes beyond flat text (message lists, transcripts, labels): the per-record reference path
+        if per_record or any(pa.types.is_nested(t) for t in table.schema.types):
             for good, rejects in _records(zip(lines.tolist(), table.to_pylist()), file, cfg, extras):
                 yield good, rejects + skipped
                 skipped = []
             if skipped:
-                yield rows_to_table([], [], file.uri, cfg.kind), skipped
+                yield rows_to_table([], [], file.source, cfg.kind), skipped
             continue
-        structured, rejects = structure_table(table, lines, cfg, file.uri,
+        structured, rejects = structure_table(table, lines, cfg, file.source,
                                               lambda i, t=table: raw_text(t.slice(i, 1).to_pylist()[0]),
                                               header_line=header_line, extras=extras)
         yield structured, rejects + skipped

@@ -7,7 +7,6 @@ Both produce the pre-cleaning columns of ``ARROW_SCHEMAS[kind]`` and ``Reject`` 
 from __future__ import annotations
 
 import json
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,7 +15,8 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.ingest.config import IngestConfig, IngestError
-from batchrl.schemas import ARROW_SCHEMAS
+from batchrl.ingest.shapes import ShapeMapper, get_path
+from batchrl.schemas import ARROW_SCHEMAS, VALUE_FIELDS
 
 
 @dataclass
@@ -41,15 +41,6 @@ def raw_text(raw: bytes | str | Any) -> str:
     return json.dumps(raw, ensure_ascii=False, default=str, sort_keys=True)
 
 
-def _get_path(obj: dict, path: str) -> tuple[bool, Any]:
-    cur: Any = obj
-    for part in path.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return False, None
-        cur = cur[part]
-    return True, cur
-
-
 def _encodable(name: str, value: str) -> str:
     """json.loads turns a lone-surrogate escape (``\\ud800``) into a str that Arrow cannot store."""
     try:
@@ -65,17 +56,24 @@ EXTRA_JSON_COLUMN = "__extra_json"
 
 
 class ExtraFieldCounter:
-    """How many records carried each extra field (non-null values); shared by the worker threads."""
+    """The structuring tally shared by the worker threads: how many records carried each extra field
+    (non-null values), and how many rows took each shape route (``shapes``: flat, message_lists, ...)."""
 
     def __init__(self):
         self.counts: dict[str, int] = {}
+        self.routes: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def add(self, counts: dict[str, int]) -> None:
+    def add(self, counts: dict[str, int], into: str = "counts") -> None:
         if counts:
             with self._lock:
+                tally = getattr(self, into)
                 for name, n in counts.items():
-                    self.counts[name] = self.counts.get(name, 0) + n
+                    tally[name] = tally.get(name, 0) + n
+
+    def route(self, name: str, n: int = 1) -> None:
+        if n:
+            self.add({name: n}, "routes")
 
 
 def extra_json(fields: dict) -> str | None:
@@ -109,22 +107,24 @@ def extra_json_column(table: pa.Table) -> pa.Array:
     return pa.array(out, pa.string())
 
 
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
-
-
 class RecordStructurer:
     """Reference per-record path; raises ``RowError`` with a reason code."""
 
     def __init__(self, cfg: IngestConfig, extras: ExtraFieldCounter | None = None):
         self.cfg = cfg
         self.extras = extras if extras is not None else ExtraFieldCounter()
+        self.shape = ShapeMapper(cfg)
         self.allowed = set(cfg.required) | set(cfg.metadata)
         self.mapping = dict(cfg.field_mapping)
         self.consumed = {p.split(".")[0] for p in self.mapping} | set(cfg.drop_fields)
         if cfg.chat_mapping and cfg.chat_mapping.messages_field:
             self.consumed.add(cfg.chat_mapping.messages_field.split(".")[0])
-        self.text_fields = [f for f in cfg.required if f != "score"]
+        self.text_fields = [f for f in cfg.required if f not in VALUE_FIELDS.values()]
+
+    def _extra(self, obj: dict) -> list[str]:
+        conversation = self.shape.conversation_field(obj)
+        consumed = self.consumed | ({conversation.split(".")[0]} if conversation else set())
+        return sorted(k for k in obj if k not in consumed and k not in self.allowed)
 
     def check_keys(self, obj: dict) -> tuple[list[str], list[str]]:
         """(missing, extra) contract fields of a record, after mapping; used for the first-record check.
@@ -134,24 +134,23 @@ class RecordStructurer:
             row = self._map(obj)
         except RowError:
             return [], []
-        extra = sorted(k for k in obj if k not in self.consumed and k not in self.allowed)
+        extra = self._extra(obj)
         missing = [f for f in self.cfg.required if f not in row]
         return missing, (extra if missing or self.cfg.extra_fields == "error" else [])
 
     def _map(self, obj: dict) -> dict:
         row = {k: v for k, v in obj.items() if k in self.allowed and k not in self.consumed}
         for path, target in self.mapping.items():
-            found, value = _get_path(obj, path)
+            found, value = get_path(obj, path)
             if found:
                 row[target] = value
-        if self.cfg.chat_mapping is not None:
-            self._flatten_chat(obj, row)
+        row["__route"] = self.shape.apply(obj, row)
         return row
 
     def __call__(self, obj: Any) -> dict:
         if not isinstance(obj, dict):
             raise RowError("not_object", f"record is a JSON {type(obj).__name__}, expected an object")
-        extra = sorted(k for k in obj if k not in self.consumed and k not in self.allowed)
+        extra = self._extra(obj)
         extra_text = None
         if extra:
             self.extras.add({k: 1 for k in extra if obj[k] is not None})
@@ -164,79 +163,30 @@ class RecordStructurer:
         if missing:
             hint = f" (the record has other fields: {', '.join(extra)}; map them with field_mapping)" if extra else ""
             raise RowError("missing_field", "missing or null fields: " + ", ".join(missing) + hint)
-        out: dict[str, Any] = {"extra": extra_text}
+        out: dict[str, Any] = {"extra": extra_text, "prompt_messages": row.get("prompt_messages")}
         for name in self.text_fields:
             out[name] = self._text(name, row[name])
-        if "score" in self.cfg.required:
-            score = row["score"]
-            if isinstance(score, (dict, list)):
-                raise RowError("nested_value", "score is an object/list")
-            if isinstance(score, bool) or not isinstance(score, (int, float)):
-                raise RowError("wrong_type", f"score is {type(score).__name__}, expected a number")
-            try:
-                out["score"] = float(score)
-            except OverflowError:
-                out["score"] = math.copysign(math.inf, score)
+        if self.cfg.kind == "scored":
+            out["score"] = self.shape.score(row["score"])
+        elif self.cfg.kind == "feedback":
+            out["label"] = self.shape.label(row["label"])
         for name in self.cfg.metadata:
             value = row.get(name)
             if isinstance(value, (dict, list)):
                 raise RowError("nested_value", f"{name} is an object/list; records must be flat")
             out[name] = None if value is None else (_encodable(name, value) if isinstance(value, str)
                                                     else json.dumps(value))
+        self.extras.route(row["__route"])
         return out
 
     @staticmethod
     def _text(name: str, value: Any) -> str:
         if isinstance(value, (dict, list)):
             raise RowError("nested_value", f"{name} is an object/list; records must be flat "
-                                           "(configure chat_mapping for message lists)")
+                                           "(message lists need 'role'/'content' keys or a chat_mapping)")
         if not isinstance(value, str):
             raise RowError("wrong_type", f"{name} is {type(value).__name__}, expected a string")
         return _encodable(name, value)
-
-    # chat-style records -------------------------------------------------------------------------
-    def _split_last_assistant(self, name: str, messages: list) -> tuple[list, str]:
-        chat = self.cfg.chat_mapping
-        for i in range(len(messages) - 1, -1, -1):
-            if messages[i].get(chat.role_key) == chat.assistant_role:
-                content = messages[i].get(chat.content_key)
-                if not isinstance(content, str):
-                    raise RowError("wrong_type", f"{name}[{i}].{chat.content_key} is not a string")
-                return messages[:i], content
-        raise RowError("missing_field", f"{name} has no {chat.assistant_role!r} message")
-
-    def _render(self, name: str, turns: list) -> str:
-        chat = self.cfg.chat_mapping
-        parts = []
-        for i, m in enumerate(turns):
-            content = m.get(chat.content_key)
-            if not isinstance(content, str):
-                raise RowError("wrong_type", f"{name}[{i}].{chat.content_key} is not a string")
-            parts.append((m.get(chat.role_key), content))
-        if len(parts) == 1:
-            return parts[0][1]
-        return chat.turn_separator.join(f"{role}: {content}" for role, content in parts)
-
-    def _flatten_chat(self, obj: dict, row: dict) -> None:
-        chat = self.cfg.chat_mapping
-        completions = [f for f in self.text_fields if f != "prompt"]
-        prompt_turns = None
-        if chat.messages_field:
-            found, messages = _get_path(obj, chat.messages_field)
-            if found and _is_messages(messages):
-                if self.cfg.kind == "scored" and row.get("response") is None:
-                    prompt_turns, row["response"] = self._split_last_assistant(chat.messages_field, messages)
-                else:
-                    prompt_turns = messages
-        for name in completions:
-            if _is_messages(row.get(name)):
-                before, row[name] = self._split_last_assistant(name, row[name])
-                if prompt_turns is None and before:
-                    prompt_turns = before
-        if _is_messages(row.get("prompt")):
-            row["prompt"] = self._render("prompt", row["prompt"])
-        elif row.get("prompt") is None and prompt_turns:
-            row["prompt"] = self._render("prompt", prompt_turns)
 
 
 def rows_to_table(rows: list[dict], lines: list[int], source_file: str, kind: str) -> pa.Table:
@@ -250,13 +200,6 @@ def rows_to_table(rows: list[dict], lines: list[int], source_file: str, kind: st
         else:
             cols[f.name] = pa.array([r.get(f.name) for r in rows], f.type)
     return pa.table(cols, schema=schema)
-
-
-def _to_float(value: str | None) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _nested(t: pa.DataType) -> bool:
@@ -296,9 +239,11 @@ def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, sourc
         reason[hit], detail[hit] = code, text
 
     out = {"extra": prebuilt if prebuilt is not None else pa.nulls(n, pa.string())}
+    shape = ShapeMapper(cfg)
+    extras = extras if extras is not None else ExtraFieldCounter()
     if extra:
         present = {c: table.column(c).is_valid().to_numpy(zero_copy_only=False) for c in extra}
-        (extras or ExtraFieldCounter()).add({c: int(m.sum()) for c, m in present.items() if m.any()})
+        extras.add({c: int(m.sum()) for c, m in present.items() if m.any()})
         if cfg.extra_fields == "quarantine":
             for i in np.flatnonzero(np.logical_or.reduce(list(present.values()))):
                 if reason[i] is None:
@@ -310,7 +255,7 @@ def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, sourc
         name = f.name
         if name in ("source_file", "source_line", "extra"):
             continue
-        if name not in table.column_names:
+        if name not in table.column_names or name == "prompt_messages":  # flat rows: a one-turn prompt
             out[name] = pa.nulls(n, f.type)
             continue
         col = table.column(name)
@@ -326,12 +271,19 @@ def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, sourc
         elif name == "score":
             if pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_decimal(col.type):
                 out[name] = col.cast(pa.float64())
-            elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):  # e.g. CSV text
-                parsed = [_to_float(v) for v in col.to_pylist()]
-                flag(valid & np.array([p is None for p in parsed], bool), "wrong_type", "score is not a number")
-                out[name] = pa.array(parsed, pa.float64())
+            elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):  # CSV text, text ratings
+                out[name], bad = shape.score_column(col.cast(pa.string()))
+                flag(bad, "wrong_type", "score is not a number (map text ratings with score_values)")
             else:
                 flag(valid, "wrong_type", f"score is {col.type}, expected a number")
+                out[name] = pa.nulls(n, f.type)
+        elif name == "label":
+            if pa.types.is_boolean(col.type) or pa.types.is_integer(col.type) or pa.types.is_floating(col.type) \
+                    or pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                out[name], bad = shape.label_column(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+                flag(bad, "unknown_label", "label is not a known thumbs value (add it to label_values)")
+            else:
+                flag(valid, "wrong_type", f"label is {col.type}, expected a bool or a thumbs value")
                 out[name] = pa.nulls(n, f.type)
         elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
             out[name] = col.cast(pa.string())
@@ -349,4 +301,5 @@ def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, sourc
         keep = np.ones(n, bool)
         keep[bad] = False
         result = result.filter(pa.array(keep))
+    extras.route("flat", result.num_rows)
     return result, rejects

@@ -22,7 +22,7 @@ from batchrl.fsutil import filesystem_for, is_local, join
 from batchrl.schemas import QUARANTINE_ARROW
 
 DICTIONARY_COLUMNS = {"category", "source", "source_file", "reason", "timestamp"}
-LONG_TEXT_COLUMNS = {"prompt", "chosen", "rejected", "response", "detail", "raw"}
+LONG_TEXT_COLUMNS = {"prompt", "chosen", "rejected", "response", "completion", "prompt_messages", "detail", "raw"}
 
 
 class FileHasher:

@@ -25,13 +25,14 @@ import pyarrow.compute as pc
 import pandera.pandas as pandera
 
 from batchrl.fsutil import filesystem_for, join
-from batchrl.ingest.config import IngestConfig, StageReport
+from batchrl.ingest.config import KIND_OUTPUTS, IngestConfig, StageReport
 from batchrl.ingest.dedupe import SeenKeys
 from batchrl.ingest.sink import ParquetSink, QuarantineSink, RowGroupReader
 from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, contract_violations, to_pandas
 
 #: contract fields hashed for the content key, per kind
-KEY_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response", "score")}
+KEY_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response", "score"),
+              "feedback": ("prompt", "completion", "label")}
 FULL_GC_EVERY = 16
 CHECK_ALIASES = {"not_nullable": "missing_field"}
 REASON_ORDER = ("missing_field", "empty_field", "non_finite_score", "chosen_equals_rejected", "prompt_too_long")
@@ -316,6 +317,11 @@ def validate_scored(cleaned_dir: str, out_dir: str, cfg: IngestConfig | None = N
     return _validate(cleaned_dir, out_dir, cfg, "scored", "scored.parquet", "validate_scored")
 
 
+def validate_feedback(cleaned_dir: str, out_dir: str, cfg: IngestConfig | None = None) -> StageReport:
+    """cleaned.parquet of unpaired feedback -> feedback.parquet + quarantine.parquet."""
+    return _validate(cleaned_dir, out_dir, cfg, "feedback", "feedback.parquet", "validate_feedback")
+
+
 def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None,
                 keep_cleaned: bool = True) -> tuple[StageReport, StageReport]:
     """clean_logs + validate_* in one streaming pass: each block is parsed, cleaned and checked against
@@ -324,14 +330,14 @@ def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None,
     ``keep_cleaned``: writes ``out_dir/cleaned/{cleaned,quarantine}.parquet`` and ``out_dir/validated/
     {preferences|scored,quarantine}.parquet``, byte-identical to running the two stages one after the
     other. Otherwise only ``out_dir/{preferences|scored,quarantine}.parquet``: one quarantine holds the
-    rows of both stages and the second report accounts for every input row.
+    rows of both stages and the second report accounts for every input row. (Feedback: ``feedback``.)
+    The validated report's ``extra["mapped"]`` counts the rows per shape route (``ingest.shapes``).
     """
     from batchrl.ingest.clean import clean_files
     from batchrl.ingest.faults import with_file_policy
 
     cfg = cfg or IngestConfig()
-    name = "preferences.parquet" if cfg.kind == "preference" else "scored.parquet"
-    stage = "validate_preferences" if cfg.kind == "preference" else "validate_scored"
+    name, stage = KIND_OUTPUTS[cfg.kind]
 
     def attempt(bad: dict[str, str]) -> tuple[StageReport, StageReport]:
         contract = ContractStage(join(out_dir, "validated") if keep_cleaned else out_dir, cfg, cfg.kind, name,
@@ -345,7 +351,8 @@ def ingest_logs(inputs, out_dir: str, cfg: IngestConfig | None = None,
             raise
 
     cleaned, validated = with_file_policy(inputs, cfg, attempt)
-    validated.extra.update(extra_fields=cleaned.extra["extra_fields"], bad_files=cleaned.extra["bad_files"])
+    validated.extra.update(extra_fields=cleaned.extra["extra_fields"], bad_files=cleaned.extra["bad_files"],
+                           mapped=cleaned.extra["mapped"])
     if keep_cleaned:
         validated.bytes_in = cleaned.bytes_out
         validated.extra["inputs"] = [cleaned.outputs["cleaned"]]

@@ -14,6 +14,7 @@ class LandingResource(dg.ConfigurableResource):
 
     preferences: str = os.path.join(SAMPLE_DATA, "preferences")
     scored: str = os.path.join(SAMPLE_DATA, "scored")
+    feedback: str = os.path.join(SAMPLE_DATA, "feedback")  # unpaired thumbs: prompt/completion/label
     prompts: str = os.path.join(SAMPLE_DATA, "arith", "train.jsonl")
     eval_prompts: str = os.path.join(SAMPLE_DATA, "arith", "eval.jsonl")
     storage_options: dict[str, Any] = {}

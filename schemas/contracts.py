@@ -2,9 +2,13 @@
 
 Preference rows: ``prompt``, ``chosen``, ``rejected`` — flat strings, non-empty after cleaning,
 ``chosen != rejected``. Scored interaction logs: ``prompt``, ``response`` (non-empty strings) and
-``score`` (finite float64). Both keep optional metadata ``id``, ``category``, ``source``,
+``score`` (finite float64). Unpaired feedback (thumbs): ``prompt``, ``completion`` (non-empty strings) and
+``label`` (bool, non-null: True = desirable). All keep optional metadata ``id``, ``category``, ``source``,
 ``timestamp`` (nullable strings), ``extra`` (the record's other non-null fields as one JSON object, null
-when it had none; ``IngestConfig.extra_fields``) plus lineage ``source_file`` / ``source_line``.
+when it had none; ``IngestConfig.extra_fields``), ``prompt_messages`` (the prompt as a JSON list of
+``{role, content}`` when it came from a multi-turn conversation, null for a single user turn: a trainer
+renders it with the model's chat template; ``prompt`` then holds a plain ``role: content`` rendering) plus
+lineage ``source_file`` (the file's path relative to the landing root) / ``source_line``.
 
 Check names are the quarantine reason codes, so a pandera failure maps straight to a reason.
 pandera runs on whole batches (pyarrow-backed pandas columns, vectorised checks).
@@ -20,7 +24,7 @@ TEXT = pd.ArrowDtype(pyarrow.string())
 
 _LINEAGE = [("source_file", pyarrow.string()), ("source_line", pyarrow.int64())]
 _META = [("category", pyarrow.string()), ("source", pyarrow.string()), ("timestamp", pyarrow.string()),
-         ("extra", pyarrow.string())]
+         ("extra", pyarrow.string()), ("prompt_messages", pyarrow.string())]
 
 PREFERENCE_ARROW = pyarrow.schema(
     [("id", pyarrow.string()), ("prompt", pyarrow.string()), ("chosen", pyarrow.string()),
@@ -28,11 +32,14 @@ PREFERENCE_ARROW = pyarrow.schema(
 SCORED_ARROW = pyarrow.schema(
     [("id", pyarrow.string()), ("prompt", pyarrow.string()), ("response", pyarrow.string()),
      ("score", pyarrow.float64())] + _META + _LINEAGE)
+FEEDBACK_ARROW = pyarrow.schema(
+    [("id", pyarrow.string()), ("prompt", pyarrow.string()), ("completion", pyarrow.string()),
+     ("label", pyarrow.bool_())] + _META + _LINEAGE)
 QUARANTINE_ARROW = pyarrow.schema(
     [("reason", pyarrow.string()), ("detail", pyarrow.string()), ("source_file", pyarrow.string()),
      ("source_line", pyarrow.int64()), ("raw", pyarrow.string())])
 
-ARROW_SCHEMAS = {"preference": PREFERENCE_ARROW, "scored": SCORED_ARROW}
+ARROW_SCHEMAS = {"preference": PREFERENCE_ARROW, "scored": SCORED_ARROW, "feedback": FEEDBACK_ARROW}
 
 
 def _non_empty() -> pa.Check:
@@ -45,7 +52,8 @@ def _text(nullable: bool = False, checks: list | None = None) -> pa.Column:
 
 _META_COLUMNS = {
     "category": _text(nullable=True), "source": _text(nullable=True), "timestamp": _text(nullable=True),
-    "extra": _text(nullable=True), "source_file": _text(), "source_line": pa.Column("int64"),
+    "extra": _text(nullable=True), "prompt_messages": _text(nullable=True), "source_file": _text(),
+    "source_line": pa.Column("int64"),
 }
 
 PreferenceSchema = pa.DataFrameSchema(
@@ -78,13 +86,29 @@ ScoredSchema = pa.DataFrameSchema(
     name="scored",
 )
 
-PANDERA_SCHEMAS = {"preference": PreferenceSchema, "scored": ScoredSchema}
-TEXT_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response")}
+FeedbackSchema = pa.DataFrameSchema(
+    {
+        "id": _text(),
+        "prompt": _text(checks=[_non_empty()]),
+        "completion": _text(checks=[_non_empty()]),
+        "label": pa.Column(pd.ArrowDtype(pyarrow.bool_())),
+        **_META_COLUMNS,
+    },
+    strict=True,
+    ordered=True,
+    name="feedback",
+)
+
+PANDERA_SCHEMAS = {"preference": PreferenceSchema, "scored": ScoredSchema, "feedback": FeedbackSchema}
+TEXT_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response"),
+               "feedback": ("prompt", "completion")}
+#: the non-text contract field of a kind, whose null is a missing_field
+VALUE_FIELDS = {"scored": "score", "feedback": "label"}
 
 
 def to_pandas(table: pyarrow.Table) -> pd.DataFrame:
     """Arrow -> pandas without copying strings (pyarrow-backed string columns)."""
-    return table.to_pandas(types_mapper={pyarrow.string(): TEXT}.get)
+    return table.to_pandas(types_mapper={pyarrow.string(): TEXT, pyarrow.bool_(): pd.ArrowDtype(pyarrow.bool_())}.get)
 
 
 def contract_violations(table: pyarrow.Table, kind: str) -> list[tuple[str, np.ndarray, list[str]]]:
@@ -99,7 +123,9 @@ def contract_violations(table: pyarrow.Table, kind: str) -> list[tuple[str, np.n
         return pc.fill_null(values, False).to_numpy(zero_copy_only=False)
 
     text = TEXT_FIELDS[kind]
-    nulls = {c: table.column(c).is_null().to_numpy(zero_copy_only=False) for c in text if table.column(c).null_count}
+    nullable = text + ((VALUE_FIELDS[kind],) if kind == "feedback" else ())  # a null score: non_finite_score
+    nulls = {c: table.column(c).is_null().to_numpy(zero_copy_only=False) for c in nullable
+             if table.column(c).null_count}
     empty = {c: mask(pc.equal(pc.binary_length(table.column(c)), 0)) for c in text}
     out = []
     for code, per_column in (("missing_field", nulls), ("empty_field", empty)):
@@ -112,7 +138,7 @@ def contract_violations(table: pyarrow.Table, kind: str) -> list[tuple[str, np.n
         bad = ~mask(pc.is_finite(table.column("score")))
         if bad.any():
             out.append(("non_finite_score", bad, [["score"]] * int(bad.sum())))
-    else:
+    elif kind == "preference":
         same = mask(pc.equal(table.column("chosen"), table.column("rejected")))
         if same.any():
             out.append(("chosen_equals_rejected", same, [["chosen", "rejected"]] * int(same.sum())))

@@ -137,13 +137,13 @@ def test_chat_mapping_nested_messages(tmp_path):
              "chosen": [{"role": "assistant", "content": "Paris"}], "rejected": [{"role": "assistant", "content": "Rome"}]},
             {"chosen": [{"role": "user", "content": "hi"}], "rejected": conv("x")}]  # no assistant turn
     src = write_jsonl(tmp_path / "chat.jsonl", rows)
-    with pytest.raises(IngestError):  # without a mapping nested records are refused... first record
-        clean_logs(discover_inputs(str(src)), str(tmp_path / "strict"), IngestConfig())
-    cleaned, valid = run(src, tmp_path / "o", IngestConfig(chat_mapping=ChatMapping()))
-    got = pq.read_table(valid.outputs["preferences"]).to_pylist()
-    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in got] == [
-        ("system: Be brief.\nuser: 2+2?", "4", "5"), ("Capital of France?", "Paris", "Rome")]
-    assert cleaned.reasons == {"missing_field": 1}
+    for cfg in (IngestConfig(), IngestConfig(chat_mapping=ChatMapping())):  # message lists are recognised
+        cleaned, valid = run(src, tmp_path / "o", cfg)
+        got = pq.read_table(valid.outputs["preferences"]).to_pylist()
+        assert [(r["prompt"], r["chosen"], r["rejected"]) for r in got] == [
+            ("system: Be brief.\nuser: 2+2?", "4", "5"), ("Capital of France?", "Paris", "Rome")]
+        assert [r["prompt_messages"] is not None for r in got] == [True, False]  # two turns kept as messages
+        assert cleaned.reasons == {"no_final_assistant": 1} and cleaned.extra["mapped"] == {"message_lists": 2}
 
 
 def test_chat_mapping_scored_messages_field(tmp_path):

@@ -61,14 +61,16 @@ def _pandera_reasons(table: pa.Table, kind: str) -> dict[int, str]:
         return found
 
 
-@pytest.mark.parametrize("kind", ["preference", "scored"])
+@pytest.mark.parametrize("kind", ["preference", "scored", "feedback"])
 def test_arrow_checks_agree_with_pandera(kind):
     rng = random.Random(2)
     texts = ["a", "b", "", None, "long text", "a"]
     n = 400
-    cols = {name: [rng.choice(texts) for _ in range(n)] for name in ("prompt", "chosen", "rejected", "response")}
+    cols = {name: [rng.choice(texts) for _ in range(n)] for name in ("prompt", "chosen", "rejected", "response",
+                                                                      "completion")}
     data = {"id": [f"r{i}" for i in range(n)], "category": [None] * n, "source": [None] * n,
-            "timestamp": [None] * n, "extra": [None] * n, "source_file": ["f"] * n, "source_line": list(range(n)),
+            "timestamp": [None] * n, "extra": [None] * n, "prompt_messages": [None] * n, "source_file": ["f"] * n,
+            "source_line": list(range(n)), "label": [rng.choice([True, False, None]) for _ in range(n)],
             "score": [rng.choice([1.0, float("nan"), float("inf"), None, -2.5]) for _ in range(n)], **cols}
     table = pa.table({f.name: pa.array(data[f.name], f.type) for f in ARROW_SCHEMAS[kind]}, schema=ARROW_SCHEMAS[kind])
     arrow: dict[int, str] = {}

@@ -58,7 +58,7 @@ def test_sample_scored_pairs_pass_gate_and_rerun_identically(tmp_path):
     table = pq.read_table(pairs.outputs["pairs"])
     assert set(table.column("category").to_pylist()) == {"math", "writing", "coding"}
     assert table.schema.names == ["id", "prompt", "chosen", "rejected", "category", "source", "timestamp",
-                                  "extra", "source_file", "source_line"]
+                                  "extra", "prompt_messages", "source_file", "source_line"]
 
 
 def test_scored_pipeline_on_s3(s3_options, tmp_path):

@@ -6,7 +6,8 @@ Preferences: 240 clean rows in four categories (chosen correct/helpful/polite, r
 plus 19 messy rows that exercise every cleaning step and reason code (11 end up quarantined, 2 as
 duplicates), spread over both files so that each log drop stays under the default 5% reject threshold
 (5 of 130 and 6 of 129 rows quarantined). Scored: 45 prompts with 1-5
-scored responses each.
+scored responses each. Feedback: the scored responses as unpaired thumbs (score >= 0.5: "up", else
+"down"; prompt/completion/label), the shape a KTO trainer reads.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCORED = HERE.parent / "scored"
+FEEDBACK = HERE.parent / "feedback"
 
 TOPICS = ["the budget review", "the team offsite", "the product launch", "the quarterly report",
           "the design sync", "the hiring plan", "the security audit", "the roadmap"]
@@ -150,7 +152,12 @@ def main() -> None:
         bom = b"\xef\xbb\xbf" if name == "prefs_000.jsonl" else b""  # a file saved with a BOM
         (HERE / name).write_bytes(bom + b"".join(body))
     SCORED.mkdir(exist_ok=True)
-    (SCORED / "scored_000.jsonl").write_bytes(b"".join(line(r) for r in scored_rows(rng)))
+    scored = scored_rows(rng)
+    (SCORED / "scored_000.jsonl").write_bytes(b"".join(line(r) for r in scored))
+    FEEDBACK.mkdir(exist_ok=True)
+    thumbs = [{"id": r["id"].replace("scored", "thumbs"), "prompt": r["prompt"], "completion": r["response"],
+               "label": "up" if r["score"] >= 0.5 else "down", "category": r["category"]} for r in scored]
+    (FEEDBACK / "feedback_000.jsonl").write_bytes(b"".join(line(r) for r in thumbs))
 
 
 if __name__ == "__main__":
