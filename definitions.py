@@ -15,7 +15,7 @@ import uuid
 import dagster as dg
 
 from batchrl import step_server
-from batchrl.assets import automation, data, dpo, evaluation, models, policy_chain, rl
+from batchrl.assets import automation, data, dpo, evaluation, models, offline, policy_chain, rl
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP, landing_drops
 from batchrl.lineage import cache_dir_of, catalog_path_of, local_storage_root
@@ -110,7 +110,7 @@ def build_definitions(resources: dict | None = None, dpo_self_play: bool | None 
     resources = {"io_manager": ArtifactIOManager(storage=resources["storage"]), **resources}
     self_play = dpo_takes_self_play_pairs() if dpo_self_play is None else dpo_self_play
     return dg.Definitions(
-        assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation]), dpo.dpo_pairs_asset(self_play),
+        assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation, offline]), dpo.dpo_pairs_asset(self_play),
                 policy_chain.promoted_policy],
         asset_checks=dg.load_asset_checks_from_modules([data]),
         jobs=[automation.retrain_job, automation.ingest_job, *_profile_jobs()],

@@ -2,6 +2,7 @@
 
 import json
 import os
+from typing import Optional
 
 import dagster as dg
 from pydantic import Field
@@ -12,6 +13,7 @@ from batchrl.assets.dpo import ReferenceConfig
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
 )
+from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.prompts import load_prompts
 
 
@@ -27,13 +29,15 @@ class EvaluationConfig(dg.Config):
     seed: int = Field(0, description="seed of evaluation's sampling")
 
 
-@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig), kinds={"pytorch"})
+@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig),
+          kinds={"pytorch"}, ins={"offline_policy_checkpoint": dg.AssetIn(metadata={OPTIONAL_KEY: True})})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: Artifact,
                dpo_checkpoint: Artifact, base_model: Artifact, reward_model: Artifact, dpo_pairs: Artifact,
-               reference_logprobs: Artifact, landing: LandingResource, storage: StorageResource,
+               reference_logprobs: Artifact, offline_policy_checkpoint: Optional[Artifact],
+               landing: LandingResource, storage: StorageResource,
                catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
-    for the base, policy and DPO checkpoints, side by side."""
+    for the base, policy and DPO checkpoints (and the offline policy's, once materialised), side by side."""
     eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options)
     if config.max_eval_prompts:
         eval_prompts = eval_prompts.head(config.max_eval_prompts)
@@ -42,6 +46,8 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     reference = dpo_pairs.read_table(columns=["id"]).merge(reference_logprobs.read_table(), on="id", how="left",
                                                            validate="one_to_one")
     models = {"base_model": base_model, "policy_checkpoint": policy_checkpoint, "dpo_checkpoint": dpo_checkpoint}
+    if offline_policy_checkpoint is not None:
+        models["offline_policy_checkpoint"] = offline_policy_checkpoint
     pair_max_length, base_is_reference = reference_pass(reference_logprobs, base_model, compute)
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,

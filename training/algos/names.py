@@ -24,7 +24,7 @@ ADV_ESTIMATOR_NEEDS: dict[str, frozenset[str]] = {
     "reinforce_plus_plus_baseline": frozenset({"groups"}),
     "remax": frozenset({"reward_baselines"}),
 }
-POLICY_LOSS_NAMES = ("vanilla", "gspo")
+POLICY_LOSS_NAMES = ("vanilla", "gspo", "weighted_regression")
 KL_ALIASES = {"k1": "kl", "kl": "kl", "k2": "mse", "mse": "mse", "k3": "low_var_kl", "low_var_kl": "low_var_kl",
               "abs": "abs"}
 KL_KINDS = (*KL_ALIASES, *(f"{kind}+" for kind in KL_ALIASES))  # every name kl_penalty accepts

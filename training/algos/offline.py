@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .utils import agg_loss, as_float
+from .registry import register_policy_loss
+from .utils import agg_loss, as_float, masked_mean
 
 
 def simpo_loss(chosen_avg_logps, rejected_avg_logps, *, beta=2.0, gamma=0.5, label_smoothing=0.0):
@@ -98,3 +99,21 @@ def weighted_regression_loss(token_logps, response_mask, weights, *, loss_agg_mo
     w = as_float(weights).reshape(-1, 1)
     loss = agg_loss(-w * as_float(token_logps), response_mask, loss_agg_mode)
     return loss, {"weight_mean": w.mean().detach(), "weight_max": w.max().detach()}
+
+
+@register_policy_loss("weighted_regression")
+def compute_policy_loss_weighted_regression(old_log_prob, log_prob, advantages, response_mask, *,
+                                            clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                                            loss_agg_mode="token-mean", rollout_is_weights=None):
+    """``weighted_regression_loss`` in the policy-loss signature, for the policy trainer on logged completions:
+    the per-token ``advantages`` carry each completion's (constant) AWR/RWR weight, so
+    ``L_it = -w_i * logp_it`` (times ``rollout_is_weights`` if given). No ratio and no clipping: the weights
+    keep the update near the logged data. ppo_kl = mean_m(logp_old - logp) is reported for comparison."""
+    weights = as_float(advantages)
+    if rollout_is_weights is not None:
+        weights = weights * as_float(rollout_is_weights).detach()
+    log_prob = as_float(log_prob)
+    loss = agg_loss(-weights.detach() * log_prob, response_mask, loss_agg_mode)
+    zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+    return loss, {"pg_clipfrac": zero, "pg_clipfrac_lower": zero,
+                  "ppo_kl": masked_mean(as_float(old_log_prob) - log_prob, response_mask).detach()}

@@ -47,7 +47,7 @@ def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
 
 def _definitions() -> None:
     """Import the modules that register the functions (torch), once, at the first lookup."""
-    from . import advantages, policy_loss  # noqa: F401  (a static import: code versions follow it)
+    from . import advantages, offline, policy_loss  # noqa: F401  (a static import: code versions follow it)
 
 
 def _lookup(registry: dict, kind: str, name: str):
