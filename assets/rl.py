@@ -35,6 +35,19 @@ class PromptsConfig(dg.Config):
 
     field_mapping: dict[str, str] = Field(default_factory=dict, description="{source field (dotted path into "
                                           "nested records): prompt field}")
+    data_sources: Optional[list[str]] = Field(None, description="the data_source values a prompt may carry; a prompt "
+                                              "with another is refused here, not when rewards run. Unset: the "
+                                              "rewards routing keys when this run routes by data_source, else any")
+
+
+def known_data_sources(config: PromptsConfig, run_config: dict) -> Optional[list[str]]:
+    """The data sources the prompts config names, else those this run's rewards config routes by."""
+    if config.data_sources is not None:
+        return config.data_sources
+    rewards = ((run_config.get("ops") or {}).get("rewards") or {}).get("config") or {}
+    if rewards.get("route_by") == "data_source" and rewards.get("routing"):
+        return sorted(rewards["routing"])
+    return None
 
 
 class RolloutConfig(dg.Config):
@@ -59,7 +72,8 @@ AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
             storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
-    table = load_prompts(landing.prompts, landing.storage_options, mapping=config.field_mapping)
+    table = load_prompts(landing.prompts, landing.storage_options, mapping=config.field_mapping,
+                         data_sources=known_data_sources(config, context.run.run_config or {}))
     fs, path = fsutil.filesystem_for(landing.prompts, landing.storage_options)
     source = {"uri": landing.prompts, "sha256": fsutil.sha256_file(fs, path)}
     with storage.staging_dir("prompts") as staging:

@@ -145,8 +145,8 @@ def cases(big_line: bool = True) -> list[Case]:
                    ok(1, missing_field=2)))
     add(jsonl_case("extra_fields", "extra fields (score, model, ids)", jl(row(0, score=0.9, model="m1"),
                    row(1, request_id="r1")), ok(2)))
-    add(jsonl_case("nested_chat_unmapped", "chat message lists without chat_mapping",
-                   jl(row(0, chosen=[{"role": "assistant", "content": "a"}]), row(1)), ok(1, nested_value=1)))
+    add(jsonl_case("nested_chat_unmapped", "chat message lists without chat_mapping (recognised)",
+                   jl(row(0, chosen=[{"role": "assistant", "content": "a"}]), row(1)), ok(2)))
     add(jsonl_case("nested_object", "object as a contract value", jl(row(0, prompt={"text": "p"}), row(1)),
                    ok(1, nested_value=1)))
     add(jsonl_case("not_object", "JSON array / number / string lines", jl([1, 2], 3, "text", row(0)),
@@ -255,8 +255,8 @@ def cases(big_line: bool = True) -> list[Case]:
              parquet_bytes(pa.table({"prompt": ["p", None], "chosen": ["a", "b"], "rejected": ["c", "d"]})), 2,
              ok(1, missing_field=1)))
     add(Case("parquet_nested", "Parquet with a list<struct> chat column", "parquet_nested.parquet",
-             parquet_bytes(pa.table({"prompt": ["p", "q"], "chosen": [[{"role": "assistant", "content": "a"}], None],
-                                     "rejected": ["c", "d"]})), 2, ok(0, nested_value=1, missing_field=1)))
+             parquet_bytes(pa.table({"prompt": ["p", "q"], "chosen": [[{"role": "assistant", "content": "a chat"}], None],
+                                     "rejected": ["c", "d"]})), 2, ok(1, missing_field=1)))
     add(Case("parquet_extra_columns", "Parquet with extra columns (score, model, ts)", "parquet_extra_columns.parquet",
              parquet_bytes(fresh_table().append_column("score", pa.array([0.1, 0.2, None, 0.4]))
                            .append_column("ts", pa.array([1, 2, 3, 4], pa.timestamp("s")))), 4, ok(4)))
@@ -359,7 +359,7 @@ def table_markdown(folder: str, corpus: list[Case], work: str) -> str:
         by_group[group] = outcomes(os.path.join(work, group), name)
     for k, case in enumerate(corpus, start=1):
         uri = os.path.abspath(os.path.join(folder, case.group, case.filename))
-        got = by_group[case.group].get(uri, ok(0))
+        got = by_group[case.group].get(case.filename, ok(0))  # source_file: relative to the landing folder
         if got["reasons"].get(BAD_FILE):
             outcome = f"whole file: `bad_file` entry, cause: {_short_cause(causes[uri], uri)}"
             records, lost = "(not read)", "0 (file recorded)"

@@ -6,6 +6,8 @@ Parquet (``prompt`` as a chat, ``data_source``, ``reward_model: {style, ground_t
 ``{"reward_model.ground_truth": "answer"}`` and GSM8K files with ``{"question": "prompt"}``. A chat
 prompt must be one user message (what verl's GSM8K/MATH preprocessing writes); it becomes its text,
 rendered later with the model's chat template like every prompt (``training.text.render_prompt``).
+``data_sources`` names the ``data_source`` values the set may carry: a row with another is refused here,
+when the prompts are validated (verl's reward manager fails on it only when rewards run).
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ def _chat_text(where: str, prompt: Any) -> Any:
                           "is supported")
 
 
-def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None) -> dict:
+def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None,
+               data_sources: frozenset[str] | None = None) -> dict:
     if not isinstance(row, dict):
         raise PromptFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
     row = apply_mapping(row, mapping)
@@ -74,6 +77,9 @@ def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None) -> d
     data_source, tests = row.get("data_source"), row.get("tests")
     if data_source is not None and not isinstance(data_source, str):
         raise PromptFileError(f"{where}: field 'data_source' must be a string, got {data_source!r}")
+    if data_sources is not None and data_source is not None and data_source not in data_sources:
+        raise PromptFileError(f"{where}: unknown data_source {data_source!r}: the rewards know "
+                              f"{sorted(data_sources)} (add it to the prompts config data_sources and route it)")
     if tests is not None and not isinstance(tests, (list, dict)):
         raise PromptFileError(f"{where}: field 'tests' must be a list of test statements or "
                               f"{{'inputs': [...], 'outputs': [...]}}, got {type(tests).__name__}")
@@ -82,9 +88,11 @@ def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None) -> d
             "data_source": data_source, "tests": None if tests is None else json.dumps(tests)}
 
 
-def load_prompts(uri: str, storage_options: dict | None = None, mapping: dict[str, str] | None = None) -> pd.DataFrame:
+def load_prompts(uri: str, storage_options: dict | None = None, mapping: dict[str, str] | None = None,
+                 data_sources=None) -> pd.DataFrame:
     """Read a JSONL or Parquet prompt file (local or s3://), failing on the first bad line/row with
-    file:line (or row):field; ``mapping`` as in the module docstring."""
+    file:line (or row):field; ``mapping`` and ``data_sources`` as in the module docstring."""
+    data_sources = None if data_sources is None else frozenset(data_sources)
     fs, path = fsutil.filesystem_for(uri, storage_options)
     rows = []
     if path.endswith(".parquet"):
@@ -92,16 +100,17 @@ def load_prompts(uri: str, storage_options: dict | None = None, mapping: dict[st
 
         with fs.open(path, "rb") as f:
             records = pq.read_table(f).to_pylist()
-        rows = [_check_row(f"{uri}: row {i}", record, mapping) for i, record in enumerate(records, start=1)]
+        rows = [_check_row(f"{uri}: row {i}", record, mapping, data_sources)
+                for i, record in enumerate(records, start=1)]
     else:
-        rows = _read_jsonl(fs, path, uri, mapping)
+        rows = _read_jsonl(fs, path, uri, mapping, data_sources)
     if not rows:
         raise PromptFileError(f"{uri}: no prompts")
     table = pd.DataFrame(rows, columns=PROMPT_COLUMNS + PROMPT_EXTRAS)
     return table.drop(columns=[c for c in PROMPT_EXTRAS if table[c].isna().all()])
 
 
-def _read_jsonl(fs, path: str, uri: str, mapping: dict[str, str] | None) -> list[dict]:
+def _read_jsonl(fs, path: str, uri: str, mapping: dict[str, str] | None, data_sources=None) -> list[dict]:
     rows = []
     with fs.open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
@@ -112,5 +121,5 @@ def _read_jsonl(fs, path: str, uri: str, mapping: dict[str, str] | None) -> list
                 row = json.loads(text)
             except json.JSONDecodeError as err:
                 raise PromptFileError(f"{uri}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
-            rows.append(_check_row(f"{uri}:{line_no}", row, mapping))
+            rows.append(_check_row(f"{uri}:{line_no}", row, mapping, data_sources))
     return rows
