@@ -29,15 +29,18 @@ class EvaluationConfig(dg.Config):
     seed: int = Field(0, description="seed of evaluation's sampling")
 
 
+OFFLINE_MODELS = ("offline_policy_checkpoint", "kto_checkpoint")  # compared once materialised
+
+
 @dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig),
-          kinds={"pytorch"}, ins={"offline_policy_checkpoint": dg.AssetIn(metadata={OPTIONAL_KEY: True})})
+          kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in OFFLINE_MODELS})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: Artifact,
                dpo_checkpoint: Artifact, base_model: Artifact, reward_model: Artifact, dpo_pairs: Artifact,
                reference_logprobs: Artifact, offline_policy_checkpoint: Optional[Artifact],
-               landing: LandingResource, storage: StorageResource,
+               kto_checkpoint: Optional[Artifact], landing: LandingResource, storage: StorageResource,
                catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
-    for the base, policy and DPO checkpoints (and the offline policy's, once materialised), side by side."""
+    for the base, policy and DPO checkpoints (and the offline objectives' once materialised), side by side."""
     eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options)
     if config.max_eval_prompts:
         eval_prompts = eval_prompts.head(config.max_eval_prompts)
@@ -46,8 +49,8 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     reference = dpo_pairs.read_table(columns=["id"]).merge(reference_logprobs.read_table(), on="id", how="left",
                                                            validate="one_to_one")
     models = {"base_model": base_model, "policy_checkpoint": policy_checkpoint, "dpo_checkpoint": dpo_checkpoint}
-    if offline_policy_checkpoint is not None:
-        models["offline_policy_checkpoint"] = offline_policy_checkpoint
+    offline = {"offline_policy_checkpoint": offline_policy_checkpoint, "kto_checkpoint": kto_checkpoint}
+    models.update({name: artifact for name, artifact in offline.items() if artifact is not None})
     pair_max_length, base_is_reference = reference_pass(reference_logprobs, base_model, compute)
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,

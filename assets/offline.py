@@ -1,5 +1,6 @@
-"""Offline policy optimisation: a policy trained on logged completions with rewards (scored logs), with no
-new samples — beside the on-policy loop and the DPO path (``training/offline_policy.py``)."""
+"""Offline objectives beside the on-policy loop and the DPO path, with no new samples: a policy trained on
+logged completions with rewards (scored logs, ``training/offline_policy.py``) and KTO on unpaired thumbs
+(feedback logs, ``training/trainer/kto.py``)."""
 import os
 
 import dagster as dg
@@ -7,8 +8,10 @@ import dagster as dg
 from batchrl.assets.common import code_version, run_config_for, train_and_publish
 from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.training.offline_policy import OfflinePolicyConfig, has_logged_logprobs
+from batchrl.training.trainer.config import KTOConfig
 
 OfflinePolicyRunConfig = run_config_for(OfflinePolicyConfig, "OfflinePolicyRunConfig")
+KTORunConfig = run_config_for(KTOConfig, "KTORunConfig")
 
 
 @dg.asset(group_name="offline", kinds={"deepspeed"},
@@ -37,3 +40,18 @@ def offline_policy_checkpoint(context: dg.AssetExecutionContext, config: Offline
     return train_and_publish(context, "train_policy", job_config,
                              {"scored_logs": scored_logs, "policy": base_model, "reference": base_model},
                              offline.seed, storage, catalog, trainer)
+
+
+@dg.asset(group_name="offline", kinds={"deepspeed"},
+          code_version=code_version("batchrl.training.jobs.train_kto", "batchrl.training.algos"))
+def kto_checkpoint(context: dg.AssetExecutionContext, config: KTORunConfig, feedback_logs: Artifact,
+                   base_model: Artifact, storage: StorageResource, catalog: CatalogResource,
+                   trainer: TrainerLauncherResource) -> dg.Output:
+    """KTO of the base model on unpaired thumbs up/down (the feedback logs), its reference log-probs (the base
+    model's, matched and mismatched pairs) computed and cached inside the job; on DeepSpeed via Pipes."""
+    job_config = {"trainer": config.model_dump(),
+                  "feedback_parquet": os.path.join(storage.localize(feedback_logs), "feedback.parquet"),
+                  "model_path": base_model.path}
+    return train_and_publish(context, "train_kto", job_config,
+                             {"feedback_logs": feedback_logs, "base_model": base_model},
+                             config.seed, storage, catalog, trainer)

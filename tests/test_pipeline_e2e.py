@@ -16,7 +16,8 @@ from batchrl.resources import LandingResource
 
 ALL_ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
               "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
-              "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation", "offline_policy_checkpoint"]
+              "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation", "offline_policy_checkpoint",
+              "feedback_logs", "kto_checkpoint"]
 
 # Small enough for a 2-core CI box, large enough that every stage does real work.
 FAST_RUN_CONFIG = {"ops": {
@@ -133,7 +134,8 @@ def test_evaluation_compares_all_models(pipeline):
     _, instance, _ = pipeline
     with open(os.path.join(latest_metadata(instance, "evaluation")["uri"], "evaluation.json")) as f:
         report = json.load(f)
-    assert set(report) == {"base_model", "policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint"}
+    assert set(report) == {"base_model", "policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint",
+                           "kto_checkpoint"}
     # the base model is the DPO reference: its log-ratio margin is zero up to float noise
     assert abs(report["base_model"]["logratio_margin"]) < 1e-3
     # DPO moved the chosen-vs-rejected log-ratio margin on the pairs it trained on
@@ -216,7 +218,7 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
     # evaluation's preference log-probs), scores with the RM in length-sorted batches (rewards) or computes
     # log-probs with the trainer's batching (advantages: KL in the reward, critic values)
     assert code_stale_in_copy() == {"reward_model", "reference_logprobs", "dpo_checkpoint", "policy_checkpoint",
-                                    "offline_policy_checkpoint",
+                                    "offline_policy_checkpoint", "kto_checkpoint",
                                     "advantages", "rewards", "evaluation"}
 
 

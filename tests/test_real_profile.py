@@ -51,7 +51,8 @@ def test_real_profile_runs_the_whole_graph(real_run):
     assert re.search(r"^SUCCESS: \d+ assets materialised", done.stdout, re.M), done.stdout
     with open(os.path.join(_only(storage / "evaluation"), "evaluation.json")) as f:
         report = json.load(f)
-    assert set(report) == {"base_model", "policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint"}
+    assert set(report) == {"base_model", "policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint",
+                           "kto_checkpoint"}
     base = report["base_model"]
     assert {"accuracy/add1", "accuracy/add2", "accuracy/sub", "accuracy/mul", "accuracy/word"} <= set(base)
     # the base model's real answers: English words, not byte soup

@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
             "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
             "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation", "promoted_policy",
-            "offline_policy_checkpoint"}
+            "offline_policy_checkpoint", "feedback_logs", "kto_checkpoint"}
 
 
 class Port(int):

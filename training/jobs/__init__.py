@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-TRAINING_JOBS = ("train_dpo", "train_policy", "train_reward_model")  # data-parallel over N GPUs
+TRAINING_JOBS = ("train_dpo", "train_kto", "train_policy", "train_reward_model")  # data-parallel over N GPUs
 JOBS = (*TRAINING_JOBS, "reference_logprobs", "rollouts", "inference")  # the others run in one process
 # NVLink multicast (NVLS) off: on the lent multi-GPU hosts it hangs or fails collectives.
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}

@@ -138,6 +138,21 @@ class DPOConfig(TrainerConfig):
         return self
 
 
+class KTOConfig(TrainerConfig):
+    """KTO on unpaired binary feedback (TRL ``KTOTrainer`` conventions: summed completion log-probs; the
+    reference point from mismatched pairs, ``trainer/kto.py``)."""
+
+    beta: float = Field(0.1, gt=0, description="temperature of the implicit reward beta * (logp - ref_logp)")
+    desirable_weight: float = Field(1.0, gt=0, description="loss weight of thumbs-up rows (lambda_D)")
+    undesirable_weight: float = Field(1.0, gt=0, description=(
+        "loss weight of thumbs-down rows (lambda_U); with imbalanced feedback keep "
+        "lambda_D n_D / (lambda_U n_U) in [1, 4/3] (the paper's advice)"))
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    micro_batch_size: int = Field(8, ge=2, description="rows per micro-batch (at least 2: the reference point "
+                                  "pairs each prompt with another row's completion)")
+
+
 class RewardModelConfig(TrainerConfig):
     """Bradley-Terry reward model: a scalar head on the base model, ``-log σ(r_chosen − r_rejected)``.
     ``max_pairs`` trains on a seeded sample of that many pairs (smoke-size runs); None = all."""

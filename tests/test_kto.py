@@ -1,0 +1,49 @@
+"""KTO on unpaired thumbs: the trainer moves desirable completions up and undesirable ones down against the
+cached reference, resumes exactly, and runs as an asset on the shipped feedback logs."""
+from __future__ import annotations
+
+import dagster as dg
+import numpy as np
+import pandas as pd
+import pytest
+
+from batchrl.training.trainer.config import KTOConfig
+from batchrl.training.trainer.kto import KTO_REFERENCE, train_kto
+
+
+@pytest.fixture(scope="module")
+def feedback(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kto") / "feedback.parquet"
+    rows = [{"prompt": f"What is {a} + {a}?", "completion": c, "label": up}
+            for a in range(1, 9) for c, up in ((str(2 * a), True), (f"{2 * a + 1} I think", False))]
+    pd.DataFrame(rows).to_parquet(path)
+    return str(path)
+
+
+def test_kto_separates_desirable_from_undesirable_and_resumes(arith_model, feedback, tmp_path):
+    cfg = KTOConfig(epochs=3, micro_batch_size=8, lr=2e-3, beta=0.5)
+    full = train_kto(cfg, feedback_parquet=feedback, model_path=arith_model, out_dir=str(tmp_path / "full"))
+    curve = full["loss_curve"]
+    assert np.isfinite(curve).all() and np.mean(curve[-2:]) < curve[0]
+    assert full["final"]["rewards/desirable"] > full["final"]["rewards/undesirable"]
+    assert (tmp_path / "full" / KTO_REFERENCE).exists() and full["num_desirable"] == 8
+    train_kto(cfg.model_copy(update={"stop_after_steps": 2}), feedback_parquet=feedback, model_path=arith_model,
+              out_dir=str(tmp_path / "cut"))
+    resumed = train_kto(cfg, feedback_parquet=feedback, model_path=arith_model, out_dir=str(tmp_path / "cut"))
+    assert resumed["resumed_from_step"] == 2
+    np.testing.assert_allclose(resumed["loss_curve"], curve, atol=1e-6)
+
+
+def test_kto_checkpoint_through_dagster_on_the_shipped_feedback_logs(tmp_path):
+    from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+    data = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model",
+            "feedback_logs", "kto_checkpoint"]
+    ops = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+           "kto_checkpoint": {"config": {"epochs": 1}}}
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        result = run_assets(local_resources(str(tmp_path / "storage")), instance, data, {"ops": ops})
+        assert result.success
+        meta = latest_metadata(instance, "kto_checkpoint")
+        assert meta["num_examples"] == latest_metadata(instance, "feedback_logs")["valid"] and meta["num_desirable"] > 0
