@@ -13,6 +13,7 @@ from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
 from batchrl.profiles import SELF_PLAY_SOURCES
 from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
+from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.trainer.config import DPOConfig
 
 DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
@@ -30,13 +31,15 @@ class ReferenceConfig(dg.Config):
 class DPOPairsConfig(dg.Config):
     """Which pairs the DPO path trains on: ``logged`` (preference_window), ``self`` (best vs worst
     of the policy's own scored samples, e.g. correct vs incorrect answers, through the scored-logs →
-    pairs path and its contract) or ``both``. ``min_margin``: best − worst reward needed for a pair;
-    ``max_logged_pairs``: cap on the logged pairs taken (a seeded sample; all when unset)."""
+    pairs path and its contract), ``both`` (logged + self) or ``scored`` (best vs worst of the scored logs:
+    ratings, stars, thumbs mapped to a score — the ``scored_pairs`` asset, its margin in its own config).
+    ``min_margin``: best − worst reward needed for a self pair; ``max_logged_pairs``: cap on the logged pairs
+    taken (a seeded sample; all when unset)."""
 
-    source: Literal["logged", "self", "both"] = Field("logged", description="logged: preference_window; self: "
-                                                      "best vs worst of the policy's scored samples; both (self "
-                                                      "and both need dpo_pairs' rewards input: "
-                                                      "BATCHRL_DPO_SELF_PLAY=1 or such a profile)")
+    source: Literal["logged", "self", "both", "scored"] = Field("logged", description=(
+        "logged: preference_window; self: best vs worst of the policy's scored samples; both: logged + self "
+        "(self and both need dpo_pairs' rewards input: BATCHRL_DPO_SELF_PLAY=1 or such a profile); scored: "
+        "best vs worst of the scored logs (scored_pairs)"))
     min_margin: float = Field(0.5, description="self: best - worst reward needed for a pair")
     max_logged_pairs: int | None = Field(None, description="a seeded sample of this many logged pairs (all when unset)")
     seed: int = Field(0, description="seed of the logged-pairs sample")
@@ -55,20 +58,24 @@ def dpo_pairs_asset(self_play: bool) -> dg.AssetsDefinition:
     and runs beside the RL branch (``definitions.dpo_takes_self_play_pairs`` decides)."""
     decorator = dg.asset(name="dpo_pairs", group_name="dpo", kinds={"parquet", "pandera"},
                          code_version=code_version("batchrl.ingest.pairs", config=DPOPairsConfig),
-                         metadata=declared_files(table="preferences.parquet"))
+                         metadata=declared_files(table="preferences.parquet"),
+                         ins={"scored_pairs": dg.AssetIn(metadata={OPTIONAL_KEY: True})})
     if self_play:
         def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
-                      rewards: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+                      scored_pairs: Optional[Artifact], rewards: Artifact, storage: StorageResource,
+                      catalog: CatalogResource) -> dg.Output:
             """The preference pairs of the DPO path (one id per pair), from the configured source."""
-            return _pairs(context, config, preference_window, rewards, storage, catalog)
+            return _pairs(context, config, preference_window, scored_pairs, rewards, storage, catalog)
     else:
         def dpo_pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
-                      storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-            """The preference pairs of the DPO path (one id per pair): the logged ones (this code location's DPO
-            path does not wait for the policy's samples; BATCHRL_DPO_SELF_PLAY=1 builds it with them)."""
+                      scored_pairs: Optional[Artifact], storage: StorageResource,
+                      catalog: CatalogResource) -> dg.Output:
+            """The preference pairs of the DPO path (one id per pair): the logged ones or the scored logs' (this
+            code location's DPO path does not wait for the policy's samples; BATCHRL_DPO_SELF_PLAY=1 builds it
+            with them)."""
             if config.source in SELF_PLAY_SOURCES:
                 raise dg.Failure(self_play_missing(config.source))
-            return _pairs(context, config, preference_window, None, storage, catalog)
+            return _pairs(context, config, preference_window, scored_pairs, None, storage, catalog)
     return decorator(dpo_pairs)
 
 
@@ -91,8 +98,15 @@ def self_play_missing(source: str) -> str:
 
 
 def _pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
-           rewards: Artifact | None, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+           scored_pairs: Artifact | None, rewards: Artifact | None, storage: StorageResource,
+           catalog: CatalogResource) -> dg.Output:
     parts, metadata = [], {"source": config.source}
+    if config.source == "scored":
+        if scored_pairs is None:
+            raise dg.Failure("dpo_pairs: source 'scored' takes the scored logs' pairs, but scored_pairs has never "
+                             "been materialised: materialise scored_logs and scored_pairs first")
+        parts.append(scored_pairs.read_table()[["prompt", "chosen", "rejected"]])
+        metadata["scored_pairs"] = len(parts[-1])
     if config.source in ("logged", "both"):
         logged = preference_window.read_table()
         if config.max_logged_pairs and len(logged) > config.max_logged_pairs:
@@ -117,7 +131,8 @@ def _pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference
         pairs["id"] = _pair_ids(pairs)
         pairs = pairs.drop_duplicates("id", ignore_index=True)
         pairs.to_parquet(output_file(context, staging), index=False)
-        inputs = {"preference_window": preference_window, **({"rewards": rewards} if rewards is not None else {})}
+        inputs = {"preference_window": preference_window, **({"rewards": rewards} if rewards is not None else {}),
+                  **({"scored_pairs": scored_pairs} if config.source == "scored" else {})}
         return publish(context, storage, catalog, staging, config=config.model_dump(), inputs=inputs,
                        metadata={**metadata, "pairs": len(pairs)})
 

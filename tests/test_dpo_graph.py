@@ -65,3 +65,36 @@ def test_batchrl_run_builds_the_self_play_graph_when_its_config_asks(tmp_path, m
     assert not dpo_takes_self_play_pairs()
     _run_config(argparse.Namespace(profile=None, config=[str(own)], rl_iterations=None))
     assert dpo_takes_self_play_pairs()
+
+
+def test_ratings_reach_dpo_through_config_alone(tmp_path):
+    """The seeds' scenario (prompt, response, rating 1-5): scored_logs maps rating -> score, scored_pairs keeps
+    best vs worst, dpo_pairs with source scored trains on them — config only, through the assets."""
+    import json
+
+    from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+    from batchrl.resources import LandingResource
+
+    scored = tmp_path / "scored"
+    scored.mkdir()
+    with open(scored / "ratings.jsonl", "w") as f:
+        for a in range(1, 7):
+            for answer, rating in ((str(2 * a), 5), (str(2 * a + 1), 1), ("no idea", 2)):
+                f.write(json.dumps({"prompt": f"What is {a} + {a}?", "response": answer, "rating": rating,
+                                    "category": "arith"}) + "\n")
+    resources = local_resources(str(tmp_path / "storage"), LandingResource(scored=str(scored)))
+    ops = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+           "scored_logs": {"config": {"field_mapping": {"rating": "score"}}},
+           "scored_pairs": {"config": {"pair_min_margin": 2.0}},
+           "dpo_pairs": {"config": {"source": "scored"}}, "dpo_checkpoint": {"config": {"epochs": 1}}}
+    selection = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model",
+                 "scored_logs", "scored_pairs", *DPO_PATH]
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
+        result = run_assets(resources, instance, selection, {"ops": ops})
+        assert result.success
+        assert latest_metadata(instance, "scored_pairs")["valid"] == 6
+        pairs = latest_metadata(instance, "dpo_pairs")
+        assert pairs["source"] == "scored" and pairs["pairs"] == pairs["scored_pairs"] == 6
+        latest_metadata(instance, "dpo_checkpoint")
