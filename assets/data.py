@@ -16,6 +16,7 @@ from batchrl.assets.common import code_version, declared_files, publish, run_con
 from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri, landing_root
 from batchrl.ingest import IngestConfig, StageReport, check_reject_rate, discover_inputs, ingest_logs, scored_to_pairs
 from batchrl.ingest.config import FeedbackLogsConfig, PreferenceDropConfig, ScoredLogsConfig
+from batchrl.ingest.pairs import PairsConfig
 from batchrl.ingest.window import combine_drops
 from batchrl.resources import Artifact, CatalogResource, LandingResource, StorageResource
 
@@ -23,6 +24,7 @@ INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
 IngestRunConfig = run_config_for(PreferenceDropConfig, "IngestRunConfig")
 ScoredLogsRunConfig = run_config_for(ScoredLogsConfig, "ScoredLogsRunConfig")
 FeedbackLogsRunConfig = run_config_for(FeedbackLogsConfig, "FeedbackLogsRunConfig")
+ScoredPairsConfig = run_config_for(PairsConfig, "ScoredPairsConfig")
 REPORT_FILE = "report.json"
 DROP_CONTENT_TAG = "batchrl/drop_content"  # set by the sensor: the drop's content key it saw
 
@@ -224,14 +226,6 @@ def feedback_logs(context: dg.AssetExecutionContext, config: FeedbackLogsRunConf
     (``label_values`` adds more); a conversation's last assistant message is the completion."""
     return _ingest_landing(context, to_library_config(config, FeedbackLogsConfig), landing.feedback, landing,
                            storage, catalog, config)
-
-
-class ScoredPairsConfig(dg.Config):
-    """How scored logs become preference pairs (``ingest.pairs.scored_to_pairs``)."""
-
-    pair_min_margin: float = pydantic.Field(0.0, ge=0.0, description=(
-        "a prompt gives a pair only when best score - worst score > 0 and >= this margin; other prompts are "
-        "quarantined as below_margin"))
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet"}, metadata=declared_files(table="pairs.parquet"))

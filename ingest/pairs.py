@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pydantic import BaseModel, Field
+
 from batchrl.fsutil import duckdb_for
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.validate import cleaned_files, run_contract
@@ -35,6 +37,14 @@ SELECT b.prompt, b.response AS chosen, w.response AS rejected, b.score AS chosen
 FROM r b JOIN r w ON b.prompt = w.prompt AND b.best_rank = 1 AND w.worst_rank = 1
 ORDER BY b.first_ord
 """
+
+
+class PairsConfig(BaseModel):
+    """How scored logs become preference pairs (the ``scored_pairs`` asset's config)."""
+
+    pair_min_margin: float = Field(0.0, ge=0.0, description=(
+        "a prompt gives a pair only when best score - worst score > 0 and >= this margin; other prompts are "
+        "quarantined as below_margin"))
 
 
 def _split(batch: pa.Table, min_margin: float) -> tuple[pa.Table, pa.Table]:

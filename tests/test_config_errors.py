@@ -60,16 +60,27 @@ def test_one_run_config_error_class():
 
 
 @pytest.mark.parametrize("select, ops, named", [
-    ("scored_logs", {"scored_logs": {"config": {"totally_bogus_key": 1}}}, "ops.scored_logs.config: scored_logs "
-     "takes no config, got totally_bogus_key"),
-    ("scored_pairs", {"scored_pairs": {"config": {"pair_min_margin": 10.0}}}, "ops.scored_pairs.config: "
-     "scored_pairs takes no config, got pair_min_margin"),
-    # an op outside the selection is still checked: the file says it, so it must mean something
-    ("prompts", {"scored_pairs": {"config": {"pair_min_margin": 10.0}}}, "got pair_min_margin"),
+    # scored_logs / scored_pairs take config since issue 31 (the log-drop mapping config; pair_min_margin):
+    # a key they do not take, or a value their config refuses, stops the run up front
+    ("scored_logs", {"scored_logs": {"config": {"totally_bogus_key": 1}}}, "totally_bogus_key"),
+    ("scored_logs", {"scored_logs": {"config": {"kind": "preference"}}}, "kind"),
+    ("scored_pairs", {"scored_pairs": {"config": {"pair_min_margin": -1.0}}}, "pair_min_margin"),
 ])
-def test_config_for_an_asset_without_config_is_an_error(run_cli, select, ops, named):
+def test_config_an_asset_cannot_honour_is_an_error(run_cli, select, ops, named):
     code, err = run_cli(select, ops)
     assert code == 2 and named in err, err
+
+
+def test_config_for_an_asset_without_config_is_an_error():
+    """Dagster gives an op without config a permissive schema: its keys would be ignored silently."""
+    from batchrl.runconfig import RunConfigError, check_config_taken
+
+    @dg.asset
+    def plain():
+        return 1
+
+    with pytest.raises(RunConfigError, match="ops.plain.config: plain takes no config, got k"):
+        check_config_taken(dg.Definitions(assets=[plain]), {"ops": {"plain": {"config": {"k": 1}}}})
 
 
 def test_config_under_an_asset_of_a_multi_asset_step_names_the_step(run_cli):
@@ -86,7 +97,8 @@ def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path)
 
     defs = build_definitions(local_resources(str(tmp_path / "s")), dpo_self_play=True)
     ops = {"log_drop": {"config": {"reject_threshold": 0.5, "pair_min_margin": 1.0}},
-           "scored_logs": {"config": {}}, "scored_pairs": {"config": None},  # no keys: nothing to refuse
+           "scored_logs": {"config": {"field_mapping": {"rating": "score"}}},
+           "scored_pairs": {"config": {"pair_min_margin": 1.0}},
            "rollouts": {"config": {"greedy_baseline": True}}, "advantages": {"config": {"estimator": "remax"}}}
     validate_plan(defs, {"ops": ops}, [(selected_job(defs), {"ops": ops})])
     for name in available_profiles():
