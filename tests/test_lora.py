@@ -294,3 +294,17 @@ def test_killed_lora_job_resumes_to_the_uninterrupted_adapter(inputs, tmp_path):
     assert meta["loss_curve"] == pytest.approx(full["loss_curve"], abs=1e-6)
     a, b = (load_file(os.path.join(d, "model", lora.ADAPTER_WEIGHTS)) for d in (tmp_path / "full", tmp_path / "cut"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+def test_lora_under_zero3_resumes_to_the_zero0_adapter(inputs, tmp_path):
+    """ZeRO-3 partitions the frozen base too: the adapter is gathered for its export, and a run stopped after a
+    checkpoint (adapters + optimiser state only) resumes to what one ZeRO-0 run trains."""
+    kw = {k: inputs[k] for k in ("pairs_parquet", "reference_parquet", "model_path")}
+    cfg = DPOConfig(epochs=1, micro_batch_size=8, lr=1e-2, save_every=2, **LORA)
+    plain = train_dpo(cfg, out_dir=str(tmp_path / "z0"), **kw)
+    zero3 = cfg.model_copy(update={"zero_stage": 3})
+    assert train_dpo(zero3.model_copy(update={"stop_after_steps": 3}), out_dir=str(tmp_path / "z3"), **kw)["stopped_early"]
+    resumed = train_dpo(zero3, out_dir=str(tmp_path / "z3"), **kw)
+    assert resumed["resumed_from_step"] == 3 and resumed["loss_curve"] == pytest.approx(plain["loss_curve"], abs=1e-6)
+    a, b = (load_file(os.path.join(r["model_dir"], lora.ADAPTER_WEIGHTS)) for r in (plain, resumed))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5, rtol=0) for k in a)

@@ -91,6 +91,7 @@ PRELOAD_MODULES = (
     "batchrl.training.jobs._runtime", "batchrl.training.rollout.static_engine", "batchrl.training.evaluate",
     "batchrl.training.rewards", "batchrl.training.reward_model", "batchrl.training.trainer.reference",
     "batchrl.training.trainer.dpo", "batchrl.training.trainer.policy", "batchrl.training.trainer.reward",
+    "peft",  # LoRA runs and adapter checkpoints (training/lora.py)
     "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
     "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
 )
