@@ -182,28 +182,14 @@ class IngestConfig(BaseModel):
         return METADATA_FIELDS[self.kind]
 
 
-class PreferenceDropConfig(IngestConfig):
-    """Ingest of one log drop into ``validated_preferences``: the drop must hold preference pairs, so
-    another ``kind`` is refused when the config is written (never published under the wrong name)."""
-
-    # the launchpad lists both kinds so that 'scored' reaches the validator below and its reason is shown
-    kind: Literal["preference", "scored"] = Field("preference", description=(
-        "'preference' only: a log drop publishes validated_preferences (prompt/chosen/rejected); scored "
-        "logs (prompt/response/score) land in the scored landing folder and are read by scored_logs"))
-
-    @field_validator("kind", mode="before")
-    @classmethod
-    def _preference_only(cls, kind):
-        if kind != "preference":
-            raise ValueError(
-                f"kind {kind!r}: a log drop publishes validated_preferences, which holds preference pairs "
-                "(prompt/chosen/rejected) only; put scored logs (prompt/response/score) in the landing's scored "
-                "folder, which the scored_logs asset reads")
-        return kind
+#: where each kind lands and which asset publishes it: (landing folder, asset)
+KIND_HOMES = {"preference": ("preferences", "validated_preferences (log_drop)"), "scored": ("scored", "scored_logs"),
+              "feedback": ("feedback", "feedback_logs")}
 
 
 class _OneKindConfig(IngestConfig):
-    """The config of an asset that publishes one kind: another ``kind`` is refused when written."""
+    """The config of an asset that publishes one kind: another ``kind`` is refused when the config is
+    written (rows are never published under the wrong name), saying where such logs belong."""
 
     KIND: ClassVar[str] = "preference"
 
@@ -211,9 +197,22 @@ class _OneKindConfig(IngestConfig):
     @classmethod
     def _only_own_kind(cls, kind):
         if kind != cls.KIND:
-            raise ValueError(f"kind {kind!r}: this asset publishes {cls.KIND} rows only ({', '.join(REQUIRED_FIELDS[cls.KIND])}); "
-                             "put other logs in the landing folder of their kind")
+            folder, asset = KIND_HOMES.get(kind, ("?", "?"))
+            raise ValueError(
+                f"kind {kind!r}: {KIND_HOMES[cls.KIND][1]} holds {cls.KIND} rows ({'/'.join(REQUIRED_FIELDS[cls.KIND])}) "
+                f"only; put {kind} logs ({'/'.join(REQUIRED_FIELDS.get(kind, ()))}) in the landing's {folder} folder, "
+                f"which the {asset} asset reads")
         return kind
+
+
+class PreferenceDropConfig(_OneKindConfig):
+    """Ingest of one log drop into ``validated_preferences``: the drop must hold preference pairs."""
+
+    # the launchpad lists every kind so that another reaches the validator and its reason is shown
+    kind: Kind = Field("preference", description=(
+        "'preference' only: a log drop publishes validated_preferences (prompt/chosen/rejected); scored "
+        "logs (prompt/response/score) land in the scored landing folder and are read by scored_logs, "
+        "feedback (prompt/completion/label) in the feedback folder, read by feedback_logs"))
 
 
 class ScoredLogsConfig(_OneKindConfig):
