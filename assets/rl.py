@@ -72,14 +72,16 @@ AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
             storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
+    data_sources = known_data_sources(config, context.run.run_config or {})
     table = load_prompts(landing.prompts, landing.storage_options, mapping=config.field_mapping,
-                         data_sources=known_data_sources(config, context.run.run_config or {}))
+                         data_sources=data_sources)
     fs, path = fsutil.filesystem_for(landing.prompts, landing.storage_options)
     source = {"uri": landing.prompts, "sha256": fsutil.sha256_file(fs, path)}
     with storage.staging_dir("prompts") as staging:
         table.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging,
-                       config={"landing": landing.prompts, "field_mapping": config.field_mapping},
+                       config={"landing": landing.prompts, "field_mapping": config.field_mapping,
+                               "data_sources": data_sources},
                        input_files=[source],
                        metadata={"rows": len(table), "categories": table["category"].value_counts().to_dict()})
 
