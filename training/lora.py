@@ -107,20 +107,40 @@ def check_same_shape(cfg: Any, adapter_path: str) -> None:
                          "it with the same values, or start a new chain from the base model")
 
 
-def trainable(load_model: Callable[[str], tuple[Any, Any]], model_path: str, cfg: Any,
+def frozen_base_placement(cfg: Any) -> dict[str, Any]:
+    """How a LoRA run loads its frozen base: on a GPU in bf16 straight onto its device when the run computes in
+    bf16 (``bf16`` or ``bf16_amp``: a frozen fp32 copy would only double the memory and the load; the adapters
+    stay fp32, PEFT's default, and the job worker's weight cache can serve the base the rollouts and reference
+    pass loaded); else as full fine-tuning loads it (fp32 on the host; the CPU stays fp32)."""
+    from batchrl.training.trainer.engine import gpu_precision, use_cuda
+
+    if use_cuda() and gpu_precision(cfg) in ("bf16", "bf16_amp"):
+        return {"dtype": torch.bfloat16, "device": f"cuda:{os.environ.get('LOCAL_RANK', '0')}"}
+    return {}
+
+
+def trainable(load_model: Callable[..., tuple[Any, Any]], model_path: str, cfg: Any,
               task_type: str) -> tuple[Any, Any, str]:
-    """``(peft model, tokenizer, base folder)`` to train: ``load_model(base)`` with a new adapter of ``cfg``'s
-    shape, or, when ``model_path`` is itself an adapter (a policy chain's parent), with that adapter loaded
-    trainable (it is trained further, the base stays frozen)."""
+    """``(peft model, tokenizer, base folder)`` to train: ``load_model(base, **frozen_base_placement(cfg))`` with a
+    new adapter of ``cfg``'s shape, or, when ``model_path`` is itself an adapter (a policy chain's parent), with
+    that adapter loaded trainable (it is trained further, the base stays frozen)."""
     from peft import PeftModel, get_peft_model
 
+    placement = frozen_base_placement(cfg)
     if is_adapter_folder(model_path):
         check_same_shape(cfg, model_path)
         base = resolve_base(model_path)
-        model, tokenizer = load_model(base)
-        return PeftModel.from_pretrained(model, model_path, is_trainable=True), tokenizer, base
-    model, tokenizer = load_model(model_path)
-    return get_peft_model(model, peft_config(cfg, task_type)), tokenizer, model_path
+        model, tokenizer = load_model(base, **placement)
+        model = PeftModel.from_pretrained(model, model_path, is_trainable=True)
+    else:
+        base = model_path
+        model, tokenizer = load_model(model_path, **placement)
+        model = get_peft_model(model, peft_config(cfg, task_type))
+    with torch.no_grad():  # what is trained is fp32 (a head copied from a bf16 base too): the optimiser's precision
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+    return model, tokenizer, base
 
 
 def is_peft_model(model: Any) -> bool:

@@ -37,7 +37,7 @@ def is_value_model(path: str) -> bool:
     return any(a.endswith("ForTokenClassification") for a in _architectures(path))
 
 
-def load_value_model(path: str, *, device: str = "cpu"):
+def load_value_model(path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(value model, tokenizer) from a critic checkpoint; from a reward model (sequence classifier,
     one label) its score head becomes the value head, so V(s_t) starts as the RM's score of the
     prefix; from a causal LM the head starts at zero. A LoRA critic (an adapter of ``TOKEN_CLS``): its base as a
@@ -49,7 +49,7 @@ def load_value_model(path: str, *, device: str = "cpu"):
 
     if lora.is_adapter_folder(path):
         if lora.read_adapter_config(path).get("task_type") == lora.TOKEN_CLS:
-            model = lora.load_merged(path, lambda base: load_value_model(base, device=device)[0])
+            model = lora.load_merged(path, lambda base: load_value_model(base, device=device, dtype=dtype)[0])
             model.config.use_cache = False
             return model, load_tokenizer(path)
         path = lora.resolve_base(path)
@@ -58,7 +58,7 @@ def load_value_model(path: str, *, device: str = "cpu"):
         a.endswith("ForSequenceClassification") for a in _architectures(path))
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # the head's default 0.1 dropout would make values noisy in training
-    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32)
+    model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
     if not existing:
         with torch.no_grad():
             if not from_reward_model:

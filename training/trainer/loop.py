@@ -23,10 +23,10 @@ from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make
 Report = Callable[[dict, int], None]
 
 
-def load_trainable(model_path: str):
+def load_trainable(model_path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from batchrl.training.tiny_model import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(model_path, dtype=torch.float32, device="cpu")
+    model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
     model.config.use_cache = False
     return model.train(), tokenizer
 
@@ -126,7 +126,7 @@ class TrainLoop:
 
     def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
                  inputs: dict[str, str] | None = None, report: Report | None = None,
-                 load_model: Callable[[str], tuple[Any, Any]] = load_trainable, task_type: str = lora.CAUSAL_LM):
+                 load_model: Callable[..., tuple[Any, Any]] = load_trainable, task_type: str = lora.CAUSAL_LM):
         self.cfg, self.out_dir, self.total_steps, self.model_path = cfg, out_dir, total_steps, model_path
         self._clock = PhaseClock()  # where the job's wall time went (metadata: a GPU's idle parts)
         self._steps_from: float | None = None

@@ -28,10 +28,10 @@ def load_pairs(pairs_parquet: str, cfg: RewardModelConfig) -> pd.DataFrame:
     return pairs.reset_index(drop=True)
 
 
-def _trainable_reward_model(path: str):
+def _trainable_reward_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     from batchrl.training.reward_model import load_reward_model
 
-    model, tokenizer = load_reward_model(path)
+    model, tokenizer = load_reward_model(path, dtype=dtype, device=device)
     model.config.use_cache = False
     return model.train(), tokenizer
 
