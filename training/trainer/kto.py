@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -56,12 +55,12 @@ def encode_feedback(tokenizer: Any, frame: pd.DataFrame, max_length: int) -> dic
     return out
 
 
-def _reference(loop: TrainLoop, cfg: KTOConfig, rows: dict[str, dict]) -> dict[str, np.ndarray]:
+def _reference(loop: TrainLoop, cfg: KTOConfig, rows: dict[str, dict]) -> dict[str, torch.Tensor]:
     """Summed reference log-probs of the matched and mismatched pairs, computed before the first update and
-    cached in ``out_dir``."""
+    cached in ``out_dir`` (tensors and the run key only: it loads with ``weights_only=True``)."""
     path = os.path.join(loop.out_dir, KTO_REFERENCE)
     if os.path.exists(path):
-        cached = torch.load(path, weights_only=False)
+        cached = torch.load(path, weights_only=True)
         if cached.get("run_key") == loop.run_key:
             return cached
     pad_id = loop.tokenizer.pad_token_id
@@ -69,7 +68,7 @@ def _reference(loop: TrainLoop, cfg: KTOConfig, rows: dict[str, dict]) -> dict[s
     for name, part in rows.items():
         per_token = sequence_token_logprobs(loop.model, part, pad_id, loop.device, temperature=1.0,
                                             max_tokens=cfg.measure_batch_tokens)
-        ref[name] = np.array([float(t.sum()) for t in per_token], dtype=np.float32)
+        ref[name] = torch.tensor([float(t.sum()) for t in per_token], dtype=torch.float32)
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(ref, tmp)
     os.replace(tmp, path)
@@ -97,7 +96,7 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
     desirable = torch.as_tensor(frame["label"].astype(bool).to_numpy())
     with loop.measure_context("reference_logprobs"):
         ref = _reference(loop, cfg, rows)
-    ref_matched, ref_mismatched = (torch.as_tensor(ref[k]) for k in ("matched", "mismatched"))
+    ref_matched, ref_mismatched = ref["matched"], ref["mismatched"]
     lengths = [len(p) + len(r) for p, r in zip(rows["matched"]["prompt_ids"], rows["matched"]["response_ids"])] \
         if cfg.group_by_length else None
     for epoch in range(loop.state["epoch"], cfg.epochs):
