@@ -91,7 +91,7 @@ def _logged_logprobs(frame: pd.DataFrame, field: str) -> list | None:
 def logged_batch(frame: pd.DataFrame, tokenizer: Any, cfg: OfflinePolicyConfig) -> tuple[pd.DataFrame, dict]:
     """The policy trainer's batch from validated scored logs, and metrics saying what was used. Raises
     ``ValueError`` naming the row when logged log-probs are asked for and missing or of the wrong length."""
-    from batchrl.training.text import encode_prompt_completions, encode_prompts
+    from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
 
     frame = frame.reset_index(drop=True)
     group = frame.groupby("prompt", sort=False)["score"]
@@ -119,7 +119,8 @@ def logged_batch(frame: pd.DataFrame, tokenizer: Any, cfg: OfflinePolicyConfig) 
                          "logged with two or more scored responses)")
     prompts, responses = frame["prompt"].tolist(), frame["response"].tolist()
     encoded = encode_prompt_completions(tokenizer, prompts, responses, cfg.max_length,
-                                        prompt_ids=encode_prompts(tokenizer, prompts))
+                                        prompt_ids=encode_prompts(tokenizer, prompts,
+                                                                  prompt_messages(frame.to_dict("records"))))
     prompt_ids = [ids[:start] for ids, start in encoded]
     response_ids = [ids[start:] for ids, start in encoded]
     batch = pd.DataFrame({"prompt": prompts, "prompt_ids": prompt_ids, "response_ids": response_ids,

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from batchrl.training.phases import phase
-from batchrl.training.text import encode_prompt_completions
+from batchrl.training.text import encode_prompt_completions, prompt_messages
 from batchrl.training.tiny_model import load_pretrained, load_tokenizer
 
 
@@ -48,9 +48,12 @@ def load_reward_model(path: str, *, dtype: torch.dtype | str = torch.float32, de
         return model, tokenizer
 
 
-def encode_scored(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int) -> list[list[int]]:
-    """Token ids the reward model scores for each (prompt, response): ``render(prompt) + response + eos``."""
-    return [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length)]
+def encode_scored(tokenizer: Any, prompts: list[str], responses: list[str], max_length: int,
+                  messages: list | None = None) -> list[list[int]]:
+    """Token ids the reward model scores for each (prompt, response): ``render(prompt) + response + eos``
+    (``messages``: multi-turn contexts rendered in the prompts' place)."""
+    return [ids for ids, _ in encode_prompt_completions(tokenizer, list(prompts), list(responses), max_length,
+                                                        messages=messages)]
 
 
 def sequence_scores(model: Any, sequences: list[list[int]], pad_id: int) -> torch.Tensor:
@@ -99,7 +102,9 @@ def score_sequences(model: Any, sequences: list[list[int]], pad_id: int, *, batc
 def encode_pairs_scored(tokenizer: Any, pairs: pd.DataFrame, max_length: int) -> list[list[int]]:
     """The scored sequences of every pair: the chosen ones (pair order), then the rejected ones."""
     prompts = pairs["prompt"].tolist()
-    return encode_scored(tokenizer, prompts * 2, pairs["chosen"].tolist() + pairs["rejected"].tolist(), max_length)
+    messages = prompt_messages(pairs.to_dict("records"))
+    return encode_scored(tokenizer, prompts * 2, pairs["chosen"].tolist() + pairs["rejected"].tolist(), max_length,
+                         messages=None if messages is None else messages * 2)
 
 
 def pair_accuracy(model, pad_id: int, sequences: list[list[int]], *, batch_size: int,

@@ -5,16 +5,28 @@ so log-probs computed by the rollout engine, the reference pass and the trainer 
 """
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Sequence
+
+Messages = str | Sequence[dict] | None  # a conversation before the trained turn: {role, content} dicts or their JSON
 
 
-def render_prompt(tokenizer: Any, prompt: str) -> str:
-    """Render a user prompt with the tokenizer's chat template, ready for the assistant's reply."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    return prompt
+def render_prompt(tokenizer: Any, prompt: str, messages: Messages = None) -> str:
+    """Render a user prompt with the tokenizer's chat template, ready for the assistant's reply. ``messages``
+    (a multi-turn context, the ``prompt_messages`` column of the log contracts) is rendered turn by turn
+    instead; without a chat template the plain ``prompt`` text is the prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        return prompt
+    turns = json.loads(messages) if isinstance(messages, str) else messages
+    return tokenizer.apply_chat_template(
+        list(turns) if turns else [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+
+
+def prompt_messages(rows: Sequence[dict]) -> list[Messages] | None:
+    """The rows' multi-turn contexts (``prompt_messages``), or None when no row has one."""
+    messages = [row.get("prompt_messages") for row in rows]
+    messages = [m if isinstance(m, (str, list, tuple)) and len(m) else None for m in messages]
+    return messages if any(m is not None for m in messages) else None
 
 
 def encode_prompt_completion(
@@ -27,24 +39,28 @@ def encode_prompt_completion(
     return encode_prompt_completions(tokenizer, [prompt], [completion], max_length)[0]
 
 
-def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+def encode_prompts(tokenizer: Any, prompts: list[str], messages: Sequence[Messages] | None = None) -> list[list[int]]:
     """The rendered prompts' ids, one batched tokenizer call; a prompt repeated (rollouts ask each one n times,
-    preference pairs share theirs between chosen and rejected) is rendered and encoded once."""
-    unique = list(dict.fromkeys(prompts))
-    encoded = dict(zip(unique, tokenizer([render_prompt(tokenizer, p) for p in unique],
+    preference pairs share theirs between chosen and rejected) is rendered and encoded once. ``messages``: per
+    prompt, its multi-turn context (or None), rendered with the chat template in its place."""
+    contexts = [m if m is None or isinstance(m, str) else json.dumps(list(m)) for m in (messages or [None] * len(prompts))]
+    keys = list(zip(prompts, contexts))
+    unique = list(dict.fromkeys(keys))
+    encoded = dict(zip(unique, tokenizer([render_prompt(tokenizer, p, m) for p, m in unique],
                                          add_special_tokens=False)["input_ids"])) if unique else {}
-    return [encoded[p] for p in prompts]
+    return [encoded[k] for k in keys]
 
 
 def encode_prompt_completions(tokenizer: Any, prompts: list[str], completions: list[str],
                               max_length: int | None = None,
-                              prompt_ids: list[list[int]] | None = None) -> list[tuple[list[int], int]]:
+                              prompt_ids: list[list[int]] | None = None,
+                              messages: Sequence[Messages] | None = None) -> list[tuple[list[int], int]]:
     """``encode_prompt_completion`` for many rows, with one batched tokenizer call per side (the
     per-row Python calls dominated the CPU time of a training step on GPUs). ``prompt_ids``: the prompts'
-    ids from ``encode_prompts`` when the caller has them already."""
+    ids from ``encode_prompts`` when the caller has them already; ``messages``: multi-turn contexts."""
     if not prompts:
         return []
-    prompt_rows = encode_prompts(tokenizer, prompts) if prompt_ids is None else prompt_ids
+    prompt_rows = encode_prompts(tokenizer, prompts, messages) if prompt_ids is None else prompt_ids
     completion_rows = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []

@@ -109,10 +109,10 @@ def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperatu
 
 def encode_pairs(tokenizer: Any, rows: Sequence[dict], max_length: int) -> list[dict]:
     """Tokenise preference rows (``prompt, chosen, rejected``) into prompt / completion id lists."""
-    from batchrl.training.text import encode_prompt_completions, encode_prompts
+    from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
 
     prompts = [row["prompt"] for row in rows]
-    prompt_ids = encode_prompts(tokenizer, prompts)  # once for both sides
+    prompt_ids = encode_prompts(tokenizer, prompts, prompt_messages(rows))  # once for both sides; multi-turn context
     encoded = [{"id": str(row.get("id", i))} for i, row in enumerate(rows)]
     for side in ("chosen", "rejected"):
         for item, (ids, start) in zip(encoded, encode_prompt_completions(

@@ -42,10 +42,10 @@ def load_feedback(feedback_parquet: str) -> pd.DataFrame:
 def encode_feedback(tokenizer: Any, frame: pd.DataFrame, max_length: int) -> dict[str, list]:
     """Prompt/completion ids of every row (``matched``) and of every prompt with the next row's completion
     (``mismatched``: row i's prompt, row (i + 1) mod n's completion), the KL reference point's pairs."""
-    from batchrl.training.text import encode_prompt_completions, encode_prompts
+    from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
 
     prompts, completions = frame["prompt"].tolist(), frame["completion"].tolist()
-    prompt_ids = encode_prompts(tokenizer, prompts)
+    prompt_ids = encode_prompts(tokenizer, prompts, prompt_messages(frame.to_dict("records")))
     shifted = completions[1:] + completions[:1]
     out = {}
     for name, texts in (("matched", completions), ("mismatched", shifted)):
