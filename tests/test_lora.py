@@ -177,13 +177,22 @@ def test_rollouts_from_base_plus_adapter_equal_the_merged_models(dpo_adapter, me
 
 
 def test_evaluation_and_reference_logprobs_from_base_plus_adapter_equal_the_merged_models(inputs, dpo_adapter,
-                                                                                          merged, tmp_path):
+                                                                                          merged, tmp_path,
+                                                                                          monkeypatch):
     from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.rollout import make_rollout_engine
+
+    from batchrl.training import evaluate
 
     pairs, reference = pd.read_parquet(inputs["pairs_parquet"]), pd.read_parquet(inputs["reference_parquet"])
-    results = evaluate_models({"adapter": dpo_adapter[1], "merged": merged}, arith_eval=ARITH_EVAL[:8], pairs=pairs,
-                              reference=reference, max_new_tokens=6, max_length=64)
-    assert results["adapter"] == results["merged"]
+    built = []
+    monkeypatch.setattr(evaluate, "make_rollout_engine", lambda *a, **kw: built.append(kw["model_path"]) or
+                        make_rollout_engine(*a, **kw))
+    options = dict(arith_eval=ARITH_EVAL[:8], pairs=pairs, reference=reference, max_new_tokens=6, max_length=64)
+    results = evaluate_models({"base": inputs["model_path"], "adapter": dpo_adapter[1], "merged": merged}, **options)
+    assert built == [inputs["model_path"]]  # one engine: the adapter merged into the base's weights in place
+    alone = evaluate_models({"adapter": dpo_adapter[1]}, **options)["adapter"]  # its own engine, merged at load
+    assert results["adapter"] == results["merged"] == alone != results["base"]
     logps = []
     for name, path in (("adapter", dpo_adapter[1]), ("merged", merged)):
         compute_reference_logprobs(path, inputs["pairs_parquet"], str(tmp_path / f"{name}.parquet"), max_length=64)

@@ -211,6 +211,28 @@ def apply_merged(model: Any, adapter_path: str) -> Any:
     return merged.eval()
 
 
+def merges_in_place(adapter_path: str) -> bool:
+    """Whether ``merge_in_place`` can take this adapter: plain LoRA weights, no modules it replaces."""
+    config = read_adapter_config(adapter_path)
+    return not config.get("modules_to_save") and not config.get("use_dora")
+
+
+@torch.no_grad()
+def merge_in_place(model: Any, adapter_path: str) -> None:
+    """Merge the adapter into ``model`` (its base's weights, loaded) in place: every adapted weight's own storage
+    gets ``+ (alpha / r) B A`` (an engine's captured CUDA graphs stay valid) and the adapter's wrappers are
+    removed again. An adapter with ``modules_to_save`` (a classifier head) replaces modules: use ``apply_merged``."""
+    from peft import PeftModel
+
+    if not merges_in_place(adapter_path):
+        raise ValueError(f"{adapter_path}: this adapter replaces modules (modules_to_save, DoRA); use apply_merged")
+    was_training = model.training
+    merged = PeftModel.from_pretrained(model, adapter_path).merge_and_unload(safe_merge=False)
+    if merged is not model:
+        raise RuntimeError("peft returned another model object from merge_and_unload")
+    model.train(was_training)
+
+
 def load_merged(path: str, load_base: Callable[[str], Any]) -> Any:
     """The model of the adapter folder ``path``: ``load_base(base folder)`` with the adapter merged in (a
     chain of adapters is applied base first). The torch RNG is left as it was (a classifier head the base

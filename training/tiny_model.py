@@ -314,10 +314,18 @@ def load_checkpoint_in_place(model: Any, path: str, *, dtype: torch.dtype | str,
                              tensors: dict[str, torch.Tensor] | None = None) -> bool:
     """Copy the weights of ``path`` (another checkpoint of ``model``'s model) into ``model``: from the job worker's
     weight cache where it holds them (device to device), else from ``tensors`` (``weights.read_weights``) or the
-    files, then kept in the cache for the next load. False, ``model`` untouched, when they do not fit it."""
-    from batchrl.training import weight_cache
+    files, then kept in the cache for the next load. False, ``model`` untouched, when they do not fit it. A LoRA
+    adapter folder: its base's weights copied so, then the adapter merged into them in place (``tensors``: the
+    base's, as ``read_weights`` reads an adapter folder)."""
+    from batchrl.training import lora, weight_cache
     from batchrl.training.weights import load_weights_in_place
 
+    if lora.is_adapter_folder(path):
+        if not lora.merges_in_place(path) or not load_checkpoint_in_place(
+                model, lora.resolve_base(path), dtype=dtype, device=device, tensors=tensors):
+            return False
+        lora.merge_in_place(model, path)
+        return True
     cache_key = _weight_cache_key(path, resolve_dtype(dtype), device)
     if weight_cache.load_into(cache_key, model, lambda m, cached: load_weights_in_place(m, path, tensors=cached)):
         return True
@@ -338,10 +346,12 @@ def _model_extras(model: Any) -> dict[str, Any]:
 
 
 def cached_in_worker(path: str, *, dtype: torch.dtype | str, device: str) -> bool:
-    """Whether the job worker's weight cache holds ``path``'s weights (no need to read them ahead)."""
+    """Whether the job worker's weight cache holds ``path``'s weights (no need to read them ahead; an adapter: its
+    base's)."""
     from batchrl.training import weight_cache
+    from batchrl.training.lora import resolve_base
 
-    cache_key = _weight_cache_key(path, resolve_dtype(dtype), device)
+    cache_key = _weight_cache_key(resolve_base(path), resolve_dtype(dtype), device)
     return cache_key is not None and weight_cache.get(cache_key) is not None
 
 
