@@ -164,6 +164,13 @@ def test_the_cli_exports_an_adapter_checkpoint(dpo_adapter, tmp_path):
     assert main(["export", dpo_adapter[1], "--to", str(tmp_path / "m")]) == 2  # not empty
 
 
+def test_full_fine_tuning_continues_from_an_adapter_checkpoint(inputs, dpo_adapter, tmp_path):
+    """A chain may switch from LoRA to full fine-tuning: the adapter's model (merged in memory) is trained in full."""
+    kw = {k: inputs[k] for k in ("pairs_parquet", "reference_parquet")}
+    result = train_dpo(DPOConfig(epochs=1, micro_batch_size=16), model_path=dpo_adapter[1], out_dir=str(tmp_path), **kw)
+    assert os.path.exists(os.path.join(result["model_dir"], "model.safetensors")) and "adapter_base" not in result
+
+
 @pytest.mark.parametrize("engine", ["transformers", "static"])
 def test_rollouts_from_base_plus_adapter_equal_the_merged_models(dpo_adapter, merged, engine):
     from batchrl.training.rollout import make_rollout_engine
@@ -268,6 +275,9 @@ def test_policy_chain_of_adapters_with_a_lora_critic(inputs, tmp_path):
     expected = sequence_token_logprobs(model, rows, tok.pad_token_id, "cpu", temperature=1.0, batch_size=64)
     for got, want in zip(fixed["ref"], expected):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="this adapter has rank 4"):  # a chain continues its adapter as it is
+        train_policy(cfg.model_copy(update={"lora_rank": 8}), batch_parquet=batch, model_path=policy,
+                     reference_model_path=base, critic_path=critic, out_dir=str(tmp_path / "other_rank"))
     values = predict_values(critic, pd.read_parquet(tmp_path / "batch1.parquet"))
     assert any(abs(v) > 0 for row in values for v in row)  # the trained head, merged in memory
     assert type(load_value_model(critic)[0]).__name__.endswith("ForTokenClassification")

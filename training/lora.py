@@ -208,7 +208,7 @@ def apply_merged(model: Any, adapter_path: str) -> Any:
     from peft import PeftModel
 
     merged = PeftModel.from_pretrained(model, adapter_path).merge_and_unload()
-    return merged.eval()
+    return merged.requires_grad_(True).eval()  # peft froze the base: as a plain load leaves it (trainable in full)
 
 
 def merges_in_place(adapter_path: str) -> bool:
@@ -230,7 +230,7 @@ def merge_in_place(model: Any, adapter_path: str) -> None:
     merged = PeftModel.from_pretrained(model, adapter_path).merge_and_unload(safe_merge=False)
     if merged is not model:
         raise RuntimeError("peft returned another model object from merge_and_unload")
-    model.train(was_training)
+    model.requires_grad_(True).train(was_training)
 
 
 def load_merged(path: str, load_base: Callable[[str], Any]) -> Any:
