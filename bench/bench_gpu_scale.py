@@ -15,8 +15,9 @@ Parts (``--parts a,b,...``; groups: ``dpo`` = shape_7b,dpo_prepare,dpo_lora,dpo_
              bf16, ZeRO-0, fused log-probs, no gradient checkpointing; ``dpo_lora_compile``: + torch.compile.
   dpo_lora_trl  TRL DPOTrainer + peft LoraConfig (same rank/alpha/targets, batch, length,
              precompute_ref_log_probs, no gradient checkpointing); ``dpo_lora_trl_gc``: TRL's gradient checkpointing.
-  graph_7b_lora, graph_1.5b_full  the whole graph (bench_gpu_pipeline.run_graph) at that shape: per-asset wall,
-             GPU busy, peak memory, artifact sizes, the RL iteration's wall and its fixed costs (bench/scale_graph.py).
+  graph_7b_lora, graph_1.5b_full  the whole graph (bench_gpu_pipeline.run_graph) at that shape, LoRA (ZeRO-0) or
+             full fine-tuning (ZeRO-2) on all five trainers, bf16: per-asset wall, GPU busy, peak memory, artifact
+             sizes, the RL iteration's wall and its fixed costs (bench/scale_graph.py; --graph-* flags size it).
   real_full, real_lora  (d) `batchrl run --profile real` for --real-minutes, full fine-tuning / LoRA; held-out
              evaluation of each (needs the graph bundle with the SmolLM2 GGUF).
 

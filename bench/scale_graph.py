@@ -22,9 +22,9 @@ import time
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINERS = ("reward_model", "policy_checkpoint", "dpo_checkpoint")
+TRAINERS = ("reward_model", "policy_checkpoint", "dpo_checkpoint", "kto_checkpoint", "offline_policy_checkpoint")
 RL_ITERATION = ("rollouts", "rewards", "advantages", "policy_checkpoint", "promoted_policy")
-CHECKPOINTS = ("reward_model", "policy_checkpoint", "dpo_checkpoint")
+CHECKPOINTS = TRAINERS
 BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])"]
 
 
@@ -63,6 +63,8 @@ def artifact_sizes(storage: str) -> dict[str, list[int]]:
     sizes: dict[str, list[int]] = {}
     for asset in sorted(os.listdir(storage)) if os.path.isdir(storage) else []:
         folder = os.path.join(storage, asset)
+        if not os.path.isdir(folder):  # the catalog database beside the assets
+            continue
         versions = [os.path.join(folder, v) for v in sorted(os.listdir(folder)) if os.path.isdir(os.path.join(folder, v))]
         if versions:
             sizes[asset] = [_tree_bytes(v) for v in versions]
@@ -74,7 +76,7 @@ def iteration_split(per_asset: list[dict]) -> dict:
     steps = [p for p in per_asset if p["asset"] in RL_ITERATION]
     wall = sum(p["wall_s"] for p in steps)
     timing = lambda asset, key: sum(float(p["job_timings"].get(key) or 0) for p in steps if p["asset"] == asset)
-    generate, optim = timing("rollouts", "phase_s/generate"), timing("policy_checkpoint", "phase_s/steps")
+    generate, optim = timing("rollouts", "generate_s"), timing("policy_checkpoint", "phase_s/steps")
     fixed = wall - generate - optim
     return {"assets": [p["asset"] for p in steps], "wall_s": round(wall, 2), "generate_s": round(generate, 2),
             "optimizer_steps_s": round(optim, 2), "fixed_s": round(fixed, 2),
@@ -94,8 +96,8 @@ def graph_profile(args, out: str, model: str, landing: dict, lora: bool) -> str:
         f"full fine-tuning, bf16, ZeRO-{args.graph_full_zero_stage}"
     profile["description"] = f"{os.path.basename(model)}: {kind}; " + profile["description"].split(", ", 1)[1]
     micro = 2 if tiny else args.graph_micro_batch
-    for op in TRAINERS:
-        cfg = profile["ops"][op]["config"]
+    for op in TRAINERS:  # kto / offline policy: absent from the pipeline profile, trained at their defaults
+        cfg = profile["ops"].setdefault(op, {}).setdefault("config", {})
         cfg.update(micro_batch_size=micro, precision="bf16")
         cfg.pop("grad_accum", None)
         if lora:  # LoRA's usual lr: 10-100x full fine-tuning's
