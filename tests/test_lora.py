@@ -327,3 +327,17 @@ def test_lora_under_zero3_resumes_to_the_zero0_adapter(inputs, tmp_path):
     assert resumed["resumed_from_step"] == 3 and resumed["loss_curve"] == pytest.approx(plain["loss_curve"], abs=1e-6)
     a, b = (load_file(os.path.join(r["model_dir"], lora.ADAPTER_WEIGHTS)) for r in (plain, resumed))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5, rtol=0) for k in a)
+
+
+def test_kto_lora_trains_an_adapter(inputs, tmp_path):
+    from batchrl.training.trainer.config import KTOConfig
+    from batchrl.training.trainer.kto import train_kto
+
+    rows = [{"prompt": f"What is {a} + {a}?", "completion": c, "label": up}
+            for a in range(1, 9) for c, up in ((str(2 * a), True), (f"{2 * a + 1} I think", False))]
+    pd.DataFrame(rows).to_parquet(tmp_path / "feedback.parquet")
+    result = train_kto(KTOConfig(epochs=3, micro_batch_size=8, lr=1e-2, beta=0.5, **LORA),
+                       feedback_parquet=str(tmp_path / "feedback.parquet"), model_path=inputs["model_path"],
+                       out_dir=str(tmp_path / "kto"))
+    assert np.mean(result["loss_curve"][-2:]) < result["loss_curve"][0]
+    assert lora.is_adapter_folder(result["model_dir"]) and result["adapter_base"] == os.path.abspath(inputs["model_path"])
