@@ -27,11 +27,20 @@ def test_kto_separates_desirable_from_undesirable_and_resumes(arith_model, feedb
     assert np.isfinite(curve).all() and np.mean(curve[-2:]) < curve[0]
     assert full["final"]["rewards/desirable"] > full["final"]["rewards/undesirable"]
     assert (tmp_path / "full" / KTO_REFERENCE).exists() and full["num_desirable"] == 8
+    assert full["desirable_weight"] == 1.0 and full["desirable_share"] == 0.5  # balanced by default: 8 up, 8 down
     train_kto(cfg.model_copy(update={"stop_after_steps": 2}), feedback_parquet=feedback, model_path=arith_model,
               out_dir=str(tmp_path / "cut"))
     resumed = train_kto(cfg, feedback_parquet=feedback, model_path=arith_model, out_dir=str(tmp_path / "cut"))
     assert resumed["resumed_from_step"] == 2
     np.testing.assert_allclose(resumed["loss_curve"], curve, atol=1e-6)
+
+
+def test_unset_desirable_weight_balances_few_thumbs_up(arith_model, tmp_path):
+    rows = [{"prompt": f"{a} + {a}", "completion": str(2 * a + (a % 4 != 0)), "label": a % 4 == 0} for a in range(1, 9)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "f.parquet")
+    result = train_kto(KTOConfig(epochs=1, micro_batch_size=8), feedback_parquet=str(tmp_path / "f.parquet"),
+                       model_path=arith_model, out_dir=str(tmp_path / "out"))
+    assert result["desirable_weight"] == 3.0 and result["desirable_share"] == 0.5  # 2 up, 6 down
 
 
 def test_kto_checkpoint_through_dagster_on_the_shipped_feedback_logs(tmp_path):

@@ -143,10 +143,11 @@ class KTOConfig(TrainerConfig):
     reference point from mismatched pairs, ``trainer/kto.py``)."""
 
     beta: float = Field(0.1, gt=0, description="temperature of the implicit reward beta * (logp - ref_logp)")
-    desirable_weight: float = Field(1.0, gt=0, description="loss weight of thumbs-up rows (lambda_D)")
-    undesirable_weight: float = Field(1.0, gt=0, description=(
-        "loss weight of thumbs-down rows (lambda_U); with imbalanced feedback keep "
-        "lambda_D n_D / (lambda_U n_U) in [1, 4/3] (the paper's advice)"))
+    desirable_weight: float | None = Field(None, gt=0, description=(
+        "loss weight of thumbs-up rows (lambda_D); unset = balanced from the data, lambda_D = lambda_U n_U / n_D, "
+        "so lambda_D n_D / (lambda_U n_U) = 1 (the paper keeps it in [1, 4/3]; TRL defaults to 1.0, which on "
+        "feedback with few thumbs up lets the thumbs down dominate)"))
+    undesirable_weight: float = Field(1.0, gt=0, description="loss weight of thumbs-down rows (lambda_U)")
     epochs: int = Field(3, ge=1)
     lr: float = Field(5e-4, gt=0)
     micro_batch_size: int = Field(8, ge=2, description="rows per micro-batch (at least 2: the reference point "

@@ -94,6 +94,10 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
                      inputs=inputs, report=report)
     rows = encode_feedback(loop.tokenizer, frame, cfg.max_length)
     desirable = torch.as_tensor(frame["label"].astype(bool).to_numpy())
+    n_up, n_down = int(desirable.sum()), int((~desirable).sum())
+    if n_up == 0 or n_down == 0:
+        raise ValueError(f"{feedback_parquet}: KTO needs thumbs up and thumbs down, got {n_up} up / {n_down} down")
+    desirable_weight = cfg.desirable_weight or cfg.undesirable_weight * n_down / n_up  # unset: balanced
     with loop.measure_context("reference_logprobs"):
         ref = _reference(loop, cfg, rows)
     ref_matched, ref_mismatched = ref["matched"], ref["mismatched"]
@@ -112,7 +116,7 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
                     logps = _summed_logps(loop, rows["matched"], idx, cfg)
                     up = to_device_async(desirable[idx], loop.device)
                     losses, rewards = kto_loss(logps, to_device_async(ref_matched[idx], loop.device), up, z0,
-                                               beta=cfg.beta, desirable_weight=cfg.desirable_weight,
+                                               beta=cfg.beta, desirable_weight=desirable_weight,
                                                undesirable_weight=cfg.undesirable_weight)
                     loss = losses.mean()
                 loop.backward(loss)
@@ -126,7 +130,8 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
         loop.next_epoch(epoch)
 
     result = loop.summary()
-    result.update(num_examples=len(frame), num_desirable=int(desirable.sum()))
+    result.update(num_examples=len(frame), num_desirable=n_up, desirable_weight=desirable_weight,
+                  desirable_share=desirable_weight * n_up / (desirable_weight * n_up + cfg.undesirable_weight * n_down))
     if not result["stopped_early"]:
         result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
     return loop.complete(result)
