@@ -7,8 +7,8 @@ answers, side by side, then held-out accuracy of each.
    thumbs (prompt, completion, label = reward >= 1).
 3. The same profile over that landing trains, from the same answers and for the same epochs:
    DPO on best-vs-worst pairs (``dpo_pairs`` source scored), KTO on the thumbs (``kto_checkpoint``), AWR on the
-   scored completions (``offline_policy_checkpoint``); ``evaluation`` compares them with the base and the GRPO
-   policy on the held-out split (greedy, per kind).
+   scored completions (``offline_policy_checkpoint``); ``evaluation`` compares them with the base and step 1's
+   GRPO policy — one on-policy update on the very same answers — on the held-out split (greedy, per kind).
 Writes $OUT/offline_bench.json (accuracies, train seconds, pairs/rows used) and the run logs.
 
     # device, after the graph bundle is assembled (bench/carry.py prepare graph ...):
@@ -108,7 +108,8 @@ def main() -> None:
     with open(overlay, "w") as f:  # yaml writes 2e-06 as 2.0e-06, which YAML 1.1 reads back as a float
         yaml.safe_dump(_merged(base_profile, config, args.tiny), f)
     result["phases_s"]["offline_objectives"] = batchrl(
-        ["run", "--profile", overlay, "--select", ",".join(OFFLINE)], env, os.path.join(out, "run_offline.log"))
+        ["run", "--profile", overlay, "--select", ",".join(OFFLINE), "--rl-iterations", "1"], env,
+        os.path.join(out, "run_offline.log"))  # one run: the GRPO policy compared is step 1's, on the same answers
     with open(os.path.join(latest(storage, "evaluation"), "evaluation.json")) as f:
         evaluation = json.load(f)
     for name in MODELS:
