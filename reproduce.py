@@ -92,7 +92,7 @@ class PinnedInputs(dg.IOManager):
         self.outputs[context.asset_key.to_user_string()] = obj
 
     def load_input(self, context: dg.InputContext):
-        from batchrl.resources.artifacts import load_artifacts
+        from batchrl.resources.artifacts import OPTIONAL_KEY, load_artifacts
 
         asset = context.asset_key.to_user_string()
         if (asset, "partitions") in self.pinned:  # the training window: {drop: ref} of the recorded drops
@@ -102,6 +102,8 @@ class PinnedInputs(dg.IOManager):
             ref = self.outputs[asset]
         elif asset in self.pinned:
             ref = self.pinned[asset]
+        elif (context.definition_metadata or {}).get(OPTIONAL_KEY):
+            return None  # an optional input the recorded step did not use (e.g. a reward model at weight 0)
         else:
             raise ReproduceError(f"no recorded version of input {asset} for step {context.op_def.name}")
         return load_artifacts(context, self.storage, lambda partition: ref and ArtifactRef(**ref))

@@ -63,6 +63,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
             "models": {name: artifact.path for name, artifact in models.items()},
             "eval_prompts_parquet": os.path.join(workdir, "eval_prompts.parquet"), "pairs_parquet": pairs_parquet,
             "reference_parquet": os.path.join(workdir, "reference.parquet"), "options": options}, workdir=workdir)
+    results = rounded(results)
     with storage.staging_dir("evaluation") as staging:
         with open(os.path.join(staging, "evaluation.json"), "w") as f:
             json.dump(results, f, indent=2, sort_keys=True)
@@ -87,6 +88,18 @@ def reference_pass(reference_logprobs: Artifact, base_model: Artifact, compute: 
     model = reference_logprobs.input_ref("reference")
     same_pass = model is not None and model.data_version == base_model.data_version and dtype == compute.dtype
     return int(recorded.get("max_length", ReferenceConfig.model_fields["max_length"].default)), same_pass
+
+
+def rounded(value, digits: int = 6):
+    """Metrics at ``digits`` decimals: float noise between runtimes (threads, kernels, a subprocess or not) in the
+    last bits of a mean must not give the same evaluation another data version."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    return value
 
 
 def _comparison_table(results: dict) -> dg.MetadataValue:

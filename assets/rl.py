@@ -164,11 +164,12 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
                                                     "batchrl.training.kl_reward", "batchrl.training.remax",
                                                     "batchrl.training.trainer.critic", config=AdvantageConfig),
-          kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN},
+          kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN,
+                                  "reward_model": dg.AssetIn(metadata={OPTIONAL_KEY: True})},
           metadata=declared_files(table="advantages.parquet"))
 def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: Artifact, base_model: Artifact,
-               promoted_policy: Optional[Artifact], storage: StorageResource, catalog: CatalogResource,
-               compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
+               promoted_policy: Optional[Artifact], reward_model: Optional[Artifact], storage: StorageResource,
+               catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Per-token advantages and returns from the configured estimator (grouped by prompt), with the
     KL to the base model in the token rewards when ``use_kl_in_reward`` (on the environment's compute: in
     process on the CPU, a job on the GPU host — the models it may run, reference and critic, and torch stay
@@ -178,7 +179,7 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
     settings = to_library_config(config, AdvantageSettings)
     columns = pq.read_schema(rewards.file()).names
     kl_inputs, extra_inputs = kl_in_reward_inputs(context, storage, settings, columns, base_model, promoted_policy)
-    critic_config, critic_lineage = critic_inputs(storage, settings, rewards)
+    critic_config, critic_lineage = critic_inputs(storage, settings, rewards, reward_model)  # RM: critic_init
     extra_inputs.update(critic_lineage)
     with storage.staging_dir("advantages_work") as workdir, storage.staging_dir("advantages") as staging:
         result = compute.run(context, trainer, "advantages", {

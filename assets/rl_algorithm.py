@@ -68,10 +68,12 @@ def check_kl_in_reward(advantages: Artifact, policy_use_kl_in_reward: bool, poli
 CRITIC_ASSET = "critic_checkpoint"
 
 
-def critic_for_rewards(storage: StorageResource, rewards: Artifact, init: str = "policy") -> ArtifactRef:
+def critic_for_rewards(storage: StorageResource, rewards: Artifact, init: str = "policy",
+                       reward_model: Artifact | None = None) -> ArtifactRef:
     """The critic that values the samples behind ``rewards``: the critic exported with the policy
     that sampled them (its ``companions.json``), else a new one from that policy (``init="policy"``)
-    or from the reward model the rewards used (``"reward_model"``; ``trainer.critic.load_value_model``)."""
+    or from the reward model (``"reward_model"``: the one the rewards used, else the latest materialised —
+    the rewards need not weigh it; ``trainer.critic.load_value_model``)."""
     import json
     import os
 
@@ -83,18 +85,25 @@ def critic_for_rewards(storage: StorageResource, rewards: Artifact, init: str = 
             critic = json.load(f).get(CRITIC_ASSET)
         if critic is not None:
             return as_ref(critic)
-    return as_ref(inputs["reward_model"]) if init == "reward_model" else policy
+    if init != "reward_model":
+        return policy
+    if "reward_model" in inputs:
+        return as_ref(inputs["reward_model"])
+    if reward_model is None:
+        raise dg.Failure("advantages: critic_init reward_model, but no reward model has been materialised: "
+                         "materialise reward_model first, or critic_init: policy")
+    return as_ref(reward_model)
 
 
-def critic_inputs(storage: StorageResource, settings: AdvantageSettings,
-                  rewards: Artifact) -> tuple[dict[str, Any], dict[str, Any]]:
+def critic_inputs(storage: StorageResource, settings: AdvantageSettings, rewards: Artifact,
+                  reward_model: Artifact | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The critic the advantages job takes values from when the estimator needs them, and the lineage input
     naming it; ``({}, {})`` otherwise."""
     from batchrl.training.algos import estimator_needs
 
     if "values" not in estimator_needs(settings.estimator):
         return {}, {}
-    critic = critic_for_rewards(storage, rewards, settings.critic_init)
+    critic = critic_for_rewards(storage, rewards, settings.critic_init, reward_model)
     return {"critic_path": storage.localize(critic)}, {"critic": critic}
 
 
