@@ -245,7 +245,7 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         versions.append([latest_metadata(instance, asset)["data_version"] for asset in selection])
     assert versions[0] == versions[1]
     # the jobs say where their time went (a GPU stage's idle parts), on the asset's materialisation
-    for asset, parts in (("rewards", {"load_model", "tokenise", "rm_score", "rule_rewards"}),
+    for asset, parts in (("rewards", {"rule_rewards"}),  # the reward model at weight 0: not loaded
                          ("reference_logprobs", {"load_model", "tokenise", "logprobs"}),
                          # the DPO and policy checkpoints (one model, their own records): one engine, weights copied
                          ("evaluation", {"load_model", "load_weights", "generate", "tokenise", "logprobs",
@@ -263,7 +263,7 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
 
 @pytest.mark.slow
 def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
-    """~1.5-2 min on 2 cores (the reward model and the policy are trained again): the issue's acceptance
+    """~1-1.5 min on 2 cores (the policy is trained again): the issue's acceptance
     test. The storage root is copied elsewhere (lineage paths are relative to it) and the lineage of
     rollouts sampled from the trained checkpoint is re-materialised into a fresh root: every data version
     equal, the checkpoint's weights included, and the rollouts sampled from the reproduced checkpoint."""
@@ -280,7 +280,8 @@ def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
     assert report["equal"], report["first_difference"]
     assets = [row["asset"] for row in report["assets"]]
     assert assets[-1] == "rollouts" and assets.count("rollouts") == 2  # the first iteration's and this one
-    assert {"raw_logs", "base_model", "reward_model", "policy_checkpoint"} <= set(assets)
+    assert {"raw_logs", "base_model", "policy_checkpoint"} <= set(assets)
+    assert "reward_model" not in assets  # at weight 0 the rewards did not use it: not in the lineage, not re-trained
     assert all(row["recorded"] == row["reproduced"] for row in report["assets"])
     assert os.path.isdir(tmp_path / "fresh" / "rollouts" / target["data_version"])
 
@@ -373,10 +374,14 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
         assert json.load(f)["inputs"]["policy"]["data_version"] == old["data_version"]  # its parent
     tree = lineage_tree(new["uri"])
     assert policy_chain(tree)[:2] == [f"policy_checkpoint@{new['data_version']}", f"policy_checkpoint@{old['data_version']}"]
-    files = {f["uri"]: f["sha256"] for f in input_files(tree)}
-    assert files[new_file] == digest  # the audit names the new file with its hash
+    # at reward-model weight 0 the policy's lineage holds no preference drop (its rewards did not use the RM): the
+    # logs reach the checkpoints trained on them, the DPO checkpoint, whose audit names the new file with its hash
+    assert new_file not in {f["uri"] for f in input_files(tree)}
+    dpo = latest_metadata(instance, "dpo_checkpoint")
+    files = {f["uri"]: f["sha256"] for f in input_files(lineage_tree(dpo["uri"]))}
+    assert files[new_file] == digest
     used = artifacts_using_file(os.path.join(root, "catalog.duckdb"), digest[:16])
-    assert new["data_version"] in {r["data_version"] for r in used if r["asset"] == "policy_checkpoint"}
+    assert dpo["data_version"] in {r["data_version"] for r in used if r["asset"] == "dpo_checkpoint"}
     assert old["data_version"] not in {r["data_version"] for r in used}
 
 
