@@ -25,6 +25,8 @@ FAST_RUN_CONFIG = {"ops": {
     "rollouts": {"config": {"samples_per_prompt": 4, "max_prompts": 32}},
     "reward_model": {"config": {"epochs": 1}},
     "dpo_checkpoint": {"config": {"epochs": 1}},
+    "kto_checkpoint": {"config": {"epochs": 1, "micro_batch_size": 16}},
+    "offline_policy_checkpoint": {"config": {"micro_batch_size": 16}},
 }}
 
 
