@@ -123,7 +123,8 @@ class IngestConfig(BaseModel):
                                           "contract/metadata field}, e.g. {rating: score}")
     chat_mapping: ChatMapping | None = None
     transcript: TranscriptFormat | None = Field(None, description="parse chosen/rejected as whole dialogue "
-                                                "transcripts (HH-RLHF); `transcript: {}` takes the HH markers")
+                                                "transcripts (HH-RLHF); `transcript: {}` takes the HH markers, which are also "
+                                                "recognised without it (no prompt, both sides open with '\\n\\nHuman:')")
     label_values: dict[str, bool] = Field(default_factory=dict, description="feedback labels written as text, "
                                           "beside the built-in true/false, 1/0, up/down, thumbs_up/thumbs_down, "
                                           "good/bad, like/dislike, positive/negative, yes/no (case-insensitive)")

@@ -10,7 +10,8 @@
 - ``conversation``: one ``messages`` list (``ChatMapping.messages_field``, or ``messages`` when the
   record has no prompt): the last assistant message is the trained turn, every earlier turn the context;
 - ``hh_transcript``: ``chosen``/``rejected`` as whole ``Human:``/``Assistant:`` transcripts
-  (``IngestConfig.transcript``): the shared turns are the prompt.
+  (``IngestConfig.transcript``; recognised without it when a record has no prompt and both sides open with
+  ``"\n\nHuman:"``): the shared turns are the prompt.
 
 A multi-turn prompt is kept as messages (``prompt_messages``, JSON) for the chat template and rendered as
 ``role: content`` lines in ``prompt``. Labels (feedback) and text ratings (scored) are mapped here too.
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from batchrl.ingest.config import ChatMapping, IngestConfig
+from batchrl.ingest.config import ChatMapping, IngestConfig, TranscriptFormat
 
 #: thumbs values understood without config (case-insensitive; ``IngestConfig.label_values`` adds more)
 BUILTIN_LABELS: dict[str, bool] = {
@@ -65,9 +66,12 @@ class ShapeMapper:
         self.completions = COMPLETIONS[cfg.kind]
         self.labels = {**BUILTIN_LABELS, **{k.strip().lower(): v for k, v in cfg.label_values.items()}}
         self.scores = {k.strip().lower(): v for k, v in cfg.score_values.items()}
-        if cfg.transcript is not None:
-            markers = "|".join(re.escape(m) for m in (cfg.transcript.user_marker, cfg.transcript.assistant_marker))
-            self.turn_re = re.compile(rf"(?:^|\n\n)({markers})")
+        # HH transcripts are parsed when configured, and recognised without config (the HH markers) in a
+        # preference record with no prompt whose chosen and rejected both open with "\n\nHuman:"
+        self.transcript = cfg.transcript or TranscriptFormat()
+        markers = "|".join(re.escape(m) for m in (self.transcript.user_marker, self.transcript.assistant_marker))
+        self.turn_re = re.compile(rf"(?:^|\n\n)({markers})")
+        self.hh_opening = "\n\n" + self.transcript.user_marker
 
     def conversation_field(self, obj: dict) -> str | None:
         """The field holding the record's conversation: configured, or ``messages`` when the record has a
@@ -88,7 +92,7 @@ class ShapeMapper:
     # -- routes --------------------------------------------------------------------------------
     def apply(self, obj: dict, row: dict) -> str:
         """Fill ``row``'s contract fields (and ``prompt_messages``) from the record's shape; the route."""
-        if self.cfg.transcript is not None:
+        if self.cfg.transcript is not None or self._looks_like_hh(row):
             return self._transcripts(row)
         route = "flat"
         context = None
@@ -119,6 +123,10 @@ class ShapeMapper:
         elif row.get("prompt") is None and context:
             row["prompt"], row["prompt_messages"] = self._render("prompt", context)
         return route
+
+    def _looks_like_hh(self, row: dict) -> bool:
+        return (self.cfg.kind == "preference" and row.get("prompt") is None
+                and all(isinstance(row.get(n), str) and row[n].startswith(self.hh_opening) for n in ("chosen", "rejected")))
 
     def _turns(self, messages: list) -> list[tuple[Any, Any]]:
         return [(m.get(self.chat.role_key), m.get(self.chat.content_key)) for m in messages]
@@ -169,7 +177,7 @@ class ShapeMapper:
 
     def parse_transcript(self, name: str, text: str) -> tuple[list[dict], str]:
         """(context turns as messages, final assistant text) of one transcript."""
-        t = self.cfg.transcript
+        t = self.transcript
         pieces = self.turn_re.split(text)  # [before, marker, content, marker, content, ...]
         if len(pieces) < 3 or pieces[0].strip():
             where = "no turn markers" if len(pieces) < 3 else "text before the first turn marker"

@@ -103,6 +103,19 @@ def test_each_shape_through_the_dagster_data_assets(shape, tmp_path):
             assert latest_metadata(instance, "scored_pairs")["valid"] >= 1
 
 
+def test_hh_transcripts_are_recognised_without_config(tmp_path):
+    hh = next(s for s in CORPUS if s.name == "hh_rlhf")
+    folder = write_shape(hh, str(tmp_path / "landing"))
+    _, report = ingest_logs(discover_inputs(folder), str(tmp_path / "out"), IngestConfig(kind="preference"),
+                            keep_cleaned=False)
+    assert report.valid == hh.valid and report.extra["mapped"] == {"hh_transcript": hh.valid + 1}
+    # the row with text before its first marker does not open as a transcript: without the config it is a
+    # pair that lacks its prompt (with `transcript: {}` it is an unparsable transcript)
+    expected = {**hh.reasons, "missing_field": 1}
+    del expected["unparsable_transcript"]
+    assert report.reasons == expected
+
+
 def test_scored_pairs_honour_pair_min_margin(tmp_path):
     stars = next(s for s in CORPUS if s.name == "star_ratings")
     folder = write_shape(stars, str(tmp_path / "landing"))
