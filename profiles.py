@@ -68,11 +68,27 @@ def apply_resource_overrides(resources: dict, overrides: dict[str, dict]) -> dic
     return out
 
 
-SELF_PLAY_SOURCES = ("self", "both")
+PAIR_SOURCES = ("logged", "scored", "self")
+PAIR_SOURCE_ALIASES = {"both": "logged+self"}
+
+
+def pair_sources(source: str) -> tuple[str, ...]:
+    """The pair sources a ``dpo_pairs`` ``source`` names: one of ``PAIR_SOURCES`` or several joined by ``+``
+    (``logged+scored``); ``both`` is ``logged+self``. ValueError names what is unknown."""
+    parts = PAIR_SOURCE_ALIASES.get(source, source).split("+")
+    unknown = [p for p in parts if p not in PAIR_SOURCES]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(f"dpo_pairs source {source!r}: each part must be one of {list(PAIR_SOURCES)}, joined by '+' "
+                         f"(e.g. 'logged+scored'), each once; 'both' = 'logged+self'")
+    return tuple(p for p in PAIR_SOURCES if p in parts)
 
 
 def dpo_self_play(ops: dict) -> bool:
     """Whether run config ``ops`` give ``dpo_pairs`` a source that takes the policy's own scored samples
-    (``self`` or ``both``): the DPO path then depends on the RL branch's ``rewards`` (``assets.dpo``)."""
+    (``self``, ``both``, ``logged+self``, ...): the DPO path then depends on the RL branch's ``rewards``
+    (``assets.dpo``)."""
     config = ((ops or {}).get("dpo_pairs") or {}).get("config") or {}
-    return config.get("source", "logged") in SELF_PLAY_SOURCES
+    try:
+        return "self" in pair_sources(config.get("source", "logged"))
+    except ValueError:
+        return False  # the config check names the bad source

@@ -2,16 +2,16 @@
 
 import hashlib
 import os
-from typing import Literal, Optional
+from typing import Optional
 
 import dagster as dg
 import pandas as pd
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
-from batchrl.profiles import SELF_PLAY_SOURCES
+from batchrl.profiles import pair_sources
 from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.trainer.config import DPOConfig
@@ -31,18 +31,26 @@ class ReferenceConfig(dg.Config):
 class DPOPairsConfig(dg.Config):
     """Which pairs the DPO path trains on: ``logged`` (preference_window), ``self`` (best vs worst
     of the policy's own scored samples, e.g. correct vs incorrect answers, through the scored-logs →
-    pairs path and its contract), ``both`` (logged + self) or ``scored`` (best vs worst of the scored logs:
-    ratings, stars, thumbs mapped to a score — the ``scored_pairs`` asset, its margin in its own config).
+    pairs path and its contract) or ``scored`` (best vs worst of the scored logs: ratings, stars, thumbs
+    mapped to a score — the ``scored_pairs`` asset, its margin in its own config), or several joined by
+    ``+`` (a window of mixed sources: ``logged+scored``; ``both`` = ``logged+self``). Each pair keeps where
+    it came from (``source``: the log drop, ``scored`` or ``self``), which the evaluation reports per source.
     ``min_margin``: best − worst reward needed for a self pair; ``max_logged_pairs``: cap on the logged pairs
     taken (a seeded sample; all when unset)."""
 
-    source: Literal["logged", "self", "both", "scored"] = Field("logged", description=(
-        "logged: preference_window; self: best vs worst of the policy's scored samples; both: logged + self "
-        "(self and both need dpo_pairs' rewards input: BATCHRL_DPO_SELF_PLAY=1 or such a profile); scored: "
-        "best vs worst of the scored logs (scored_pairs)"))
+    source: str = Field("logged", description=(
+        "logged: preference_window; self: best vs worst of the policy's scored samples; scored: best vs worst "
+        "of the scored logs (scored_pairs); several joined by '+' (logged+scored); both = logged+self (a self "
+        "source needs dpo_pairs' rewards input: BATCHRL_DPO_SELF_PLAY=1 or such a profile)"))
     min_margin: float = Field(0.5, description="self: best - worst reward needed for a pair")
     max_logged_pairs: int | None = Field(None, description="a seeded sample of this many logged pairs (all when unset)")
     seed: int = Field(0, description="seed of the logged-pairs sample")
+
+    @field_validator("source")
+    @classmethod
+    def _known_sources(cls, value: str) -> str:
+        pair_sources(value)
+        return value
 
 
 def _pair_ids(pairs: pd.DataFrame) -> pd.Series:
@@ -73,19 +81,26 @@ def dpo_pairs_asset(self_play: bool) -> dg.AssetsDefinition:
             """The preference pairs of the DPO path (one id per pair): the logged ones or the scored logs' (this
             code location's DPO path does not wait for the policy's samples; BATCHRL_DPO_SELF_PLAY=1 builds it
             with them)."""
-            if config.source in SELF_PLAY_SOURCES:
+            if "self" in pair_sources(config.source):
                 raise dg.Failure(self_play_missing(config.source))
             return _pairs(context, config, preference_window, scored_pairs, None, storage, catalog)
     return decorator(dpo_pairs)
 
 
 def check_pair_source(graph, run_config: dict | None) -> None:
-    """Before a run: a self-play pair source needs a DPO path with the rewards input (``RunConfigError``)."""
+    """Before a run: a known pair source, and a self-play one needs a DPO path with the rewards input
+    (``RunConfigError``)."""
     from batchrl.profiles import dpo_self_play
     from batchrl.runconfig import RunConfigError
 
     key = dg.AssetKey("dpo_pairs")
     ops = (run_config or {}).get("ops") or {}
+    source = ((ops.get("dpo_pairs") or {}).get("config") or {}).get("source")
+    if isinstance(source, str):
+        try:
+            pair_sources(source)
+        except ValueError as error:
+            raise RunConfigError(str(error)) from None
     if dpo_self_play(ops) and graph.has(key) and dg.AssetKey("rewards") not in graph.get(key).parent_keys:
         raise RunConfigError(self_play_missing(ops["dpo_pairs"]["config"]["source"]))
 
@@ -93,35 +108,41 @@ def check_pair_source(graph, run_config: dict | None) -> None:
 def self_play_missing(source: str) -> str:
     return (f"dpo_pairs: source {source!r} takes pairs from the policy's scored samples, but this code location's "
             "DPO path has no rewards input (logged pairs only, so it runs beside the RL branch): set "
-            "BATCHRL_DPO_SELF_PLAY=1, or use a profile whose dpo_pairs source is self or both (`batchrl run` "
+            "BATCHRL_DPO_SELF_PLAY=1, or use a profile whose dpo_pairs source takes self pairs (`batchrl run` "
             "does this itself from its run config)")
+
+
+PAIR_COLUMNS = ["prompt", "chosen", "rejected", "prompt_messages", "category"]
 
 
 def _pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference_window: Artifact,
            scored_pairs: Artifact | None, rewards: Artifact | None, storage: StorageResource,
            catalog: CatalogResource) -> dg.Output:
+    sources = pair_sources(config.source)
     parts, metadata = [], {"source": config.source}
-    if config.source == "scored":
-        if scored_pairs is None:
-            raise dg.Failure("dpo_pairs: source 'scored' takes the scored logs' pairs, but scored_pairs has never "
-                             "been materialised: materialise scored_logs and scored_pairs first")
-        parts.append(scored_pairs.read_table()[["prompt", "chosen", "rejected"]])
-        metadata["scored_pairs"] = len(parts[-1])
-    if config.source in ("logged", "both"):
+    if "logged" in sources:
         logged = preference_window.read_table()
         if config.max_logged_pairs and len(logged) > config.max_logged_pairs:
             logged = logged.sample(config.max_logged_pairs, random_state=config.seed).sort_index()
-        parts.append(logged)
+        parts.append(logged.assign(pair_source="logged/" + logged["drop"]))
         metadata["logged_pairs"] = len(logged)
+    if "scored" in sources:
+        if scored_pairs is None:
+            raise dg.Failure(f"dpo_pairs: source {config.source!r} takes the scored logs' pairs, but scored_pairs has "
+                             "never been materialised: materialise scored_logs and scored_pairs first")
+        scored = scored_pairs.read_table()
+        parts.append(scored[PAIR_COLUMNS].assign(pair_source="scored/" + scored["source_file"]))
+        metadata["scored_pairs"] = len(scored)
     with storage.staging_dir("dpo_pairs") as staging:
-        if config.source in SELF_PLAY_SOURCES:
+        if "self" in sources:
             scored_dir = os.path.join(staging, "self")
             os.makedirs(scored_dir)
             samples = rewards.read_table()
             rewards_to_scored(samples, os.path.join(scored_dir, "scored.parquet"), f"rewards/{rewards.data_version}")
             report = scored_to_pairs(os.path.join(scored_dir, "scored.parquet"), scored_dir,
                                      IngestConfig(pair_min_margin=config.min_margin))
-            parts.append(pd.read_parquet(os.path.join(scored_dir, "pairs.parquet")))
+            parts.append(pd.read_parquet(os.path.join(scored_dir, "pairs.parquet"))[PAIR_COLUMNS].assign(
+                pair_source="self"))
             metadata.update(self_pairs=len(parts[-1]), self_prompt_groups=report.rows_in,
                             self_groups_without_pair=report.quarantined, self_samples=len(samples))
         pairs = pd.concat(parts, ignore_index=True)
@@ -132,9 +153,10 @@ def _pairs(context: dg.AssetExecutionContext, config: DPOPairsConfig, preference
         pairs = pairs.drop_duplicates("id", ignore_index=True)
         pairs.to_parquet(output_file(context, staging), index=False)
         inputs = {"preference_window": preference_window, **({"rewards": rewards} if rewards is not None else {}),
-                  **({"scored_pairs": scored_pairs} if config.source == "scored" else {})}
+                  **({"scored_pairs": scored_pairs} if "scored" in sources else {})}
+        per_source = {str(k): int(v) for k, v in pairs["pair_source"].value_counts().sort_index().items()}
         return publish(context, storage, catalog, staging, config=config.model_dump(), inputs=inputs,
-                       metadata={**metadata, "pairs": len(pairs)})
+                       metadata={**metadata, "pairs": len(pairs), "pairs_per_source": per_source})
 
 
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.trainer.reference", config=ReferenceConfig), kinds={"pytorch"},

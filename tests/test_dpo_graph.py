@@ -4,6 +4,7 @@ steps side by side trains it beside rollouts and the reward model); with self-pl
 from __future__ import annotations
 
 import argparse
+import re
 
 import dagster as dg
 import pytest
@@ -45,11 +46,28 @@ def test_self_play_source_without_the_rewards_input_fails_before_anything_runs(t
     from batchrl.runconfig import RunConfigError
 
     defs = build_definitions(dpo_self_play=False)
-    config = {"ops": {"dpo_pairs": {"config": {"source": "both"}}}}
     with dg.DagsterInstance.ephemeral() as instance:
-        with pytest.raises(RunConfigError, match="source 'both'.*BATCHRL_DPO_SELF_PLAY=1"):
-            execute_assets(defs, instance, None, config)
+        for source in ("both", "scored+self"):
+            config = {"ops": {"dpo_pairs": {"config": {"source": source}}}}
+            with pytest.raises(RunConfigError, match=f"source '{re.escape(source)}'.*BATCHRL_DPO_SELF_PLAY=1"):
+                execute_assets(defs, instance, None, config)
         assert not instance.get_runs()
+
+
+def test_pair_sources_combine_with_plus_and_refuse_unknown_parts(tmp_path):
+    from batchrl.assets.dpo import DPOPairsConfig
+    from batchrl.definitions import execute_assets
+    from batchrl.profiles import pair_sources
+    from batchrl.runconfig import RunConfigError
+
+    assert pair_sources("both") == pair_sources("self+logged") == ("logged", "self")
+    assert pair_sources("scored+logged") == ("logged", "scored")
+    for bad in ("logged+bogus", "logged+logged", "", "logged,scored"):
+        with pytest.raises(ValueError, match="each part must be one of"):
+            DPOPairsConfig(source=bad)
+    with dg.DagsterInstance.ephemeral() as instance, pytest.raises(RunConfigError, match="logged\\+bogus"):
+        execute_assets(build_definitions(dpo_self_play=False), instance, None,
+                       {"ops": {"dpo_pairs": {"config": {"source": "logged+bogus"}}}})
 
 
 def test_batchrl_run_builds_the_self_play_graph_when_its_config_asks(tmp_path, monkeypatch):

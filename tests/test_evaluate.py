@@ -252,3 +252,21 @@ def test_weights_read_ahead_equal_the_files_and_a_truncated_file_is_named(model_
     weights.write_bytes(weights.read_bytes()[:-10])
     with pytest.raises(OSError, match=r"model\.safetensors: 10 bytes of tensor data missing"):
         read_weights(str(cut))
+
+
+def test_preference_metrics_are_reported_per_pair_source():
+    import numpy as np
+    import pandas as pd
+
+    from batchrl.training.evaluate import _preference_metrics
+
+    pairs = pd.DataFrame({"pair_source": ["logged/a.jsonl", "logged/a.jsonl", "scored/s.jsonl", None]})
+    logps = {"chosen_logp": np.array([-1.0, -5.0, -1.0, -1.0]), "rejected_logp": np.array([-2.0, -2.0, -3.0, -0.5])}
+    reference = pd.DataFrame({"ref_chosen_logp": [-1.0] * 4, "ref_rejected_logp": [-1.0, -1.0, -4.0, -1.0]})
+    out = _preference_metrics(logps, pairs, reference)
+    assert out["preference_accuracy"] == 0.5 and out["preference_n"] == 4
+    assert (out["preference_accuracy/logged/a.jsonl"], out["preference_n/logged/a.jsonl"]) == (0.5, 2)
+    assert out["preference_accuracy/scored/s.jsonl"] == 1.0 and out["preference_accuracy/unknown"] == 0.0
+    assert out["logratio_accuracy/scored/s.jsonl"] == 0.0  # margin 2 against the reference's 3
+    assert "preference_accuracy/logged/a.jsonl" not in _preference_metrics(logps, pairs.drop(columns="pair_source"),
+                                                                           None)

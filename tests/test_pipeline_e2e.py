@@ -143,6 +143,12 @@ def test_evaluation_compares_all_models(pipeline):
     # DPO moved the chosen-vs-rejected log-ratio margin on the pairs it trained on
     assert report["dpo_checkpoint"]["logratio_margin"] > 1.0
     assert report["dpo_checkpoint"]["logratio_accuracy"] > 0.7
+    # per source: the pairs of each log drop of the window
+    sources = ["logged/prefs_000.jsonl", "logged/prefs_001.jsonl"]
+    for metrics in report.values():
+        assert sum(metrics[f"preference_n/{s}"] for s in sources) == metrics["preference_n"]
+        assert all(0 <= metrics[f"preference_accuracy/{s}"] <= 1 for s in sources)
+    assert all(report["dpo_checkpoint"][f"logratio_accuracy/{s}"] > 0.6 for s in sources)
 
 
 def test_next_rollouts_sample_from_the_latest_policy_checkpoint(pipeline):

@@ -12,6 +12,8 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 - with reference log-probs for the same pairs: ``logratio_margin`` = mean of
   ``(log pi(c) - log ref(c)) - (log pi(r) - log ref(r))`` (DPO's implicit reward margin over beta) and
   ``logratio_accuracy`` = fraction of pairs where it is positive;
+- per pair source (``pair_source`` of the DPO pairs: a log drop, a scored-logs file, self play):
+  ``preference_accuracy/<source>``, ``logratio_accuracy/<source>`` and ``preference_n/<source>``;
 - ``rm_mean_score`` = mean RM score of the greedy responses, when an RM folder is given.
 """
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _engine_for(model_path: str, same_model: Any, *, engine: str, max_new_tokens
 
 
 def _encoded_pairs(tokenizer: Any, pairs: pd.DataFrame, max_length: int) -> list[dict]:
-    return encode_pairs(tokenizer, pairs[["prompt", "chosen", "rejected"]].to_dict("records"), max_length)
+    columns = [c for c in ("prompt", "chosen", "rejected", "prompt_messages") if c in pairs]  # multi-turn context kept
+    return encode_pairs(tokenizer, pairs[columns].to_dict("records"), max_length)
 
 
 def _evaluate(
@@ -119,13 +122,27 @@ def _evaluate(
             with phase("logprobs"):
                 logps = pair_logprobs(engine.model, items, engine.tokenizer.pad_token_id, engine.device,
                                       batch_size=batch_size)
-        margin = logps["chosen_logp"] - logps["rejected_logp"]
-        results.update(preference_n=len(pairs), preference_accuracy=float((margin > 0).mean()),
-                       preference_margin=float(margin.mean()))
-        if reference is not None:
-            logratio = margin - (reference["ref_chosen_logp"] - reference["ref_rejected_logp"]).to_numpy(np.float64)
-            results.update(logratio_margin=float(logratio.mean()), logratio_accuracy=float((logratio > 0).mean()))
+        results.update(_preference_metrics(logps, pairs, reference))
     return results, samples
+
+
+def _preference_metrics(logps: dict, pairs: pd.DataFrame, reference: pd.DataFrame | None) -> dict[str, Any]:
+    """Preference accuracy/margin (and the log-ratio ones with a reference) over all pairs, and the accuracies
+    per ``pair_source`` (the log drop, scored file or self play each pair came from) when the pairs name it."""
+    margin = logps["chosen_logp"] - logps["rejected_logp"]
+    logratio = None if reference is None else \
+        margin - (reference["ref_chosen_logp"] - reference["ref_rejected_logp"]).to_numpy(np.float64)
+    results: dict[str, Any] = dict(preference_n=len(pairs), preference_accuracy=float((margin > 0).mean()),
+                                   preference_margin=float(margin.mean()))
+    if logratio is not None:
+        results.update(logratio_margin=float(logratio.mean()), logratio_accuracy=float((logratio > 0).mean()))
+    if "pair_source" in pairs:
+        for source, rows in pairs.groupby(pairs["pair_source"].fillna("unknown").to_numpy()).indices.items():
+            results[f"preference_accuracy/{source}"] = float((margin[rows] > 0).mean())
+            results[f"preference_n/{source}"] = len(rows)
+            if logratio is not None:
+                results[f"logratio_accuracy/{source}"] = float((logratio[rows] > 0).mean())
+    return results
 
 
 def evaluate_policy(model_path: str, *, arith_eval: list[dict], reward_model_path: str | None = None,

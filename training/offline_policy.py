@@ -97,7 +97,7 @@ def logged_batch(frame: pd.DataFrame, tokenizer: Any, cfg: OfflinePolicyConfig) 
     group = frame.groupby("prompt", sort=False)["score"]
     sizes = group.transform("size").to_numpy()
     scores = frame["score"].astype(float).to_numpy()
-    metrics: dict[str, Any] = {"logged_rows": len(frame), "prompts": int(group.ngroups),
+    metrics: dict[str, Any] = {"rows": len(frame), "prompts": int(group.ngroups),
                                "objective": cfg.objective}
     if cfg.objective == "grpo":
         keep = sizes >= 2
