@@ -19,9 +19,10 @@ ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.groups("d
 
 
 def _listing(landing: LandingResource) -> dict[str, tuple[dict, object, str]]:
-    """Every landed log (preferences, scored, prompts; folders, files or s3:// prefixes): uri -> (info, fs, path)."""
+    """Every landed log (preferences, scored, feedback, prompts; folders, files or s3:// prefixes):
+    uri -> (info, fs, path)."""
     out = {}
-    for uri in (landing.preferences, landing.scored, landing.prompts):
+    for uri in (landing.preferences, landing.scored, landing.feedback, landing.prompts):
         fs, path = fsutil.filesystem_for(uri, landing.storage_options)
         files = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
         prefix = uri.split("://", 1)[0] + "://" if "://" in uri else ""
@@ -73,9 +74,9 @@ def register_drops(instance: dg.DagsterInstance, drops: list[str]) -> None:
 
 def _training_keys() -> list[dg.AssetKey]:
     """Every asset that is not per drop: what a retrain without a new drop materialises."""
-    from batchrl.assets import data, dpo, evaluation, models, rl
+    from batchrl.assets import data, dpo, evaluation, models, offline, rl
 
-    assets = dg.load_assets_from_modules([data, models, rl, dpo, evaluation])
+    assets = dg.load_assets_from_modules([data, models, rl, dpo, offline, evaluation])
     return sorted((key for a in assets if a.partitions_def is None for key in a.keys), key=str)
 
 
@@ -101,7 +102,7 @@ def new_logs_sensor(context: dg.SensorEvaluationContext, landing: LandingResourc
     tags = {"batchrl/landing_content": key, "batchrl/changed_files": names[:1000] or "(files removed)"}
     if new:  # the newest drop and everything downstream of the drops in one run
         requests.append(dg.RunRequest(run_key=key, partition_key=new[-1], tags={**tags, DROP_CONTENT_TAG: drops[new[-1]]}))
-    else:  # scored logs or prompts changed, or a drop was removed: retrain on the drops there are
+    else:  # scored logs, thumbs or prompts changed, or a drop was removed: retrain on the drops there are
         requests.append(dg.RunRequest(run_key=key, asset_selection=_training_keys(), tags=tags))
     known = set(context.instance.get_dynamic_partitions(LOG_DROPS.name)) if context.instance_ref else set()
     gone = [drop for drop in previous.get("drops", {}) if drop not in drops]

@@ -67,6 +67,21 @@ def test_runs_are_keyed_by_content_not_by_timestamps(tmp_path):
     assert _partitions(back) == [("DeleteDynamicPartitionsRequest", ["drop_002.jsonl"])]
 
 
+def test_new_thumbs_or_scored_logs_retrain_every_stage_that_reads_them(tmp_path):
+    for name in ("scored", "feedback"):
+        shutil.copytree(getattr(SAMPLES, name), tmp_path / name)
+    landing = LandingResource(scored=str(tmp_path / "scored"), feedback=str(tmp_path / "feedback"))
+    _, cursor = _evaluate(landing, None)
+    for name, asset in (("feedback", "kto_checkpoint"), ("scored", "offline_policy_checkpoint")):
+        with open(tmp_path / name / "new.jsonl", "w") as f:  # rows are not read here: any new bytes retrain
+            f.write(json.dumps({"prompt": "q", "completion": "a", "label": True}) + "\n")
+        result, cursor = _evaluate(landing, cursor)
+        (request,) = result.run_requests  # no new drop: the training stages on the drops there are
+        assert request.partition_key is None and "new.jsonl@" in request.tags["batchrl/changed_files"]
+        assert {dg.AssetKey(asset), dg.AssetKey(f"{name}_logs")} <= set(request.asset_selection)
+        assert PER_DROP[0] not in request.asset_selection
+
+
 def test_s3_landing_prefixes(s3_options, tmp_path):
     import s3fs
 
@@ -74,9 +89,11 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
     fs.mkdir("sensor-bucket")
     fs.put(SAMPLES.preferences, "sensor-bucket/landing/preferences", recursive=True)
     fs.put(SAMPLES.scored, "sensor-bucket/landing/scored", recursive=True)
+    fs.put(SAMPLES.feedback, "sensor-bucket/landing/feedback", recursive=True)
     fs.put(SAMPLES.prompts, "sensor-bucket/landing/train.jsonl")
     landing = LandingResource(preferences="s3://sensor-bucket/landing/preferences",
                               scored="s3://sensor-bucket/landing/scored",
+                              feedback="s3://sensor-bucket/landing/feedback",
                               prompts="s3://sensor-bucket/landing/train.jsonl", storage_options=s3_options)
     first, cursor = _evaluate(landing, None)
     assert [r.partition_key for r in first.run_requests] == ["prefs_000.jsonl", "prefs_001.jsonl"]
