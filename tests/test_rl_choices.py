@@ -294,9 +294,9 @@ def test_prompt_files_map_fields_and_refuse_what_they_cannot_carry(tmp_path):
     table = load_prompts(str(gsm8k), mapping={"question": "prompt"})
     assert table[["prompt", "answer"]].values.tolist() == [["Tom has 3 apples...", "3 + 2 = 5\n#### 5"]]
     rows = _verl_rows()
-    rows[2]["prompt"] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rows[2]["prompt"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
-    with pytest.raises(PromptFileError, match=r"bad.parquet: row 3: field 'prompt' is a chat with roles \['system', 'user'\]"):
+    with pytest.raises(PromptFileError, match=r"bad.parquet: row 3: field 'prompt\[1\].role' is 'assistant'"):
         load_prompts(str(tmp_path / "bad.parquet"), mapping={"reward_model.ground_truth": "answer"})
     no_prompt = tmp_path / "no_prompt.parquet"
     pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "1"}]), no_prompt)

@@ -3,9 +3,16 @@
 
 ``mapping`` renames fields on the way in, with dotted paths into nested records, so verl-format
 Parquet (``prompt`` as a chat, ``data_source``, ``reward_model: {style, ground_truth}``) loads with
-``{"reward_model.ground_truth": "answer"}`` and GSM8K files with ``{"question": "prompt"}``. A chat
-prompt must be one user message (what verl's GSM8K/MATH preprocessing writes); it becomes its text,
-rendered later with the model's chat template like every prompt (``training.text.render_prompt``).
+``{"reward_model.ground_truth": "answer"}`` and GSM8K files with ``{"question": "prompt"}``.
+
+A chat ``prompt`` (``{role, content}`` messages; roles system, user, assistant; ending with the user's turn)
+of one user message becomes its text, like a plain prompt. A longer chat is kept as messages: the
+``prompt_messages`` column (JSON, as the ingested logs carry their contexts) is what every rollout engine
+renders with the model's chat template (``training.text.render_prompt``), and ``prompt`` holds its
+``role: content`` lines for display, rewards and the default id (which hashes the messages, so two chats that
+end with the same question in different conversations are different prompts). A chat that ends with the
+assistant, or whose messages have another shape, is refused here with file, row and field named.
+
 ``data_sources`` names the ``data_source`` values the set may carry: a row with another is refused here,
 when the prompts are validated (verl's reward manager fails on it only when rewards run).
 """
@@ -21,8 +28,10 @@ from batchrl import fsutil
 
 PROMPT_COLUMNS = ["prompt_id", "prompt", "answer", "category"]
 # Optional per-prompt fields carried to the rewards: where the prompt comes from (reward routing,
-# as verl's data_source) and the code-execution reward's tests (kept as JSON text).
-PROMPT_EXTRAS = ["data_source", "tests"]
+# as verl's data_source), the code-execution reward's tests (kept as JSON text) and a multi-turn
+# prompt's messages (JSON text; a column only when some prompt is a chat of more than one message).
+PROMPT_EXTRAS = ["data_source", "tests", "prompt_messages"]
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class PromptFileError(ValueError):
@@ -51,15 +60,35 @@ def apply_mapping(row: dict, mapping: dict[str, str] | None) -> dict:
     return out
 
 
-def _chat_text(where: str, prompt: Any) -> Any:
+def _chat(where: str, prompt: Any) -> tuple[Any, str | None]:
+    """(prompt text, messages JSON or None) of a ``prompt`` field: a string stays itself, a single user message
+    becomes its content, a longer chat its ``role: content`` lines and its messages."""
     if not isinstance(prompt, (list, tuple)):
-        return prompt
-    messages = list(prompt)
-    if len(messages) == 1 and isinstance(messages[0], dict) and messages[0].get("role") == "user":
-        return messages[0].get("content")
-    roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages]
-    raise PromptFileError(f"{where}: field 'prompt' is a chat with roles {roles}; only a single user message "
-                          "is supported")
+        return prompt, None
+    if not prompt:
+        raise PromptFileError(f"{where}: field 'prompt' is an empty chat")
+    messages = []
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise PromptFileError(f"{where}: field 'prompt[{i}]' must be a {{role, content}} message, "
+                                  f"got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise PromptFileError(f"{where}: field 'prompt[{i}].role' must be one of {list(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(content, str):  # e.g. a list of multimodal parts: the chat templates here render text
+            raise PromptFileError(f"{where}: field 'prompt[{i}].content' must be a string, "
+                                  f"got {type(content).__name__}")
+        messages.append({"role": role, "content": content})
+    last = len(messages) - 1
+    if messages[last]["role"] != "user":
+        raise PromptFileError(f"{where}: field 'prompt[{last}].role' is {messages[last]['role']!r}: a chat prompt "
+                              "must end with the user's turn, the one the policy answers")
+    if not messages[last]["content"].strip():
+        raise PromptFileError(f"{where}: field 'prompt[{last}].content' is empty: the user's last turn has no text")
+    if len(messages) == 1:
+        return messages[0]["content"], None
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+    return text, json.dumps(messages, ensure_ascii=False)
 
 
 def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None,
@@ -67,13 +96,14 @@ def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None,
     if not isinstance(row, dict):
         raise PromptFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
     row = apply_mapping(row, mapping)
-    prompt = _chat_text(where, row.get("prompt"))
+    prompt, messages = _chat(where, row.get("prompt"))
     if not isinstance(prompt, str) or not prompt.strip():
         raise PromptFileError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
     answer = row.get("answer")
     if answer is not None and not isinstance(answer, (str, int, float)):
         raise PromptFileError(f"{where}: field 'answer' must be a string or number, got {answer!r}")
-    prompt_id = row.get("id") or hashlib.sha256(prompt.encode()).hexdigest()[:16]
+    # a chat's id hashes its messages: its text alone could equal a plain prompt's
+    prompt_id = row.get("id") or hashlib.sha256((messages or prompt).encode()).hexdigest()[:16]
     data_source, tests = row.get("data_source"), row.get("tests")
     if data_source is not None and not isinstance(data_source, str):
         raise PromptFileError(f"{where}: field 'data_source' must be a string, got {data_source!r}")
@@ -85,7 +115,8 @@ def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None,
                               f"{{'inputs': [...], 'outputs': [...]}}, got {type(tests).__name__}")
     return {"prompt_id": str(prompt_id), "prompt": prompt.strip(),
             "answer": None if answer is None else str(answer), "category": row.get("category"),
-            "data_source": data_source, "tests": None if tests is None else json.dumps(tests)}
+            "data_source": data_source, "tests": None if tests is None else json.dumps(tests),
+            "prompt_messages": messages}
 
 
 def load_prompts(uri: str, storage_options: dict | None = None, mapping: dict[str, str] | None = None,
