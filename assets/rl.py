@@ -23,6 +23,7 @@ from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.prompts import load_prompts
 from batchrl.training.rewards import RewardConfig
+from batchrl.training.text import prompt_messages
 from batchrl.training.trainer.config import PolicyConfig
 
 RewardRunConfig = run_config_for(RewardConfig, "RewardRunConfig")
@@ -106,10 +107,12 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
     table = prompts.read_table()
     if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
         table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
+    messages = prompt_messages(table.to_dict("records"))  # multi-turn prompts: the engine renders them whole
     with storage.staging_dir("rollouts_work") as workdir:
         samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path,
                                                prompts=list(table["prompt"]), n=config.samples_per_prompt,
-                                               seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir)
+                                               seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir,
+                                               messages=messages)
         if config.greedy_baseline:
             from batchrl.training.remax import add_greedy_baselines, greedy_engine
 
@@ -117,9 +120,9 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
             os.makedirs(greedy_dir, exist_ok=True)
             greedy, _ = greedy_engine(rollout_engine).sample(
                 context, trainer, model_path=policy.path, prompts=list(table["prompt"]), n=1,
-                seed=config.seed, workdir=greedy_dir, cache_dir=storage.cache_dir)
+                seed=config.seed, workdir=greedy_dir, cache_dir=storage.cache_dir, messages=messages)
             samples = add_greedy_baselines(samples, greedy)
-    meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, data_source, tests ...
+    meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, prompt_messages ...
     samples = samples.join(meta, on="prompt_index")
     with storage.staging_dir("rollouts") as staging:
         samples.to_parquet(output_file(context, staging), index=False)

@@ -39,12 +39,21 @@ def encode_prompt_completion(
     return encode_prompt_completions(tokenizer, [prompt], [completion], max_length)[0]
 
 
+def context_texts(prompts: Sequence[str], messages: Sequence[Messages] | None) -> list[str | None]:
+    """Per prompt, its multi-turn context as JSON text (None without one): hashable, so a prompt and its
+    context can key a cache; the lengths must agree (a context paired with the wrong prompt is a silent bug)."""
+    if messages is None:
+        return [None] * len(prompts)
+    if len(messages) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(messages)} multi-turn contexts")
+    return [m if m is None or isinstance(m, str) else json.dumps(list(m), ensure_ascii=False) for m in messages]
+
+
 def encode_prompts(tokenizer: Any, prompts: list[str], messages: Sequence[Messages] | None = None) -> list[list[int]]:
     """The rendered prompts' ids, one batched tokenizer call; a prompt repeated (rollouts ask each one n times,
     preference pairs share theirs between chosen and rejected) is rendered and encoded once. ``messages``: per
     prompt, its multi-turn context (or None), rendered with the chat template in its place."""
-    contexts = [m if m is None or isinstance(m, str) else json.dumps(list(m)) for m in (messages or [None] * len(prompts))]
-    keys = list(zip(prompts, contexts))
+    keys = list(zip(prompts, context_texts(prompts, messages)))
     unique = list(dict.fromkeys(keys))
     encoded = dict(zip(unique, tokenizer([render_prompt(tokenizer, p, m) for p, m in unique],
                                          add_special_tokens=False)["input_ids"])) if unique else {}

@@ -11,11 +11,13 @@ from batchrl.training.jobs._runtime import Reporter, run_job
 
 def work(config: dict, rep: Reporter):
     from batchrl.training.rollout.sampling_job import sample_to_parquet
+    from batchrl.training.text import prompt_messages
 
-    prompts = list(pd.read_parquet(config["prompts_parquet"])["prompt"])
+    table = pd.read_parquet(config["prompts_parquet"])
+    prompts = list(table["prompt"])
     rep.log(f"sampling {len(prompts)} prompts x {config['n']} with {config['engine']['kind']}")
     stats = sample_to_parquet(config["engine"], prompts, n=config["n"], seed=config["seed"],
-                              out_parquet=config["out_parquet"])
+                              out_parquet=config["out_parquet"], messages=prompt_messages(table.to_dict("records")))
     return stats, None
 
 

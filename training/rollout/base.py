@@ -1,11 +1,13 @@
 """The rollout-engine contract shared by the transformers (CPU/GPU) and vLLM (GPU) engines.
 
-``generate(prompts, n=..., seed=...)`` returns ``len(prompts) * n`` sample dicts, ordered by
+``generate(prompts, n=..., seed=..., messages=None)`` returns ``len(prompts) * n`` sample dicts, ordered by
 ``(prompt_index, sample_index)``, each with:
 
 - ``prompt_index``, ``sample_index`` (int); ``prompt`` (the raw prompt), ``response`` (decoded text,
   special tokens skipped);
-- ``prompt_ids``: token ids of the prompt rendered by ``batchrl.training.text.render_prompt``;
+- ``prompt_ids``: token ids of the prompt rendered by ``batchrl.training.text.render_prompt``: a prompt's
+  conversation (``messages``: per prompt its ``{role, content}`` list or JSON, or None) is rendered whole in
+  its place. These are the ids the policy update trains on (it never re-encodes the prompt text);
 - ``response_ids``: generated ids, including the eos token when one was generated;
 - ``rollout_logprobs``: per response token, ``log softmax(logits)[token]`` under the *unwarped* policy
   (temperature 1, no top-p/top-k), i.e. what a plain forward pass of the same weights gives and
@@ -20,11 +22,15 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from batchrl.training.text import Messages
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[str], *, n: int, seed: int) -> list[dict[str, Any]]:
-        """Sample ``n`` responses per prompt; the same seed gives the same samples."""
+    def generate(self, prompts: list[str], *, n: int, seed: int,
+                 messages: list[Messages] | None = None) -> list[dict[str, Any]]:
+        """Sample ``n`` responses per prompt (``messages``: per prompt its conversation, or None); the same
+        seed gives the same samples."""
         ...
 
 

@@ -12,9 +12,11 @@ from typing import Any
 import pandas as pd
 
 
-def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, seed: int, out_parquet: str) -> dict:
+def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, seed: int, out_parquet: str,
+                      messages: list | None = None) -> dict:
     """``engine`` = ``{"kind": ..., **make_rollout_engine kwargs}``; writes the contract's rows to
-    ``out_parquet`` and returns timing and length statistics."""
+    ``out_parquet`` and returns timing and length statistics. ``messages``: per prompt its conversation
+    (the prompts table's ``prompt_messages``) or None, rendered whole by the engine."""
     from batchrl.training.rollout import make_rollout_engine
 
     options = dict(engine)
@@ -22,7 +24,7 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     sampler = make_rollout_engine(options.pop("kind"), **options)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
-    rows = sampler.generate(prompts, n=n, seed=seed)
+    rows = sampler.generate(prompts, n=n, seed=seed, messages=messages)
     generate_s = time.perf_counter() - started
     started = time.perf_counter()
     samples = pd.DataFrame(rows)

@@ -1,7 +1,8 @@
 """Rollouts with Hugging Face ``generate`` (CPU or one GPU): the default engine, and the reference
 the vLLM engine is held to.
 
-Prompts are rendered with ``render_prompt`` and left-padded; ``prompts * n`` rows are generated in
+Prompts are rendered with ``render_prompt`` (a multi-turn prompt: the chat template over all its
+messages) and left-padded; ``prompts * n`` rows are generated in
 chunks of ``batch_size``. Each chunk reseeds torch from ``(seed, chunk index)`` inside a forked RNG,
 so a run is deterministic for a fixed seed and batch size and leaves the caller's RNG untouched.
 Rows are chunked in order of prompt length (less padding); samples come back in ``(prompt, sample)`` order.
@@ -15,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from batchrl.training.rollout.base import make_sample
-from batchrl.training.text import render_prompt
+from batchrl.training.text import Messages, context_texts, encode_prompts
 from batchrl.training.tiny_model import load_model_and_tokenizer
 
 
@@ -56,7 +57,7 @@ class TransformersRolloutEngine:
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
         self.stop_ids = _stop_token_ids(model, tokenizer)
-        self._last_encoded: tuple[tuple[str, ...] | None, list[list[int]]] = (None, [])
+        self._last_encoded: tuple[tuple | None, list[list[int]]] = (None, [])
 
     def _generation_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -111,17 +112,18 @@ class TransformersRolloutEngine:
             rows.append((row_tokens[:end], row_logprobs[:end], stop_at is not None))
         return rows
 
-    def _encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        """The chat-rendered prompts' ids; the last call's are kept (evaluation asks the same prompts of each
-        checkpoint it copies into this engine: rendering them is host time with the GPU idle)."""
-        key = tuple(prompts)
+    def _encode_prompts(self, prompts: list[str], messages: list[Messages] | None = None) -> list[list[int]]:
+        """The chat-rendered prompts' ids (``messages``: per prompt its conversation, or None); the last call's
+        are kept (evaluation asks the same prompts of each checkpoint it copies into this engine: rendering
+        them is host time with the GPU idle)."""
+        key = tuple(zip(prompts, context_texts(prompts, messages)))
         if self._last_encoded[0] != key:
-            self._last_encoded = (key, [self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)
-                                        ["input_ids"] for p in prompts])
+            self._last_encoded = (key, encode_prompts(self.tokenizer, list(prompts), messages))
         return self._last_encoded[1]
 
-    def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
-        encoded = self._encode_prompts(prompts)
+    def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0,
+                 messages: list[Messages] | None = None) -> list[dict[str, Any]]:
+        encoded = self._encode_prompts(prompts, messages)
         # Rows are chunked in order of prompt length, so a chunk's prompts need little padding.
         jobs = sorted(((p, s) for p in range(len(prompts)) for s in range(n)), key=lambda job: len(encoded[job[0]]))
         results: dict[tuple[int, int], tuple[list[int], list[float], bool]] = {}

@@ -1,7 +1,7 @@
 """Rollouts with vLLM on GPU hosts (``pip install 'batchrl[gpu]'``); same contract as the transformers engine.
 
-vllm is imported here only, when the engine is built. Prompts are rendered with ``render_prompt``
-and passed as token ids, so prompt tokenisation is identical across engines. With ``sampled_logprobs``
+vllm is imported here only, when the engine is built. Prompts are rendered with ``render_prompt`` (a
+multi-turn prompt: the chat template over all its messages) and passed as token ids, so prompt tokenisation is identical across engines. With ``sampled_logprobs``
 ``logprobs=0`` asks for the sampled token's log-prob only; ``logprobs_mode="raw_logprobs"`` (vLLM's
 default, set explicitly) reports it from the raw logits (before temperature/top-p), the same convention
 as ``base`` documents. Off by default: on an H200 asking for them cost 1.45-1.9x vLLM's throughput while
@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from batchrl.training.rollout.base import make_sample
-from batchrl.training.text import render_prompt
+from batchrl.training.text import Messages, encode_prompts
 
 
 class VLLMUnavailableError(ImportError):
@@ -93,7 +93,8 @@ class VLLMRolloutEngine:
         self.top_p = top_p
         self.sampled_logprobs = sampled_logprobs
 
-    def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0) -> list[dict[str, Any]]:
+    def generate(self, prompts: list[str], *, n: int = 1, seed: int = 0,
+                 messages: list[Messages] | None = None) -> list[dict[str, Any]]:
         params = self._sampling_params(
             n=n,
             seed=seed,
@@ -102,9 +103,7 @@ class VLLMRolloutEngine:
             max_tokens=self.max_new_tokens,
             logprobs=0 if self.sampled_logprobs else None,
         )
-        encoded = [
-            self.tokenizer(render_prompt(self.tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts
-        ]
+        encoded = encode_prompts(self.tokenizer, list(prompts), messages)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False,
                                     lora_request=self._lora_request)
         samples = []
