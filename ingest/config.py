@@ -79,10 +79,11 @@ class ChatMapping(BaseModel):
 
     messages_field: str | None = Field(None, description="field (dotted path) holding one whole conversation; "
                                        "default: 'messages' when the record has no prompt")
-    role_key: str = "role"
-    content_key: str = "content"
-    assistant_role: str = "assistant"
-    turn_separator: str = "\n"
+    role_key: str = Field("role", description="key of a message's role")
+    content_key: str = Field("content", description="key of a message's text")
+    assistant_role: str = Field("assistant", description="the role the final message (the completion) must have")
+    turn_separator: str = Field("\n", description="text between the 'role: content' lines when several turns "
+                                "become the prompt")
 
 
 class TranscriptFormat(BaseModel):
@@ -121,7 +122,9 @@ class IngestConfig(BaseModel):
                        "(prompt/response/score) or feedback (prompt/completion/label, unpaired thumbs)")
     field_mapping: dict[str, str] = Field(default_factory=dict, description="{source field or dotted path: "
                                           "contract/metadata field}, e.g. {rating: score}")
-    chat_mapping: ChatMapping | None = None
+    chat_mapping: ChatMapping | None = Field(None, description="how chat records (lists of role/content "
+                                             "messages) become prompt and completion; message lists are read with "
+                                             "its defaults when unset")
     transcript: TranscriptFormat | None = Field(None, description="parse chosen/rejected as whole dialogue "
                                                 "transcripts (HH-RLHF); `transcript: {}` takes the HH markers, which are also "
                                                 "recognised without it (no prompt, both sides open with '\\n\\nHuman:')")
@@ -130,29 +133,45 @@ class IngestConfig(BaseModel):
                                           "good/bad, like/dislike, positive/negative, yes/no (case-insensitive)")
     score_values: dict[str, float] = Field(default_factory=dict, description="scores written as text that is "
                                            "not a number, e.g. {up: 1, down: 0} or {'★★★★★': 5}")
-    drop_fields: list[str] = Field(default_factory=list)
-    reader: str | None = None  # "module:Class" for formats the built-in readers do not know
-    batch_rows: int = 65536
-    block_bytes: int = 16 << 20  # JSONL read block: the unit of work of a worker; memory ~ threads x this
-    row_group_rows: int = 65536  # output row groups, fixed so output bytes do not depend on batching
-    collapse_whitespace: bool = False
-    max_prompt_tokens: int | None = None
-    tokenizer_path: str | None = None
-    reject_threshold: float = 0.05
-    pair_min_margin: float = 0.0
-    compression: str = "snappy"  # parquet codec; snappy writes ~2x faster than zstd, zstd is ~30% smaller
+    drop_fields: list[str] = Field(default_factory=list, description="source fields dropped before the contract "
+                                   "is checked")
+    reader: str | None = Field(None, description="a custom reader (module:Class) for formats the built-in readers "
+                               "do not know")
+    batch_rows: int = Field(65536, description="rows per processing batch (outputs do not depend on it)")
+    block_bytes: int = Field(16 << 20, description="JSONL read block in bytes, cut at newlines: the unit of work of "
+                             "a worker; memory ~ threads x this (outputs do not depend on it)")
+    row_group_rows: int = Field(65536, description="rows per Parquet row group of the outputs, fixed so output "
+                                "bytes do not depend on batching")
+    collapse_whitespace: bool = Field(False, description="collapse every whitespace run in the text fields to one "
+                                      "space (off: it changes code and poems)")
+    max_prompt_tokens: int | None = Field(None, description="quarantine rows whose prompt has more tokens "
+                                          "(prompt_too_long); none = no limit")
+    tokenizer_path: str | None = Field(None, description="tokenizer (tokenizer.json or its folder) that counts "
+                                       "max_prompt_tokens; whitespace-separated words when unset")
+    reject_threshold: float = Field(0.05, description="log drops: when quarantined / rows in passes this, the "
+                                    "drop's blocking reject-rate check fails and preference_window leaves the "
+                                    "drop out (scored and feedback logs are not gated)")
+    pair_min_margin: float = Field(0.0, description="scored rows paired into preferences (ingest.pairs): best - "
+                                   "worst score a prompt needs for a pair; the ingest assets do not pair (the "
+                                   "scored_pairs asset has its own)")
+    compression: str = Field("snappy", description="Parquet codec of the outputs; snappy writes ~2x faster than "
+                             "zstd, zstd is ~30% smaller")
     threads: int = Field(default_factory=default_threads, ge=1,
                          description="JSONL blocks parsed/cleaned in parallel; default: this host's CPUs, at most "
                          "8 (memory ~ threads x block_bytes). Outputs do not depend on it")
-    # exact dedupe: keys past this many go to sorted run files on disk (Bloom-screened lookups), so memory
-    # does not grow with the input; dedupe_spill_dir=None uses the system temp folder
-    dedupe_memory_keys: int = 1 << 19
-    dedupe_spill_dir: str | None = None
-    fast_json: bool = True  # False forces the per-line reference JSONL path (debugging, equivalence tests)
-    # JSONL block engine: "arrow" (pyarrow.json) or "duckdb" (SQL per block, duckjsonl.py; exact only without
-    # field_mapping / chat_mapping, else arrow). Same outputs; "auto" = arrow, measured faster on 2 cores
-    engine: Literal["auto", "duckdb", "arrow"] = "auto"
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    dedupe_memory_keys: int = Field(1 << 19, description="exact-dedupe keys held in memory; past this many they "
+                                    "go to sorted run files on disk (Bloom-screened lookups), so memory does not "
+                                    "grow with the input")
+    dedupe_spill_dir: str | None = Field(None, description="folder of the dedupe spill files; the system temp "
+                                         "folder when unset")
+    fast_json: bool = Field(True, description="the vectorised JSONL path for clean lines; False forces the "
+                            "per-line reference path for all (debugging, equivalence tests)")
+    engine: Literal["auto", "duckdb", "arrow"] = Field(
+        "auto", description="JSONL block engine: arrow (pyarrow.json) or duckdb (SQL per block; exact only "
+        "without field_mapping / chat_mapping, else arrow). Same outputs; auto = arrow, measured faster on 2 cores")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options for reading the "
+                                            "inputs; the ingest assets set the landing resource's (credentials are "
+                                            "redacted in lineage)")
     extra_fields: Literal["keep", "drop", "quarantine", "error"] = Field(
         "keep", description="fields outside contract + metadata + mapping: keep = one JSON object per row in "
         "the nullable ``extra`` column (null values left out), drop = discard (counted), quarantine = reject "

@@ -33,7 +33,8 @@ class AdvantageSettings(BaseModel):
         "grpo", description="advantage estimator (registry name); gae needs a critic, remax greedy baselines")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
-    norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's std")
+    norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's (unbiased) std + 1e-6; off = "
+                                  "Dr. GRPO")
     critic_init: Literal["policy", "reward_model"] = Field(
         "policy", description="gae: where a new critic starts: the policy's weights with a zero value head, or "
         "the reward model (its score head becomes the value head)")
@@ -41,8 +42,12 @@ class AdvantageSettings(BaseModel):
                                    "token rewards; the policy update then needs use_kl_in_reward too")
     kl_penalty: Literal[KL_KINDS] = Field("kl", description="KL estimator per token (k1 'kl', k2 'mse', "  # type: ignore[valid-type]
                                           "k3 'low_var_kl', 'abs')")
-    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="KL coefficient controller")
-    kl_coef: float = Field(0.001, ge=0, description="beta (the adaptive controller's start value)")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="how kl_coef moves between iterations: "
+                                                  "fixed, or adaptive (steers the KL towards target_kl; its value is "
+                                                  "carried over to the next iteration)")
+    kl_coef: float = Field(0.001, ge=0, description="beta of the KL in the reward: token rewards become "
+                           "r - beta * KL(policy || reference) when use_kl_in_reward (the adaptive controller's start "
+                           "value)")
     target_kl: float = Field(0.1, gt=0, description="adaptive controller: KL it steers towards")
     kl_horizon: int = Field(10000, gt=0, description="adaptive controller: horizon in samples")
 

@@ -222,15 +222,24 @@ class RewardConfig(BaseModel):
       should be weighted in deliberately (e.g. routed to the categories it was trained on).
     """
 
-    rule: str = "arith_partial"
-    custom: dict[str, str] = Field(default_factory=dict)
-    weights: dict[str, float] = Field(default_factory=lambda: {RULE: 1.0, REWARD_MODEL: 0.0})
-    routing: dict[str, dict[str, float]] | None = None
+    rule: str = Field("arith_partial", description="the rule reward (column rule): a registered reward name or "
+                      "module:function")
+    custom: dict[str, str] = Field(default_factory=dict, description="more rule-like rewards: {column name: "
+                                   "registered reward or module:function}")
+    weights: dict[str, float] = Field(default_factory=lambda: {RULE: 1.0, REWARD_MODEL: 0.0}, description=(
+        "mix weight per reward column (rule, reward_model, custom names): reward = sum of weight x column; "
+        "reward_model at 0 = the reward model is neither needed nor loaded"))
+    routing: dict[str, dict[str, float]] | None = Field(None, description=(
+        "per-category weights {category: {column: weight}}, replacing weights for the rows whose route_by field "
+        "has that value"))
     route_by: str = Field("category", description="row field whose value picks the routing entry "
                           "(category, or data_source as verl's reward manager does)")
-    reward_model_path: str | None = None
-    rm_batch_size: int = 32
-    rm_max_length: int = 256
+    reward_model_path: str | None = Field(None, description=(
+        "HF reward-model folder scored with when the mix weighs reward_model (library use: the rewards asset "
+        "always takes the reward_model asset's folder)"))
+    rm_batch_size: int = Field(32, description="sequences per reward-model forward pass")
+    rm_max_length: int = Field(256, description="tokens of prompt + response the reward model reads; longer "
+                               "ones are truncated")
 
     def weighs(self, component: str) -> bool:
         """Whether ``component`` has a non-zero weight in ``weights`` or any routing entry."""

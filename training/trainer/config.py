@@ -23,17 +23,22 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # optimisation
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = 0.0
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warmup, decay to 0 or not
-    max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(8, ge=1)
-    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-3, gt=0, description="peak learning rate of AdamW (reached after warmup_steps)")
+    weight_decay: float = Field(0.0, description="AdamW weight decay")
+    warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear warmup from 0 to lr")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="learning rate after warmup: constant = stays at lr; linear / cosine = decays to "
+        "0 at the last optimiser step")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping: the global gradient norm is scaled "
+                                 "down to this")
+    micro_batch_size: int = Field(8, ge=1, description="examples per forward/backward pass on one rank")
+    grad_accum: int = Field(1, ge=1, description="micro-batches accumulated per optimiser step (derived from "
+                            "global_batch_size when that is set)")
     global_batch_size: int | None = Field(
         None, ge=1, description="examples per optimiser step over all ranks; when set, grad_accum = "
         "global_batch_size / (micro_batch_size x ranks), so the update is the same on 1 or N GPUs")
-    max_length: int = Field(256, ge=8)
+    max_length: int = Field(256, ge=8, description="tokens per sequence (prompt + completion); longer ones are "
+                            "truncated")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward: less memory, "
                                          "~1/3 more compute")
     fused_optimizer: bool | None = Field(None, description="fused AdamW kernel; None = fused on GPUs, the "
@@ -52,18 +57,23 @@ class TrainerConfig(BaseModel):
     torch_compile: bool = Field(False, description="compile each decoder layer with torch.compile (fuses norms, "
                                 "rotary and activations; pays once at start)")
     # reproducibility / engine
-    seed: int = 0
-    zero_stage: Literal[0, 1, 2, 3] = 0
+    seed: int = Field(0, description="seed of the python/numpy/torch RNGs and of the data order: the same inputs, "
+                      "config and seed give the same bytes")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage (0-3); a run at ZeRO 1-3 resumes "
+                                            "only on the same number of ranks")
     precision: Literal["fp32", "bf16", "bf16_amp"] = Field(
         "bf16_amp", description="GPU only (CPU stays fp32): bf16_amp = fp32 weights, bf16 autocast compute, no "
         "second copy (the fastest on one H200, bench/RESULTS.md; runs as bf16 at ZeRO-3, whose engine forward turns "
         "autocast off); bf16 = bf16 weights with DeepSpeed's fp32 master copy; fp32 = no bf16 at all")
-    num_gpus: int = Field(1, ge=1)  # >1: the job is started by the deepspeed launcher
+    num_gpus: int = Field(1, ge=1, description="not read by the trainer: the ranks a job runs on are the trainer "
+                          "resource's num_gpus (resources.trainer.config.num_gpus); part of the run's identity only")
     # checkpoints
-    save_every: int = Field(0, ge=0)  # optimiser steps between checkpoints; 0 = only at the end
-    keep_last: int = Field(2, ge=1)
-    resume: bool = True  # continue from out_dir/checkpoints/latest when present
-    stop_after_steps: int | None = Field(None, ge=1)  # stop early (as if killed) after N total steps
+    save_every: int = Field(0, ge=0, description="optimiser steps between checkpoints; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, description="trainer checkpoints kept in the work folder (older ones deleted)")
+    resume: bool = Field(True, description="continue from the work folder's latest checkpoint "
+                         "(out_dir/checkpoints/latest) when present")
+    stop_after_steps: int | None = Field(None, ge=1, description="stop early (as if killed) after this many "
+                                         "optimiser steps in all")
     # LoRA (peft): adapters on the frozen base; the checkpoint is the adapter only (training/lora.py)
     lora_rank: int = Field(0, ge=0, description="LoRA rank r: train low-rank adapters on the frozen base model and "
                            "publish the adapter only (MBs); 0 = full fine-tuning (the default)")
@@ -126,10 +136,12 @@ class DPOConfig(TrainerConfig):
         "sigmoid/hinge/ipo/robust: DPO family against the reference log-probs; simpo, orpo: reference-free "
         "(algos/offline.py: length-normalised log-probs, the reference pass is not used)"))
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma (loss_type simpo only)")
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    epochs: int = Field(3, ge=1)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="probability that a preference label is flipped "
+                                   "(robust / cDPO); 0 = plain DPO")
+    epochs: int = Field(3, ge=1, description="passes over the DPO pairs")
     lr: float = Field(5e-4, gt=0)
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1, description="preference pairs per micro-batch on one rank (chosen and "
+                                  "rejected: twice as many sequences per forward pass)")
 
     @model_validator(mode="after")
     def _simpo_gamma_needs_simpo(self):
@@ -148,7 +160,7 @@ class KTOConfig(TrainerConfig):
         "so lambda_D n_D / (lambda_U n_U) = 1 (the paper keeps it in [1, 4/3]; TRL defaults to 1.0, which on "
         "feedback with few thumbs up lets the thumbs down dominate)"))
     undesirable_weight: float = Field(1.0, gt=0, description="loss weight of thumbs-down rows (lambda_U)")
-    epochs: int = Field(3, ge=1)
+    epochs: int = Field(3, ge=1, description="passes over the feedback rows")
     lr: float = Field(5e-4, gt=0)
     micro_batch_size: int = Field(8, ge=2, description="rows per micro-batch (at least 2: the reference point "
                                   "pairs each prompt with another row's completion)")
@@ -158,10 +170,12 @@ class RewardModelConfig(TrainerConfig):
     """Bradley-Terry reward model: a scalar head on the base model, ``-log σ(r_chosen − r_rejected)``.
     ``max_pairs`` trains on a seeded sample of that many pairs (smoke-size runs); None = all."""
 
-    epochs: int = Field(3, ge=1)
+    epochs: int = Field(3, ge=1, description="passes over the reward model's preference pairs")
     lr: float = Field(1e-3, gt=0)
-    micro_batch_size: int = Field(16, ge=1)  # pairs per micro-batch (2x sequences per forward pass)
-    max_pairs: int | None = Field(None, ge=1)
+    micro_batch_size: int = Field(16, ge=1, description="pairs per micro-batch on one rank (2x sequences per "
+                                  "forward pass of the reward model)")
+    max_pairs: int | None = Field(None, ge=1, description="train on a seeded sample of this many preference pairs "
+                                  "(smoke-size runs); all when unset")
 
 
 class PolicyConfig(TrainerConfig):
@@ -174,30 +188,49 @@ class PolicyConfig(TrainerConfig):
     """
 
     # allowed values come from the registries: an unknown name fails when the config is written
-    adv_estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = "grpo"  # type: ignore[valid-type]
-    policy_loss: Literal[POLICY_LOSS_NAMES] = "vanilla"  # type: ignore[valid-type]
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1)
-    kl_coef: float = Field(0.01, ge=0)
-    kl_type: Literal[KL_KINDS] = "low_var_kl"  # type: ignore[valid-type]  # k3, clamped to [-10, 10]
-    use_kl_in_reward: bool = False
+    adv_estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = Field(  # type: ignore[valid-type]
+        "grpo", description="the estimator the batch's advantages were computed with (must match "
+        "advantages.estimator when set); gae needs critic: true")
+    policy_loss: Literal[POLICY_LOSS_NAMES] = Field(  # type: ignore[valid-type]
+        "vanilla", description="policy-gradient loss: vanilla = PPO clipped surrogate with dual clip, gspo = its "
+        "sequence-level ratio, weighted_regression = weights times log-likelihood, no ratio (AWR/RWR)")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound 1 - clip_ratio_low of the "
+                                  "importance ratio")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound 1 + clip_ratio_high of the "
+                                   "importance ratio")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant c (> 1) bounding the loss of negative "
+                                "advantages")
+    kl_coef: float = Field(0.01, ge=0, description="weight of the KL loss term kl_coef * KL(policy || reference) "
+                           "added to the policy loss (GRPO's use_kl_loss); no term when 0 or use_kl_in_reward")
+    kl_type: Literal[KL_KINDS] = Field(  # type: ignore[valid-type]
+        "low_var_kl", description="estimator of that KL loss term: k1 'kl', k2 'mse', k3 'low_var_kl' (clamped to "
+        "[-10, 10]), 'abs'; a '+' suffix keeps the value with k2's gradient")
+    use_kl_in_reward: bool = Field(False, description="the KL is already subtracted from the token rewards "
+                                   "(advantages.use_kl_in_reward): no KL loss term here")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
-    entropy_coef: float = 0.0
-    ppo_epochs: int = Field(1, ge=1)
-    # token-mean losses weight tokens per micro-batch: regrouping would change the update, so off by default
-    group_by_length: bool = False
-    temperature: float = Field(1.0, gt=0)
-    # old log-probs: recompute under the current weights (exact on-policy ratio) or take the rollout
-    # engine's with a truncated importance-sampling correction for the engine mismatch.
-    old_logprobs: Literal["recompute", "rollout"] = "recompute"
-    rollout_is_threshold: float | None = Field(2.0, gt=0)
+                           "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how per-token losses become one: token-mean = mean over all response tokens; "
+        "seq-mean-token-sum / seq-mean-token-mean = each sequence's token sum / token mean, averaged over sequences; "
+        "seq-mean-token-sum-norm = that mean of token sums divided by the padded length (Dr. GRPO)")
+    entropy_coef: float = Field(0.0, description="weight of the entropy bonus (subtracted from the loss)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over the rollout batch per policy update")
+    group_by_length: bool = Field(False, description="sort each optimiser step's rollouts by length before cutting "
+                                  "micro-batches; off by default: token-mean losses weight tokens per micro-batch, so "
+                                  "regrouping changes the update")
+    temperature: float = Field(1.0, gt=0, description="the temperature the rollouts were sampled at; the policy's "
+                               "log-probs are computed at it (keep it equal to the rollout engine's)")
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute", description="log pi_old of the ratio: recompute = the trainer's own under the weights before "
+        "the update (exact on-policy ratio); rollout = the rollout engine's sampled-token log-probs")
+    rollout_is_threshold: float | None = Field(2.0, gt=0, description="with old_logprobs recompute and rollout "
+                                               "log-probs in the batch: the loss is reweighted by truncated importance "
+                                               "weights min(pi_old / pi_rollout, this) for the engine mismatch; "
+                                               "none = off")
     lr: float = Field(1e-3, gt=0)
     micro_batch_size: int = Field(16, ge=1)
     # critic (PPO with GAE): a value model trained after the policy in the same job, ppo_epochs passes
     critic: bool = Field(False, description="train a value model on the batch's returns (clipped value loss)")
-    critic_lr: float = Field(1e-3, gt=0)
+    critic_lr: float = Field(1e-3, gt=0, description="learning rate of the critic (value model)")
     cliprange_value: float = Field(0.5, gt=0, description="value clip around the batch's old values")
 
     @model_validator(mode="after")
