@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import dagster as dg
+from pydantic import Field
 
 from batchrl.resources.storage import ArtifactRef, StorageResource
 
@@ -111,7 +112,8 @@ def load_artifacts(context: dg.InputContext, storage: StorageResource,
 class ArtifactIOManager(dg.ConfigurableIOManager):
     """Hands each asset its upstream artifacts as :class:`Artifact` (see the module docstring)."""
 
-    storage: StorageResource
+    storage: StorageResource = Field(description="the storage whose root holds the artifacts handed to the "
+                                     "assets (remote ones come through its cache_dir)")
 
     def handle_output(self, context: dg.OutputContext, obj: Any) -> None:
         """Nothing to store: the asset published its artifact (immutable, content-addressed) already."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import dagster as dg
 import duckdb
+from pydantic import Field
 
 from batchrl.lineage import DEFAULT_ROOT, catalog_path_of
 
@@ -31,7 +32,8 @@ CREATE TABLE IF NOT EXISTS artifact_files (
 class CatalogResource(dg.ConfigurableResource):
     """DuckDB file recording artifacts; `batchrl audit` and ad-hoc SQL read it."""
 
-    path: str = catalog_path_of(DEFAULT_ROOT)
+    path: str = Field(catalog_path_of(DEFAULT_ROOT), description="the DuckDB catalog file: one row per "
+                      "materialisation, with its lineage edges and source files")
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

@@ -13,12 +13,16 @@ from pydantic import Field
 class RolloutEngineResource(dg.ConfigurableResource):
     kind: str = Field("transformers", description="transformers (plain generate) | static (static KV cache, "
                       "CUDA graphs; Llama-family models) | vllm")
-    max_new_tokens: int = 12
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = Field(12, description="tokens generated per response at most")
+    temperature: float = Field(1.0, description="sampling temperature of the rollouts (the policy trainer's "
+                               "temperature should match it)")
+    top_p: float = Field(1.0, description="nucleus sampling: sample among the most likely tokens whose "
+                         "probabilities add up to top_p; 1 = off")
     batch_size: int = Field(64, description="rows per chunk (transformers, static)")
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = Field("cpu", description="device the transformers / static engines sample on: cpu | cuda | "
+                        "cuda:N (vLLM places itself)")
+    dtype: str = Field("float32", description="weights' dtype of the transformers / static engines: float32 | "
+                       "bfloat16 | float16")
     gpu_memory_utilization: float = Field(0.5, description="vLLM's share of the GPU memory")
     sampled_logprobs: bool = Field(False, description="vLLM: report the sampled tokens' log-probs (for the "
                                    "truncated-IS correction); off, the trainer recomputes them, which is faster")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
 import dagster as dg
+from pydantic import Field
 
 from batchrl import fsutil
 from batchrl.lineage import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
@@ -62,9 +63,12 @@ def _take(staging: str, tmp: str) -> None:
 class StorageResource(dg.ConfigurableResource):
     """Where artifacts live. ``root`` is a local folder or ``s3://bucket/prefix``."""
 
-    root: str = DEFAULT_ROOT
-    storage_options: dict[str, Any] = {}
-    cache_dir: str = cache_dir_of(DEFAULT_ROOT)
+    root: str = Field(DEFAULT_ROOT, description="where artifacts live, each version under "
+                      "<root>/<asset>/<content hash>/: a local folder or s3://bucket/prefix")
+    storage_options: dict[str, Any] = Field({}, description="fsspec options (endpoint, credentials) for an s3:// "
+                                            "root; credentials are redacted in lineage")
+    cache_dir: str = Field(cache_dir_of(DEFAULT_ROOT), description="local folder where artifacts of a remote root "
+                           "are downloaded once, and the trainers' resumable work folders (_work) live")
 
     def _fs(self):
         return fsutil.filesystem_for(self.root, self.storage_options)
