@@ -1,7 +1,6 @@
 """What every asset does the same way: code versions, publishing, lineage, catalog rows."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -92,19 +91,23 @@ def _dagster_type(annotation: Any) -> Any:
     return annotation
 
 
+def field_description(model_cls: type[pydantic.BaseModel], name: str) -> str | None:
+    """The description written on the field (``Field(..., description=...)``); for a subclass that redeclares
+    a field only to change its default or bounds, the nearest base class's."""
+    for cls in model_cls.__mro__:
+        field = (getattr(cls, "__pydantic_fields__", None) or {}).get(name)
+        if field is not None and field.description:
+            return field.description
+    return None
+
+
 def run_config_for(model_cls: type[pydantic.BaseModel], name: str) -> type[dg.Config]:
     """A Dagster run-config class with the library config's fields, defaults and descriptions (the launchpad
-    shows them; ``assets.config_docs``), so no field is listed twice."""
-    from batchrl.assets.config_docs import describe
-
-    if dataclasses.is_dataclass(model_cls):
-        fields = {f.name: (f.type, f.default if f.default is not dataclasses.MISSING else f.default_factory(), None)
-                  for f in dataclasses.fields(model_cls)}
-    else:
-        fields = {key: (field.annotation, field.get_default(call_default_factory=True), field.description)
-                  for key, field in model_cls.model_fields.items()}
-    fields = {key: (_dagster_type(annotation), pydantic.Field(default, description=describe(model_cls, key, doc)))
-              for key, (annotation, default, doc) in fields.items()}
+    shows them: each field's own, :func:`field_description`), so no field is listed twice."""
+    fields = {key: (_dagster_type(field.annotation),
+                    pydantic.Field(field.get_default(call_default_factory=True),
+                                   description=field_description(model_cls, key)))
+              for key, field in model_cls.model_fields.items()}
     run_config = pydantic.create_model(name, __base__=dg.Config, **fields)
     run_config.library_model = model_cls  # `batchrl run` validates -c files with it before anything runs
     return run_config

@@ -75,32 +75,94 @@ def test_an_input_never_materialised_fails_naming_it(tmp_path):
     assert "merged has no materialisation" in str(failure.event_specific_data.error)
 
 
-def test_every_launchpad_config_field_has_a_description():
-    """The launchpad shows a field's description; fields generated from library configs get theirs from the
-    library (description or source comment) or from ``assets.config_docs``."""
-    from batchrl.definitions import build_definitions
+def _config_models() -> list[type]:
+    """Every config model behind the launchpad: the assets' ``dg.Config`` classes (a run config generated from a
+    library model stands for that model), the models nested in them, and the resources' config classes."""
+    import importlib
+    import pkgutil
+    import typing
 
-    from batchrl.definitions import environment_resources
+    import pydantic
 
-    defs = build_definitions(environment_resources("local"))
-    ops = defs.resolve_implicit_global_asset_job_def().run_config_schema.config_type.fields["ops"].config_type
-    missing, seen = [], 0
+    import batchrl.assets
+    import batchrl.resources
+
+    bases = (dg.Config, dg.ConfigurableResource, dg.ConfigurableIOManager)
+    found: dict[type, None] = {}
+
+    def add(model: type) -> None:
+        model = getattr(model, "library_model", model)
+        if model in found or model in bases:
+            return
+        found[model] = None
+        for field in model.model_fields.values():
+            for kind in (field.annotation, *typing.get_args(field.annotation)):
+                if isinstance(kind, type) and issubclass(kind, pydantic.BaseModel):
+                    add(kind)
+
+    for package in (batchrl.assets, batchrl.resources):
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for value in vars(module).values():
+                if isinstance(value, type) and issubclass(value, bases):
+                    add(value)
+    return list(found)
+
+
+def _launchpad_fields(defs) -> tuple[dict[str, str], int]:
+    """``{op.config.path: description}`` of every run-config field of every asset, and of every resource's
+    config field (``resources.<key>.<field>``), as Dagster shows them."""
+    out: dict[str, str] = {}
 
     def walk(config_type, path: str) -> None:
-        nonlocal seen
-        inner = getattr(config_type, "inner_type", None)
         for name, field in (getattr(config_type, "fields", None) or {}).items():
-            seen += 1
-            if not (field.description or "").strip():
-                missing.append(f"{path}.{name}")
+            out[f"{path}.{name}"] = (field.description or "").strip()
             walk(field.config_type, f"{path}.{name}")
-        if inner is not None:
-            walk(inner, path)
+        if getattr(config_type, "inner_type", None) is not None:
+            walk(config_type.inner_type, path)
 
-    for op, field in ops.fields.items():
-        if "config" in field.config_type.fields:
-            walk(field.config_type.fields["config"].config_type, op)
-    assert seen > 100 and not missing, missing
+    assets = 0
+    for assets_def in defs.resolve_asset_graph().assets_defs:
+        if assets_def.is_executable and assets_def.op.config_schema is not None:
+            assets += 1
+            walk(assets_def.op.config_schema.config_type, assets_def.op.name)
+    for key, resource in defs.resources.items():
+        walk(resource.get_resource_definition().config_schema.config_type, f"resources.{key}")
+    return out, assets
+
+
+def test_every_launchpad_config_field_has_its_own_description():
+    """The launchpad shows each run-config field's description, which is written on the field itself
+    (``Field(..., description=...)``: TRL's ``help``), not kept in a side table: every field of every asset's
+    run config and every resource has one, and a field name that means different things in two models (the
+    advantages' ``kl_coef``, the beta of the KL in the reward, vs the policy trainer's, the weight of its KL
+    loss term) says so in each."""
+    from batchrl.assets.common import field_description
+    from batchrl.definitions import build_definitions, environment_resources
+
+    defs = build_definitions(environment_resources("local"))
+    shown, assets = _launchpad_fields(defs)
+    assert assets >= 15 and len(shown) > 300
+    assert not [path for path, text in shown.items() if not text], "run-config fields without a description"
+    assert {f"resources.{k}" for k in ("storage", "catalog", "landing", "rollout_engine", "trainer", "compute")} <= \
+        {path.rsplit(".", 1)[0] for path in shown}
+
+    models = _config_models()
+    written = {(model, name): field_description(model, name) for model in models for name in model.model_fields}
+    assert len(models) >= 20 and not [f"{m.__module__}.{m.__qualname__}.{n}" for (m, n), text in written.items()
+                                      if not (text or "").strip()], "fields without description="
+
+    # one text per declaration: the same words on a same-named field of two unrelated models are a copy
+    declared: dict[tuple[str, str], set[str]] = {}
+    for (model, name), text in written.items():
+        origin = next(c for c in reversed(model.__mro__)
+                      if (getattr(c, "__pydantic_fields__", None) or {}).get(name) is not None
+                      and c.__pydantic_fields__[name].description == text)
+        declared.setdefault((name, text), set()).add(f"{origin.__module__}.{origin.__qualname__}")
+    copies = {name: sorted(origins) for (name, text), origins in declared.items() if len(origins) > 1}
+    assert not copies, f"one description on differently-declared fields: {copies}"
+    assert shown["advantages.kl_coef"] != shown["policy_checkpoint.kl_coef"]
+    assert "reward" in shown["advantages.kl_coef"] and "loss" in shown["policy_checkpoint.kl_coef"]
 
 
 def test_curve_table_keeps_the_last_step_and_bounds_rows():
