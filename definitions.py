@@ -1,7 +1,7 @@
 """The Dagster code location: `dagster dev` (workspace.yaml) and `dagster asset materialize -m batchrl.definitions`.
 
 Resources are chosen per environment by ``BATCHRL_ENV`` (local | s3 | gpu), one mapping each; a
-profile (``BATCHRL_PROFILE``, see ``batchrl.profiles``) overrides fields of them.
+profile (``BATCHRL_PROFILE``, see ``batchrl.resources.profiles``) overrides fields of them.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import uuid
 
 import dagster as dg
 
-from batchrl import step_server
+from batchrl.runs import step_server
 from batchrl.assets import automation, data, dpo, evaluation, models, offline, policy_chain, rl
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP, landing_drops
-from batchrl.lineage import cache_dir_of, catalog_path_of, local_storage_root
+from batchrl.lineage.code_versions import cache_dir_of, catalog_path_of, local_storage_root
 from batchrl.resources import (
     ArtifactIOManager, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -28,7 +28,7 @@ from batchrl.resources import (
 @dg.configured(dg.multiprocess_executor, config_schema={"max_concurrent": dg.Field(
     int, default_value=0, description="steps that may run at once (0: one per CPU core)")})
 def step_executor(config: dict) -> dict:
-    """Dagster's multiprocess executor with its step processes forked from ``batchrl.step_server``."""
+    """Dagster's multiprocess executor with its step processes forked from ``batchrl.runs.step_server``."""
     return {"max_concurrent": config["max_concurrent"],
             "start_method": {"forkserver": {"preload_modules": step_server.PRELOAD}}}
 
@@ -134,7 +134,7 @@ def dpo_takes_self_play_pairs() -> bool:
     then has a ``rewards`` input): ``BATCHRL_DPO_SELF_PLAY`` (1 or 0), else whether the profile
     (``BATCHRL_PROFILE``) gives ``dpo_pairs`` the source self or both. Off (the default), the DPO path depends on
     the logged pairs alone and runs beside the RL branch; `batchrl run` turns it on when its run config asks."""
-    from batchrl.profiles import dpo_self_play, load_profile
+    from batchrl.resources.profiles import dpo_self_play, load_profile
 
     explicit = os.environ.get("BATCHRL_DPO_SELF_PLAY")
     if explicit:
@@ -146,7 +146,7 @@ def dpo_takes_self_play_pairs() -> bool:
 def _profile_jobs() -> list:
     """With ``BATCHRL_PROFILE`` set, a job ``<profile>_profile`` runs every asset with the profile's run
     config, so the UI launches it in one click (the launchpad shows the config, editable)."""
-    from batchrl.profiles import load_profile
+    from batchrl.resources.profiles import load_profile
 
     name = os.environ.get("BATCHRL_PROFILE")
     if not name:
@@ -160,7 +160,7 @@ def _profile_jobs() -> list:
 
 def environment_resources(env: str | None = None, profile: str | None = None) -> dict:
     """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides."""
-    from batchrl.profiles import apply_resource_overrides, load_profile
+    from batchrl.resources.profiles import apply_resource_overrides, load_profile
 
     env = env or os.environ.get("BATCHRL_ENV", "local")
     resources = RESOURCES_BY_ENV[env]()
@@ -189,7 +189,7 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
     the drops are registered as partitions; a drop already ingested with the same content is not run
     again), then the rest in the run named by ``run_id``. ``on_run(run_id)`` is called before each run
     starts. Returns the first failed run's result, else the last run's (``NothingToRun`` if none ran)."""
-    from batchrl.runconfig import check_whole_run
+    from batchrl.runs.run_config import check_whole_run
 
     graph = defs.resolve_asset_graph()
     check_whole_run(defs, run_config, selection)

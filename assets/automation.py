@@ -6,7 +6,7 @@ import os
 
 import dagster as dg
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import LOG_DROPS, PER_DROP_ASSETS, landing_drops
 from batchrl.resources import LandingResource

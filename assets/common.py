@@ -13,10 +13,10 @@ from typing import Any
 import dagster as dg
 import pydantic
 
-from batchrl import fsutil
-from batchrl.lineage import code_version  # noqa: F401  (the assets import it from here)
-from batchrl.lineage_record import lineage_record
-from batchrl.redact import redact
+from batchrl.common import fsutil
+from batchrl.lineage.code_versions import code_version  # noqa: F401  (the assets import it from here)
+from batchrl.lineage.record import lineage_record
+from batchrl.lineage.redact import redact
 from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
 from batchrl.resources.artifacts import FILES_KEY, Artifact
 

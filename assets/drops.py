@@ -11,7 +11,7 @@ import hashlib
 
 import dagster as dg
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.ingest.discover import detect_format
 from batchrl.resources import LandingResource
 

@@ -7,7 +7,7 @@ from typing import Optional
 import dagster as dg
 from pydantic import Field
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.dpo import ReferenceConfig
 from batchrl.resources import (

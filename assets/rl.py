@@ -7,7 +7,7 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.assets.common import (
     code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
 )

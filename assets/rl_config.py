@@ -13,7 +13,7 @@ from typing import Iterable
 
 import pydantic
 
-from batchrl.runconfig import RunConfigError
+from batchrl.runs.run_config import RunConfigError
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.algos import estimator_needs
 from batchrl.training.rewards import RewardConfig, get_reward_function

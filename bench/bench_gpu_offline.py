@@ -36,7 +36,7 @@ def batchrl(args: list[str], env: dict, log: str) -> float:
     """Run the CLI (as ``python -c`` so no console script is needed on the device); its wall seconds."""
     started = time.perf_counter()
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "-c", "import sys; from batchrl.cli import console_main; "
+        done = subprocess.run([sys.executable, "-c", "import sys; from batchrl.cli.main import console_main; "
                                "console_main(sys.argv[1:])", *args], env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
         print(open(log).read()[-4000:])

@@ -193,7 +193,7 @@ def run_graph(profile: str, work: str, out: str, a, env: dict, concurrent_steps:
         from bench_run_startup import create_instance_tables  # this folder: the script's own
 
         create_instance_tables(env)
-    batchrl = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])"]
+    batchrl = [sys.executable, "-c", "import sys; from batchrl.cli.main import console_main; console_main(sys.argv[1:])"]
     if warm_server:  # up before the timer, as the server a user keeps (`batchrl serve`): the run is a fork of it
         subprocess.run([*batchrl, "serve", "--detach"], env=env, check=True, capture_output=True)
     trace_path = os.path.join(out, "gpu_trace.csv")

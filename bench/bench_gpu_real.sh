@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
   > "$OUT/gpu_trace.csv" 2>/dev/null &
 TRACE=$!
 start=$(date +%s)
-timeout $(( ${MINUTES%.*} * 60 + 120 )) python3 -c "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])" \
+timeout $(( ${MINUTES%.*} * 60 + 120 )) python3 -c "import sys; from batchrl.cli.main import console_main; console_main(sys.argv[1:])" \
   run --profile real --rl-iterations 50 --max-minutes "$MINUTES" > "$OUT/run.log" 2>&1
 echo "batchrl run exit $? after $(( $(date +%s) - start )) s"
 kill $TRACE

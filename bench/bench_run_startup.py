@@ -25,13 +25,13 @@ import time
 SELECTION = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "scored_logs",
              "scored_pairs"]
 # the CLI through this interpreter (a host without the console script, e.g. the device's carried environment)
-BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])"]
+BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli.main import console_main; console_main(sys.argv[1:])"]
 
 
 def create_instance_tables(env: dict) -> None:
     """The Dagster home of ``env`` with its tables (and batchrl's dagster.yaml), as on a machine that ran batchrl
     before: what a run's start-up then no longer pays."""
-    subprocess.run([sys.executable, "-c", "import dagster as dg; from batchrl.cli import ensure_dagster_home; "
+    subprocess.run([sys.executable, "-c", "import dagster as dg; from batchrl.cli.main import ensure_dagster_home; "
                     "ensure_dagster_home(); dg.DagsterInstance.get().dispose()"], env=env, check=True)
 
 

@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAINERS = ("reward_model", "policy_checkpoint", "dpo_checkpoint", "kto_checkpoint", "offline_policy_checkpoint")
 RL_ITERATION = ("rollouts", "rewards", "advantages", "policy_checkpoint", "promoted_policy")
 CHECKPOINTS = TRAINERS
-BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli import console_main; console_main(sys.argv[1:])"]
+BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli.main import console_main; console_main(sys.argv[1:])"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -161,7 +161,7 @@ def real_profile(args, lora: bool, path: str) -> str:
 
 
 def part_real(args, lora: bool) -> dict:
-    from batchrl.profiles import load_profile
+    from batchrl.resources.profiles import load_profile
 
     name = f"real_{'lora' if lora else 'full'}"
     work = os.path.join(args.work, name)

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from batchrl.fsutil import filesystem_for
+from batchrl.common.fsutil import filesystem_for
 
 #: suffix (after stripping .gz/.zst) -> format name
 FORMATS = {

@@ -26,7 +26,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import zstandard
 
-from batchrl.fsutil import filesystem_for
+from batchrl.common.fsutil import filesystem_for
 from batchrl.ingest.config import IngestConfig, IngestError
 from batchrl.ingest.discover import InputFile, open_binary
 from batchrl.ingest.records import RecordStructurer, column_contract

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from pydantic import BaseModel, Field
 
-from batchrl.fsutil import duckdb_for
+from batchrl.common.fsutil import duckdb_for
 from batchrl.ingest.config import IngestConfig, StageReport
 from batchrl.ingest.validate import cleaned_files, run_contract
 from batchrl.schemas import PREFERENCE_ARROW, QUARANTINE_ARROW, SCORED_ARROW

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrl.fsutil import filesystem_for, is_local, join
+from batchrl.common.fsutil import filesystem_for, is_local, join
 from batchrl.schemas import QUARANTINE_ARROW
 
 DICTIONARY_COLUMNS = {"category", "source", "source_file", "reason", "timestamp"}

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pandera.pandas as pandera
 
-from batchrl.fsutil import filesystem_for, join
+from batchrl.common.fsutil import filesystem_for, join
 from batchrl.ingest.config import KIND_OUTPUTS, IngestConfig, StageReport
 from batchrl.ingest.dedupe import SeenKeys
 from batchrl.ingest.sink import ParquetSink, QuarantineSink, RowGroupReader

@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import dagster as dg
 from pydantic import Field
 
-from batchrl import fsutil
-from batchrl.lineage import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
+from batchrl.common import fsutil
+from batchrl.lineage.code_versions import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
 
 LINEAGE_FILE = "lineage.json"
 

@@ -24,7 +24,7 @@ import dagster as dg
 from dagster._core.instance.ref import InstanceRef
 import batchrl
 from batchrl.definitions import build_definitions
-from batchrl.staleness import code_stale, stale_causes
+from batchrl.lineage.staleness import code_stale, stale_causes
 assert batchrl.__file__.startswith(sys.argv[2]), batchrl.__file__  # the copy, not the checkout
 defs = build_definitions()
 with dg.DagsterInstance.from_ref(InstanceRef.from_dir(sys.argv[1])) as instance:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dagster as dg
 
 from batchrl.definitions import build_definitions, execute_assets
-from batchrl.lineage import cache_dir_of, catalog_path_of
+from batchrl.lineage.code_versions import cache_dir_of, catalog_path_of
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,

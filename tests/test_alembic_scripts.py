@@ -1,4 +1,4 @@
-"""Dagster's storages read their migration scripts once per process (``batchrl.alembic_scripts``), with the same
+"""Dagster's storages read their migration scripts once per process (``batchrl.runs.alembic_scripts``), with the same
 revision checks' results."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ alembic.script.ScriptDirectory.from_config = classmethod(
     lambda cls, config: builds.append(any(f.name == "check_alembic_revision" for f in traceback.extract_stack()))
     or original(cls, config))
 if sys.argv[1] == "shared":
-    from batchrl import alembic_scripts
+    from batchrl.runs import alembic_scripts
     alembic_scripts.share()
 
 @dg.asset

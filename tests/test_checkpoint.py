@@ -217,7 +217,7 @@ def test_large_exports_are_sharded_and_hashed_file_by_file_in_parallel(dpo_input
 
     from transformers import AutoModelForCausalLM
 
-    from batchrl import fsutil
+    from batchrl.common import fsutil
     from batchrl.training.trainer import checkpoint
 
     monkeypatch.setattr(checkpoint, "EXPORT_SHARD_SIZE", "200KB")  # a big model's export, at the tiny model's size
@@ -244,7 +244,7 @@ def test_shards_written_by_threads_are_safetensors_hashed_as_written(dpo_inputs,
 
     from safetensors import safe_open
 
-    from batchrl import fsutil
+    from batchrl.common import fsutil
     from batchrl.training.trainer import checkpoint
     from batchrl.training.trainer.safetensors_writer import write_safetensors
 

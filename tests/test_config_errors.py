@@ -7,7 +7,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from batchrl.cli import main
+from batchrl.cli.main import main
 
 
 @pytest.fixture
@@ -53,10 +53,10 @@ def test_cross_stage_errors_are_one_line_and_exit_2(run_cli, select, ops, fields
 
 
 def test_one_run_config_error_class():
-    from batchrl import runconfig
     from batchrl.assets import rl_config
+    from batchrl.runs import run_config
 
-    assert rl_config.RunConfigError is runconfig.RunConfigError
+    assert rl_config.RunConfigError is run_config.RunConfigError
 
 
 @pytest.mark.parametrize("select, ops, named", [
@@ -73,7 +73,7 @@ def test_config_an_asset_cannot_honour_is_an_error(run_cli, select, ops, named):
 
 def test_config_for_an_asset_without_config_is_an_error():
     """Dagster gives an op without config a permissive schema: its keys would be ignored silently."""
-    from batchrl.runconfig import RunConfigError, check_config_taken
+    from batchrl.runs.run_config import RunConfigError, check_config_taken
 
     @dg.asset
     def plain():
@@ -91,8 +91,8 @@ def test_config_under_an_asset_of_a_multi_asset_step_names_the_step(run_cli):
 
 def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path):
     from batchrl.definitions import build_definitions, selected_job
-    from batchrl.profiles import available_profiles, load_profile
-    from batchrl.runconfig import validate_plan
+    from batchrl.resources.profiles import available_profiles, load_profile
+    from batchrl.runs.run_config import validate_plan
     from pipeline_helpers import local_resources
 
     defs = build_definitions(local_resources(str(tmp_path / "s")), dpo_self_play=True)

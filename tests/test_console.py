@@ -7,7 +7,7 @@ import threading
 
 import dagster as dg
 
-from batchrl.console import RunProgress
+from batchrl.cli.console import RunProgress
 
 
 @dg.asset(check_specs=[dg.AssetCheckSpec("positive", asset="numbers")])
@@ -52,7 +52,7 @@ def test_the_command_exits_promptly_with_its_status_output_and_exit_handlers(tmp
     import sys
 
     marker = tmp_path / "atexit-ran"
-    code = ("import atexit, sys; from batchrl.cli import console_main; "
+    code = ("import atexit, sys; from batchrl.cli.main import console_main; "
             f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes')); "
             "print('buffered before the command'); console_main(['audit', 'raw_logs'])")
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
@@ -65,7 +65,7 @@ def test_the_command_exits_promptly_with_its_status_output_and_exit_handlers(tmp
 
 def test_a_failure_line_keeps_the_field_names_of_a_long_error(tmp_path):
     """Issue 29.7: the one-line failure was cut at 160 characters, before ``missing fields [...]``."""
-    from batchrl.console import asset_line
+    from batchrl.cli.console import asset_line
     from batchrl.ingest.config import IngestError
 
     drop = "/".join(["s3://team-bucket/landing/preferences"] + [f"drop-2026-12-0{i}" for i in range(1, 6)])
@@ -88,7 +88,7 @@ def signed_total(signed: list[int]) -> int:
 
 def test_a_failed_blocking_check_says_what_was_published_and_what_it_blocked(tmp_path):
     """Issue 29.7: the console said "0 assets materialised" although the checked asset was published."""
-    from batchrl.console import print_run_summary
+    from batchrl.cli.console import print_run_summary
 
     with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
         result = dg.materialize([signed, signed_total], instance=instance, raise_on_error=False)
@@ -108,7 +108,7 @@ def test_the_footer_names_the_dagster_home_and_the_batchrl_in_use(tmp_path, monk
     import os
     import sys
 
-    from batchrl.console import print_run_summary
+    from batchrl.cli.console import print_run_summary
 
     home = tmp_path / "elsewhere" / "dagster home"
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-from batchrl.cli import DAGSTER_YAML, main
+from batchrl.cli.main import DAGSTER_YAML, main
 
 RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",

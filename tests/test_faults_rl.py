@@ -16,7 +16,7 @@ import threading
 import dagster as dg
 from pipeline_helpers import local_resources, run_assets
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.resources import CatalogResource
 from batchrl.resources.storage import LINEAGE_FILE
 

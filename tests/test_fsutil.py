@@ -5,7 +5,7 @@ import tempfile
 
 import pytest
 
-from batchrl.fsutil import link_tree
+from batchrl.common.fsutil import link_tree
 
 
 def _tree(root) -> None:

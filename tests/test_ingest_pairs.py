@@ -81,7 +81,7 @@ def test_duckdb_reads_object_store_through_registered_s3fs(s3_options):
     import pyarrow as pa
     import s3fs
 
-    from batchrl.fsutil import duckdb_for
+    from batchrl.common.fsutil import duckdb_for
 
     fs = s3fs.S3FileSystem(**s3_options)
     fs.mkdir("duck-bucket")

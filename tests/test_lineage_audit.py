@@ -14,9 +14,9 @@ import dagster as dg
 import pytest
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-from batchrl.audit import lineage_tree
-from batchrl.catalog_queries import artifacts_using_file, diff_artifacts, format_diff
-from batchrl.lineage import code_version, module_closure
+from batchrl.lineage.audit import lineage_tree
+from batchrl.lineage.catalog_queries import artifacts_using_file, diff_artifacts, format_diff
+from batchrl.lineage.code_versions import code_version, module_closure
 from batchrl.resources import LandingResource
 
 DATA = ["raw_logs", "cleaned_logs", "validated_preferences"]
@@ -41,12 +41,12 @@ def test_parsed_imports_reach_the_next_process_and_only_for_the_same_file(tmp_pa
     each file's stat: an entry of another version of a file is parsed again."""
     import json
 
-    from batchrl import lineage
+    from batchrl.lineage import code_versions
 
     def fresh_process(cache: str):
-        monkeypatch.setattr(lineage, "IMPORTS_CACHE", cache)
-        monkeypatch.setattr(lineage, "_disk_cache", None)
-        lineage._parsed_imports.cache_clear()
+        monkeypatch.setattr(code_versions, "IMPORTS_CACHE", cache)
+        monkeypatch.setattr(code_versions, "_disk_cache", None)
+        code_versions._parsed_imports.cache_clear()
 
     cache = str(tmp_path / "imports.json")
     fresh_process(cache)
@@ -82,7 +82,7 @@ def test_environment_record_reads_the_torch_build_without_importing_it():
     records its environment without importing torch (that cost the first step ~3.5 s on the GPU host)."""
     import subprocess
 
-    probe = ("import json, sys; from batchrl.lineage import environment_record; "
+    probe = ("import json, sys; from batchrl.lineage.code_versions import environment_record; "
              "env = environment_record()['torch']; print(json.dumps([env, 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -224,7 +224,7 @@ def test_help_names_only_commands_that_exist():
 def test_reproduce_names_the_first_asset_that_differs_and_why(two_drops, tmp_path):
     """Each drop is re-ingested for its partition and the window over the recorded drops: equal; a drop
     whose file changed afterwards differs first at its raw_logs, by that file."""
-    from batchrl.reproduce import reproduce
+    from batchrl.runs.reproduce import reproduce
 
     root, first, second, new_file, _, _ = two_drops
     lines = []
@@ -239,7 +239,7 @@ def test_reproduce_names_the_first_asset_that_differs_and_why(two_drops, tmp_pat
 
 
 def test_policy_chain_follows_parent_checkpoints_to_the_base_model():
-    from batchrl.audit import policy_chain
+    from batchrl.lineage.audit import policy_chain
 
     def node(asset, version, **inputs):
         return {"asset": asset, "data_version": version, "inputs": inputs}
@@ -259,7 +259,7 @@ def test_summary_says_when_the_demo_model_cannot_learn(tmp_path):
     import io
     import json as json_
 
-    from batchrl.console import print_run_summary
+    from batchrl.cli.console import print_run_summary
 
     (tmp_path / "evaluation").mkdir()
     (tmp_path / "evaluation" / "evaluation.json").write_text(json_.dumps({"base": {"accuracy": 0.02, "examples": []}}))

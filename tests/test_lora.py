@@ -155,7 +155,7 @@ def test_peft_loads_the_exported_adapter_with_the_merged_logits(inputs, dpo_adap
 
 
 def test_the_cli_exports_an_adapter_checkpoint(dpo_adapter, tmp_path):
-    from batchrl.cli import main
+    from batchrl.cli.main import main
 
     assert main(["export", dpo_adapter[1], "--to", str(tmp_path / "m")]) == 0
     assert main(["export", dpo_adapter[1], "--to", str(tmp_path / "a"), "--adapter", "--base-name", "org/base"]) == 0

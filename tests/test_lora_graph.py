@@ -10,7 +10,7 @@ import pytest
 
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.resources import StorageResource
 from batchrl.training import lora
 

@@ -176,7 +176,7 @@ def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
 def test_validated_drop_published_with_the_hash_its_writers_took(tmp_path, monkeypatch):
     """The drop's Parquet files are hashed while written, not read again to publish; the data version is
     the same tree hash the files give when read."""
-    from batchrl import fsutil
+    from batchrl.common import fsutil
 
     hashed_trees = []
     real_tree = fsutil.sha256_tree

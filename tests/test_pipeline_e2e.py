@@ -11,7 +11,7 @@ import pytest
 from e2e_helpers import STALE_SCRIPT, copy_package, input_files, second_iteration_rollouts, sensor_tick
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-from batchrl.audit import artifact_files, lineage_tree
+from batchrl.lineage.audit import artifact_files, lineage_tree
 from batchrl.resources import LandingResource
 
 ALL_ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
@@ -277,7 +277,7 @@ def test_reproduce_from_a_copied_storage_root(pipeline, tmp_path):
     equal, the checkpoint's weights included, and the rollouts sampled from the reproduced checkpoint."""
     import shutil
 
-    from batchrl.reproduce import reproduce
+    from batchrl.runs.reproduce import reproduce
 
     _, instance, root = pipeline
     target = second_iteration_rollouts(instance, root)
@@ -300,7 +300,7 @@ def test_each_rl_iteration_is_an_edge_from_the_promoted_checkpoint(pipeline):
     checkpoint's lineage names its parent, so the chain shows in the audit."""
     import dagster as dg
 
-    from batchrl.audit import lineage_tree, policy_chain
+    from batchrl.lineage.audit import lineage_tree, policy_chain
 
     _, instance, root = pipeline
     from batchrl.definitions import build_definitions
@@ -338,8 +338,8 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     promoted checkpoint), and its audit names the new file's hash and the parent."""
     import hashlib
 
-    from batchrl.audit import policy_chain
-    from batchrl.catalog_queries import artifacts_using_file
+    from batchrl.lineage.audit import policy_chain
+    from batchrl.lineage.catalog_queries import artifacts_using_file
     from batchrl.definitions import build_definitions
 
     _, instance, root = pipeline

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from batchrl.profiles import ProfileError, apply_resource_overrides, deep_merge, load_profile
+from batchrl.resources.profiles import ProfileError, apply_resource_overrides, deep_merge, load_profile
 from batchrl.training.rewards import compute_rewards, final_answer, final_number
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,9 +81,9 @@ def test_the_gpu_profiles_rl_iterations_plan_validates(monkeypatch):
     op computes, is in none of them (it was in the first, and the command failed before running anything)."""
     import argparse
 
-    from batchrl.cli import RL_LOOP, _plan, _run_config
+    from batchrl.cli.main import RL_LOOP, _plan, _run_config
     from batchrl.definitions import build_definitions, selected_job
-    from batchrl.runconfig import validate_run_config
+    from batchrl.runs.run_config import validate_run_config
 
     monkeypatch.setenv("BATCHRL_ENV", "gpu")
     monkeypatch.setenv("BATCHRL_PROFILE", "real")  # what _run_config sets, undone after the test
@@ -126,7 +126,7 @@ def test_profile_resources_replace_fields_only():
 def test_cli_config_files_merge_over_the_profile(tmp_path, monkeypatch):
     import argparse
 
-    from batchrl.cli import _run_config
+    from batchrl.cli.main import _run_config
 
     monkeypatch.setenv("BATCHRL_PROFILE", "")  # _run_config sets it: undone after the test, not left for the next
     monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")  # the same: "" = unset, and undone after the test

@@ -201,7 +201,7 @@ def test_no_unsafe_deserialisation_in_the_package():
 
 
 def test_redact_replaces_secret_values_and_keeps_the_rest():
-    from batchrl.redact import REDACTED, redact
+    from batchrl.lineage.redact import REDACTED, redact
 
     metadata = {"storage_options": {"key": "AKIA1", "secret": "s3cr3t", "client_kwargs": {"endpoint_url": "http://x",
                 "aws_session_token": "tok"}}, "tokens_per_s": 12.5, "max_new_tokens": 64, "password": "",

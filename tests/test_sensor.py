@@ -113,7 +113,8 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
 def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_looked(tmp_path, monkeypatch):
     """``drops_to_ingest`` (what `batchrl run` runs first) keeps each landed file's size, stamp and sha256 in
     the instance: the next look, in this process or the next command's, reads only new or changed files."""
-    from batchrl import definitions, fsutil
+    from batchrl import definitions
+    from batchrl.common import fsutil
 
     shutil.copytree(SAMPLES.preferences, tmp_path / "prefs")
     defs = dg.Definitions(resources={"landing": LandingResource(preferences=str(tmp_path / "prefs"))})

@@ -13,7 +13,7 @@ import time
 import pytest
 from test_concurrent_run import BATCHRL, SELECTION, _run
 
-from batchrl import warm_client
+from batchrl.cli import warm_client
 
 
 def test_a_served_run_gives_what_a_fresh_process_gives(tmp_path):

@@ -68,7 +68,7 @@ def _load_merged(checkpoint: str):
 
 def export_merged(checkpoint: str, to: str, *, dtype: str | None = None) -> dict[str, Any]:
     """A merged HF folder at ``to`` from a full or LoRA checkpoint folder; ``dtype`` casts the weights."""
-    from batchrl import fsutil
+    from batchrl.common import fsutil
     from batchrl.training import lora
 
     to = _fresh_target(to)

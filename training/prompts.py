@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 
 PROMPT_COLUMNS = ["prompt_id", "prompt", "answer", "category"]
 # Optional per-prompt fields carried to the rewards: where the prompt comes from (reward routing,

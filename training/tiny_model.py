@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.training.phases import phase
 
 PAD_TOKEN = "<|endoftext|>"

@@ -53,7 +53,7 @@ def metadata_from(result: dict[str, Any]) -> dict[str, Any]:
 
 def tree_hash(root: str) -> str:
     """Content hash of the output folder (relative names + bytes), streamed file by file."""
-    from batchrl.fsutil import filesystem_for, sha256_tree
+    from batchrl.common.fsutil import filesystem_for, sha256_tree
 
     fs, path = filesystem_for(root)
     return sha256_tree(fs, path)

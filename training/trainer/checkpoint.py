@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 from batchrl.training.trainer.safetensors_writer import parallel_shard_writes
 
 _LOCAL_FS = fsutil.filesystem_for("/")[0]

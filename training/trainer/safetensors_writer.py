@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from batchrl import fsutil
+from batchrl.common import fsutil
 
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

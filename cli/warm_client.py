@@ -56,7 +56,7 @@ def installed_stamp(folders: list[str] | None = None) -> list:
 
 
 def server_key(env: dict[str, str], cwd: str) -> str:
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root, above cli/
     keyed = {k: v for k, v in env.items() if k.startswith(KEYED_PREFIXES) and k != OFF_ENV}
     return hashlib.sha256(json.dumps([sys.executable, package, code_fingerprint(package), installed_stamp(),
                                       os.path.realpath(cwd), keyed], sort_keys=True).encode()).hexdigest()[:16]

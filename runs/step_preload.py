@@ -1,4 +1,4 @@
-"""What the step processes of a multiprocess run find loaded (``batchrl.step_server``): the server they fork
+"""What the step processes of a multiprocess run find loaded (``batchrl.runs.step_server``): the server they fork
 from imports this module once — the code location, torch where the steps run models themselves, the Dagster
 instance's storage code and its migration scripts, each of which a step process would otherwise load in its
 first seconds. It reads and writes nothing of the instance."""
@@ -13,7 +13,7 @@ _IMPORT_STARTED = time.time()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import batchrl.definitions  # noqa: E402  (the code location the step processes rebuild their job from)
-from batchrl.step_server import STARTED_ENV  # noqa: E402
+from batchrl.runs.step_server import STARTED_ENV  # noqa: E402
 
 if batchrl.definitions.steps_run_models(batchrl.definitions.defs):
     import torch  # noqa: F401  (the in-process model stages' first import)
@@ -24,7 +24,8 @@ import alembic.runtime.migration  # noqa: E402,F401
 import dagster._core.instance.factory  # noqa: E402,F401
 import dagster._core.storage.sqlite_storage  # noqa: E402,F401
 
-from batchrl import alembic_scripts, warm_server  # noqa: E402
+from batchrl.runs import alembic_scripts  # noqa: E402
+from batchrl.cli import warm_server  # noqa: E402
 
 alembic_scripts.warm()  # the migration scripts, read once here for every step's revision checks
 

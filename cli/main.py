@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from batchrl import warm_client, warm_server  # stdlib only: the thin client's path stays light
+from batchrl.cli import warm_client, warm_server  # stdlib only: the thin client's path stays light
 
 # concurrency pools: one step of the `batchrl_catalog` pool at a time (two log drops never write the
 # catalog at once; docs/PARTITIONS.md)
@@ -34,7 +34,7 @@ def open_instance():
     """The persistent instance; its storages' revision checks read Dagster's scripts once (``alembic_scripts``)."""
     import dagster as dg
 
-    from batchrl import alembic_scripts
+    from batchrl.runs import alembic_scripts
 
     alembic_scripts.share()
     return dg.DagsterInstance.get()
@@ -57,7 +57,7 @@ RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
 
 def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
     """Run config and default RL iterations: the profile's, then ``-c`` files merged over it."""
-    from batchrl.profiles import deep_merge, dpo_self_play, load_profile
+    from batchrl.resources.profiles import deep_merge, dpo_self_play, load_profile
 
     ops, iterations = {}, 1
     if args.profile:
@@ -77,7 +77,7 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
 
 
 def _with_seed(run_config: dict, seed: int) -> dict:
-    from batchrl.profiles import deep_merge
+    from batchrl.resources.profiles import deep_merge
 
     return deep_merge(run_config, {"ops": {"rollouts": {"config": {"seed": seed}}}})
 
@@ -127,12 +127,12 @@ def default_concurrent_steps() -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
-    from batchrl.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
+    from batchrl.cli.console import RunProgress, output_to_log, print_run_summary, quiet_libraries, run_log_path
 
     quiet_libraries()
     log_path = run_log_path(home)
     if args.concurrent_steps > 1:  # first thing: the step server's imports overlap this process's
-        from batchrl import step_server
+        from batchrl.runs import step_server
 
         step_server.start(None if args.verbose else log_path)
     import contextlib
@@ -141,7 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from batchrl.definitions import build_definitions, drops_to_ingest, execute_assets, selected_job
-    from batchrl.runconfig import RunConfigError, config_file_tags, validate_plan
+    from batchrl.runs.run_config import RunConfigError, config_file_tags, validate_plan
 
     defs = build_definitions()
     plan = _plan(defs, args, run_config, iterations)
@@ -207,7 +207,7 @@ def _config_for(run_config: dict, selection: list[str] | None) -> dict:
 
 
 def _catalog_path(args: argparse.Namespace) -> str:
-    from batchrl.lineage import catalog_path_of, local_storage_root
+    from batchrl.lineage.code_versions import catalog_path_of, local_storage_root
 
     return args.catalog or catalog_path_of(local_storage_root())
 
@@ -215,7 +215,7 @@ def _catalog_path(args: argparse.Namespace) -> str:
 def cmd_audit(args: argparse.Namespace) -> int:
     if args.used_file or args.diff:
         return _audit_catalog(args)
-    from batchrl.audit import artifact_files, format_tree, lineage_tree, policy_chain
+    from batchrl.lineage.audit import artifact_files, format_tree, lineage_tree, policy_chain
 
     uri = _target_uri(args.uri or args.asset)
     if uri is None:
@@ -235,7 +235,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def _audit_catalog(args: argparse.Namespace) -> int:
     """The catalog queries: checkpoints that used a file; what changed between two artifacts."""
-    from batchrl.catalog_queries import CHECKPOINT_ASSETS, artifacts_using_file, diff_artifacts, format_diff
+    from batchrl.lineage.catalog_queries import CHECKPOINT_ASSETS, artifacts_using_file, diff_artifacts, format_diff
 
     catalog = _catalog_path(args)
     try:
@@ -260,7 +260,7 @@ def cmd_stale(args: argparse.Namespace) -> int:
     """Assets whose code version or upstream data changed since their last materialisation (as the UI says)."""
     ensure_dagster_home()
     from batchrl.definitions import build_definitions
-    from batchrl.staleness import stale_causes
+    from batchrl.lineage.staleness import stale_causes
 
     with open_instance() as instance:
         causes = stale_causes(build_definitions(), instance)
@@ -285,8 +285,8 @@ def _target_uri(target: str) -> str | None:
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
-    from batchrl.console import quiet_libraries
-    from batchrl.reproduce import ReproduceError, reproduce
+    from batchrl.cli.console import quiet_libraries
+    from batchrl.runs.reproduce import ReproduceError, reproduce
 
     uri = _target_uri(args.target)
     if uri is None:
@@ -297,7 +297,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     quiet_libraries()
     import contextlib
 
-    from batchrl.console import output_to_log
+    from batchrl.cli.console import output_to_log
 
     log_path = os.path.join(new_root, "reproduce.log")
     try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from batchrl import fsutil
-from batchrl.lineage import input_uri
+from batchrl.common import fsutil
+from batchrl.lineage.code_versions import input_uri
 
 
 def read_lineage(uri: str, storage_options: dict | None = None) -> dict[str, Any]:

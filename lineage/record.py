@@ -11,8 +11,8 @@ from typing import Any
 
 import dagster as dg
 
-from batchrl.lineage import environment_record, relative_to_root
-from batchrl.redact import redact
+from batchrl.lineage.code_versions import environment_record, relative_to_root
+from batchrl.lineage.redact import redact
 from batchrl.resources import ArtifactRef, StorageResource
 
 NOT_RECORDED = {"storage", "catalog", "io_manager"}  # the root is where the record lives; io is Dagster's

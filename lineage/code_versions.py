@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 PACKAGE = "batchrl"
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root, above lineage/
 
 # Packages whose versions decide what a stage computes (recorded when installed).
 RECORDED_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate", "deepspeed", "vllm",

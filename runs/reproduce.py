@@ -19,8 +19,8 @@ from typing import Any
 import dagster as dg
 
 from batchrl.assets.policy_chain import PROMOTED
-from batchrl.audit import read_lineage
-from batchrl.lineage import cache_dir_of, catalog_path_of, input_uri
+from batchrl.lineage.audit import read_lineage
+from batchrl.lineage.code_versions import cache_dir_of, catalog_path_of, input_uri
 from batchrl.resources.storage import ArtifactRef
 
 # lineage fields compared when a data version differs (environment: what explains a numeric drift)

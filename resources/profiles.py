@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
-SAMPLE_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample_data")
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root, above resources/
+PROFILE_DIR = os.path.join(PACKAGE_DIR, "profiles")
+SAMPLE_DATA = os.path.join(PACKAGE_DIR, "sample_data")
 
 
 class ProfileError(ValueError):

@@ -4,11 +4,11 @@ interpreter — the imports were ~2.7 s of every command's start on the H200 hos
 of a retrain's orchestration overhead. The multiprocess runs' step server is a fork of the command's process
 too (``fork_step_server``), so the first step no longer waits for a second interpreter's imports.
 
-The command (``cli.console_main``) is a thin client (``warm_client``) while a server of its environment answers: it passes its
+The command (``cli.main.console_main``) is a thin client (``warm_client``) while a server of its environment answers: it passes its
 arguments, working dir, environment and its stdin/stdout/stderr (the descriptors themselves, over the Unix
 socket), forwards Ctrl-C and termination to the forked child, and exits with the child's status. The child
 takes the client's environment and working dir, rebuilds the code location from them (``batchrl.definitions``
-is imported again, as a fresh process would) and runs ``cli.main``: same output, same exit status, same runs.
+is imported again, as a fresh process would) and runs ``cli.main.main``: same output, same exit status, same runs.
 
 A server serves the commands of its environment (``warm_client.server_key``); a command from another environment
 runs in its own process as before. The server exits after ``--idle`` seconds without a command; ``batchrl serve
@@ -27,14 +27,15 @@ import sys
 import time
 import traceback
 
-from batchrl.warm_client import STREAMS, ping, socket_path, stop
+from batchrl.cli.warm_client import STREAMS, ping, socket_path, stop
 
 DEFAULT_IDLE_S = 1800.0
 
 # what a command's process would import in its first seconds: Dagster, the definitions' modules (pandas, the
 # assets, the resources), the instance's storage code and migration scripts (``step_preload``), the CLI and the
 # run's executors
-PRELOAD = ("batchrl.step_preload", "batchrl.cli", "batchrl.console", "batchrl.runconfig", "batchrl.profiles",
+PRELOAD = ("batchrl.runs.step_preload", "batchrl.cli.main", "batchrl.cli.console", "batchrl.runs.run_config",
+           "batchrl.resources.profiles",
            "batchrl.assets.rl_config", "dagster._core.execution.api", "dagster._core.definitions.reconstruct",
            "dagster._core.executor.multiprocess", "multiprocessing.forkserver")
 _served = False  # this process is a command forked from the server
@@ -206,10 +207,10 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
         sys.argv = [request.get("argv0", sys.argv[0]), *request["argv"]]
         # the code location is built from this command's environment (and profile), as in a fresh process
         sys.modules.pop("batchrl.definitions", None)
-        from batchrl import cli
+        from batchrl.cli.main import main
 
         try:
-            code = cli.main(request["argv"])
+            code = main(request["argv"])
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
             if not isinstance(done.code, (int, type(None))):
@@ -266,9 +267,9 @@ def fork_step_server() -> bool:
                     os.close(alive_w)
                     if _client is not None:
                         _client.close()
-                    for name in ("batchrl.step_preload", "batchrl.definitions"):
+                    for name in ("batchrl.runs.step_preload", "batchrl.definitions"):
                         sys.modules.pop(name, None)
-                    importlib.import_module("batchrl.step_preload")
+                    importlib.import_module("batchrl.runs.step_preload")
                     forkserver.main(listener.fileno(), alive_r, [])
                 finally:
                     os._exit(0)
@@ -305,7 +306,7 @@ def cmd_serve(args) -> int:
     os.makedirs(os.path.join(home, "logs"), exist_ok=True)
     log_path = os.path.join(home, "logs", "server.log")
     with open(log_path, "ab") as log:
-        process = subprocess.Popen([sys.executable, "-c", "import sys; from batchrl.cli import main; "
+        process = subprocess.Popen([sys.executable, "-c", "import sys; from batchrl.cli.main import main; "
                                     "sys.exit(main(sys.argv[1:]))", "serve", "--idle", str(args.idle)],
                                    env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # not in the terminal's process group: Ctrl-C spares it
