@@ -6,9 +6,9 @@ import os
 
 import dagster as dg
 
-from batchrl.common import fsutil
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import LOG_DROPS, PER_DROP_ASSETS, landing_drops
+from batchrl.common import fsutil
 from batchrl.resources import LandingResource
 
 PER_DROP = [dg.AssetKey(name) for name in PER_DROP_ASSETS]

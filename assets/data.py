@@ -11,9 +11,9 @@ import os
 import dagster as dg
 import pydantic
 
-from batchrl.common import fsutil
 from batchrl.assets.common import code_version, declared_files, publish, run_config_for, to_library_config
 from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri, landing_root
+from batchrl.common import fsutil
 from batchrl.ingest import IngestConfig, StageReport, check_reject_rate, discover_inputs, ingest_logs, scored_to_pairs
 from batchrl.ingest.config import FeedbackLogsConfig, PreferenceDropConfig, ScoredLogsConfig
 from batchrl.ingest.pairs import PairsConfig

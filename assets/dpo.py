@@ -11,9 +11,9 @@ from pydantic import Field, field_validator
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
-from batchrl.resources.profiles import pair_sources
 from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
 from batchrl.resources.artifacts import OPTIONAL_KEY
+from batchrl.resources.profiles import pair_sources
 from batchrl.training.trainer.config import DPOConfig
 
 DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
@@ -90,8 +90,8 @@ def dpo_pairs_asset(self_play: bool) -> dg.AssetsDefinition:
 def check_pair_source(graph, run_config: dict | None) -> None:
     """Before a run: a known pair source, and a self-play one needs a DPO path with the rewards input
     (``RunConfigError``)."""
+    from batchrl.common.run_config_error import RunConfigError
     from batchrl.resources.profiles import dpo_self_play
-    from batchrl.runs.run_config import RunConfigError
 
     key = dg.AssetKey("dpo_pairs")
     ops = (run_config or {}).get("ops") or {}

@@ -7,9 +7,9 @@ from typing import Optional
 import dagster as dg
 from pydantic import Field
 
-from batchrl.common import fsutil
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.dpo import ReferenceConfig
+from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
 )

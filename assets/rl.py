@@ -7,7 +7,6 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from batchrl.common import fsutil
 from batchrl.assets.common import (
     code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
 )
@@ -15,6 +14,7 @@ from batchrl.assets.policy_chain import (
     PROMOTED_POLICY_IN, chain_base, current_policy, parent_policy, promote,
 )
 from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_inputs, critic_job_inputs, kl_in_reward_inputs
+from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,

@@ -1,11 +1,11 @@
 """Whole-run checks of the RL assets' run config, before any asset runs.
 
 Each asset's config validates itself (allowed names come from the registries); what one asset's
-choice requires from another's is checked here (``runconfig.RunConfigError``, naming the fields), from
+choice requires from another's is checked here (``RunConfigError``, naming the fields), from
 what the estimators registered they need (``algos.registry``): a greedy baseline for ReMax, several
 samples per prompt for group estimators, a critic for GAE, and one place for the KL term. `batchrl run`
-calls it with the rest of its up-front validation (``runconfig.validate_run_config``),
-``definitions.execute_assets`` (tests) before executing, the ``rollouts`` asset for runs launched from the UI.
+calls it with the rest of its up-front validation (``runs.run_config.validate_run_config``),
+``runs.execute.execute_assets`` (tests) before executing, the ``rollouts`` asset for runs launched from the UI.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Iterable
 
 import pydantic
 
-from batchrl.runs.run_config import RunConfigError
+from batchrl.common.run_config_error import RunConfigError
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.algos import estimator_needs
 from batchrl.training.rewards import RewardConfig, get_reward_function

@@ -49,7 +49,8 @@ def _resources(landing: str, out: str) -> dict:
 def run_assets(landing: str, out: str) -> dict:
     import dagster as dg
 
-    from batchrl.definitions import build_definitions, selected_job
+    from batchrl.definitions import build_definitions
+    from batchrl.runs.execute import selected_job
 
     job = selected_job(build_definitions(_resources(landing, out)), ["raw_logs", "cleaned_logs", "validated_preferences"])
     with tempfile.TemporaryDirectory() as home, dg.DagsterInstance.local_temp(home) as instance:
@@ -68,7 +69,8 @@ def run_assets_before(landing: str, out: str) -> dict:
     """The unpartitioned two-stage data assets of the code before log drops (``--baseline``)."""
     import dagster as dg
 
-    from batchrl.definitions import build_definitions, execute_assets
+    from batchrl.definitions import build_definitions
+    from batchrl.runs.execute import execute_assets
 
     with tempfile.TemporaryDirectory() as home, dg.DagsterInstance.local_temp(home) as instance:
         defs = build_definitions(_resources(landing, out))

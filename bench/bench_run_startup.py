@@ -31,7 +31,7 @@ BATCHRL = [sys.executable, "-c", "import sys; from batchrl.cli.main import conso
 def create_instance_tables(env: dict) -> None:
     """The Dagster home of ``env`` with its tables (and batchrl's dagster.yaml), as on a machine that ran batchrl
     before: what a run's start-up then no longer pays."""
-    subprocess.run([sys.executable, "-c", "import dagster as dg; from batchrl.cli.main import ensure_dagster_home; "
+    subprocess.run([sys.executable, "-c", "import dagster as dg; from batchrl.cli.instance import ensure_dagster_home; "
                     "ensure_dagster_home(); dg.DagsterInstance.get().dispose()"], env=env, check=True)
 
 

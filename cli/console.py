@@ -1,9 +1,8 @@
 """What `batchrl run` shows a user: one line per asset as it finishes, then a summary.
 
 Everything else a run prints (Dagster's DEBUG events, library warnings, progress bars, the trainer
-subprocesses' DeepSpeed output) goes to a log file: the process's stdout/stderr file descriptors are
-pointed at it for the run, so child processes follow too. Dagster's event log stays in the instance
-(and the UI); the progress lines are read from it, not from the console.
+subprocesses' DeepSpeed output) goes to a log file (``common.log_file``). Dagster's event log stays in the
+instance (and the UI); the progress lines are read from it, not from the console.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import IO, Iterator
+from typing import IO
 
 CHECK_BLOCKED_ERROR = "DagsterAssetCheckFailedError"  # a step's error when one of its blocking checks failed
 
@@ -31,29 +30,6 @@ HEADLINE = {
     "dpo_checkpoint": ("global_step", "final/loss", "final/rewards/accuracies"),
     "evaluation": ("policy_checkpoint/arith_accuracy", "dpo_checkpoint/logratio_accuracy"),
 }
-
-
-@contextlib.contextmanager
-def output_to_log(log_path: str) -> Iterator[IO[str]]:
-    """Send fd 1 and 2 (this process and its children) to ``log_path``; yield a stream to the terminal."""
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved_out, saved_err = os.dup(1), os.dup(2)
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    terminal = os.fdopen(os.dup(saved_out), "w", buffering=1)
-    os.dup2(log_fd, 1)
-    os.dup2(log_fd, 2)
-    try:
-        yield terminal
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved_out, 1)
-        os.dup2(saved_err, 2)
-        for fd in (saved_out, saved_err, log_fd):
-            os.close(fd)
-        terminal.close()
 
 
 def _fmt(value) -> str:
@@ -326,9 +302,9 @@ def command_hints(dagster_home: str, argv0: str | None = None) -> str:
 
 def invoked_as(argv0: str | None = None) -> str:
     """How to call this batchrl again (``argv0``: default ``sys.argv[0]``): ``python -m batchrl.cli`` when it
-    ran as a module, else its program, by name when PATH finds that same file."""
+    ran as a module (``cli/__main__.py``), else its program, by name when PATH finds that same file."""
     argv0 = sys.argv[0] if argv0 is None else argv0
-    if not argv0 or argv0 in ("-c", "-m") or os.path.basename(argv0) in ("cli.py", "__main__.py"):
+    if not argv0 or argv0 in ("-c", "-m") or os.path.basename(argv0) == "__main__.py":
         return f"{_path_shown(sys.executable)} -m batchrl.cli"
     return _program(argv0)
 

@@ -19,6 +19,8 @@ import socket
 import sys
 import tempfile
 
+from batchrl.common.package import PACKAGE_DIR, code_fingerprint
+
 # variables read when modules are imported or a process starts (libraries' settings, paths): a server imported
 # its modules under one combination of them, so it serves commands with the same; the rest of a command's
 # environment (credentials, terminal) reaches its child as is
@@ -26,19 +28,6 @@ KEYED_PREFIXES = ("BATCHRL_", "DAGSTER_", "PYTHON", "CUDA_", "HF_", "TRANSFORMER
                   "NCCL_", "TOKENIZERS_", "VLLM_", "TRITON_", "LD_", "PATH", "VIRTUAL_ENV", "LANG", "LC_", "TZ")
 OFF_ENV = "BATCHRL_SERVER"
 STREAMS = 3  # stdin, stdout, stderr
-
-
-def code_fingerprint(package_dir: str) -> str:
-    """Size and mtime of every source file of the package: an edited or upgraded batchrl gets a server (or job
-    worker) of its own instead of a warm one still running the old code (which lineage's code versions would
-    not show)."""
-    h = hashlib.sha256()
-    for folder, dirs, files in os.walk(package_dir):
-        dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(folder, d, "__init__.py")))  # packages only
-        for name in sorted(f for f in files if f.endswith(".py")):
-            stat = os.stat(os.path.join(folder, name))
-            h.update(f"{os.path.relpath(os.path.join(folder, name), package_dir)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
-    return h.hexdigest()
 
 
 def installed_stamp(folders: list[str] | None = None) -> list:
@@ -56,9 +45,8 @@ def installed_stamp(folders: list[str] | None = None) -> list:
 
 
 def server_key(env: dict[str, str], cwd: str) -> str:
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root, above cli/
     keyed = {k: v for k, v in env.items() if k.startswith(KEYED_PREFIXES) and k != OFF_ENV}
-    return hashlib.sha256(json.dumps([sys.executable, package, code_fingerprint(package), installed_stamp(),
+    return hashlib.sha256(json.dumps([sys.executable, PACKAGE_DIR, code_fingerprint(PACKAGE_DIR), installed_stamp(),
                                       os.path.realpath(cwd), keyed], sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -2,13 +2,14 @@
 storage code imported, and each ``batchrl`` command that finds it runs in a fork of it instead of a fresh
 interpreter — the imports were ~2.7 s of every command's start on the H200 host (bench/RESULTS.md), 40-65%
 of a retrain's orchestration overhead. The multiprocess runs' step server is a fork of the command's process
-too (``fork_step_server``), so the first step no longer waits for a second interpreter's imports.
+too (``runs.step_server.fork_step_server``), so the first step no longer waits for a second interpreter's imports.
 
-The command (``cli.main.console_main``) is a thin client (``warm_client``) while a server of its environment answers: it passes its
-arguments, working dir, environment and its stdin/stdout/stderr (the descriptors themselves, over the Unix
-socket), forwards Ctrl-C and termination to the forked child, and exits with the child's status. The child
-takes the client's environment and working dir, rebuilds the code location from them (``batchrl.definitions``
-is imported again, as a fresh process would) and runs ``cli.main.main``: same output, same exit status, same runs.
+The command (``cli.main.console_main``) is a thin client (``warm_client``) while a server of its environment
+answers: it passes its arguments, working dir, environment and its stdin/stdout/stderr (the descriptors
+themselves, over the Unix socket), forwards Ctrl-C and termination to the forked child, and exits with the
+child's status. The child takes the client's environment and working dir, rebuilds the code location from them
+(``batchrl.definitions`` is imported again, as a fresh process would) and runs the command (``cli.main.main``,
+handed to ``serve``): same output, same exit status, same runs.
 
 A server serves the commands of its environment (``warm_client.server_key``); a command from another environment
 runs in its own process as before. The server exits after ``--idle`` seconds without a command; ``batchrl serve
@@ -26,20 +27,20 @@ import socket
 import sys
 import time
 import traceback
+from typing import Callable
 
 from batchrl.cli.warm_client import STREAMS, ping, socket_path, stop
 
 DEFAULT_IDLE_S = 1800.0
+Command = Callable[[list[str]], int]  # a command's argv -> its exit status (``cli.main.main``)
 
 # what a command's process would import in its first seconds: Dagster, the definitions' modules (pandas, the
 # assets, the resources), the instance's storage code and migration scripts (``step_preload``), the CLI and the
 # run's executors
-PRELOAD = ("batchrl.runs.step_preload", "batchrl.cli.main", "batchrl.cli.console", "batchrl.runs.run_config",
-           "batchrl.resources.profiles",
+PRELOAD = ("batchrl.runs.step_preload", "batchrl.cli.main", "batchrl.cli.console", "batchrl.runs.execute",
+           "batchrl.runs.run_config", "batchrl.resources.environments", "batchrl.resources.profiles",
            "batchrl.assets.rl_config", "dagster._core.execution.api", "dagster._core.definitions.reconstruct",
            "dagster._core.executor.multiprocess", "multiprocessing.forkserver")
-_served = False  # this process is a command forked from the server
-_client: socket.socket | None = None  # that command's connection to its client
 
 
 def _preload() -> None:
@@ -49,8 +50,9 @@ def _preload() -> None:
         importlib.import_module(name)
 
 
-def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
-    """Preload, then fork one child per command until ``idle_s`` pass without one (or a stop request)."""
+def serve(run_command: Command, idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
+    """Preload, then fork one child per command, which runs ``run_command(argv)``, until ``idle_s`` pass without
+    one (or a stop request)."""
     started = time.time()
     path = path or socket_path(dict(os.environ), os.getcwd())
     if ping(dict(os.environ), os.getcwd()) is not None:
@@ -113,7 +115,7 @@ def serve(idle_s: float = DEFAULT_IDLE_S, path: str | None = None) -> int:
                             listener.close()
                             for fd in (wake_r, wake_w):
                                 os.close(fd)
-                            _run_child(conn, fds, request)
+                            _run_child(conn, fds, request, run_command)
                         finally:
                             os._exit(1)
                     for fd in fds:
@@ -184,12 +186,14 @@ def _stream(fd: int, encoding: str):
                             line_buffering=fd == 2 or os.isatty(fd))  # as a fresh interpreter's streams
 
 
-def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
+def _run_child(conn: socket.socket, fds: list[int], request: dict, run_command: Command) -> None:
     """The command in this forked child, as a fresh ``batchrl`` process would run it; never returns."""
     import atexit
 
-    global _served, _client
-    _served, _client, code = True, conn, 1
+    from batchrl.runs import step_server
+
+    step_server.mark_warm_command(conn)  # its multiprocess runs fork their step server from this process
+    code = 1
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -207,10 +211,8 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
         sys.argv = [request.get("argv0", sys.argv[0]), *request["argv"]]
         # the code location is built from this command's environment (and profile), as in a fresh process
         sys.modules.pop("batchrl.definitions", None)
-        from batchrl.cli.main import main
-
         try:
-            code = main(request["argv"])
+            code = run_command(request["argv"])
         except SystemExit as done:
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
             if not isinstance(done.code, (int, type(None))):
@@ -235,52 +237,10 @@ def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
         os._exit(code)
 
 
-def fork_step_server() -> bool:
-    """In a command forked from the server: start multiprocessing's fork server (the multiprocess executor's
-    step processes fork from it) as a fork of this process, which has every module the steps need; its step
-    preload runs again for this command's environment. False elsewhere (the caller starts a fresh one)."""
-    import threading
-
-    if not _served or threading.active_count() > 1:  # a fork copies no other thread, nor what one was holding
-        return False
-    import importlib
-    import inspect
-    from multiprocessing import connection, forkserver, resource_tracker
-
-    if set(inspect.signature(forkserver.main).parameters) - {"listener_fd", "alive_r", "preload", "main_path",
-                                                              "sys_path"}:
-        return False  # a fork server protocol this code does not know (Python 3.14 adds an auth key): spawn it
-    server = forkserver._forkserver
-    with server._lock:
-        if server._forkserver_pid is not None:
-            return True
-        resource_tracker.ensure_running()
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = connection.arbitrary_address("AF_UNIX")
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    os.close(alive_w)
-                    if _client is not None:
-                        _client.close()
-                    for name in ("batchrl.runs.step_preload", "batchrl.definitions"):
-                        sys.modules.pop(name, None)
-                    importlib.import_module("batchrl.runs.step_preload")
-                    forkserver.main(listener.fileno(), alive_r, [])
-                finally:
-                    os._exit(0)
-            os.close(alive_r)
-            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    return True
-
-
 # ---- `batchrl serve` ----------------------------------------------------------------------------------------
 
-def add_command(sub) -> None:
+def add_command(sub, run_command: Command) -> None:
+    """The ``serve`` subcommand; its server runs each command it is sent with ``run_command(argv)``."""
     serve_cmd = sub.add_parser("serve", help="keep a warm server for this environment: later batchrl commands "
                                              "run in forks of it, without the ~3 s of imports")
     serve_cmd.add_argument("--idle", type=float, default=DEFAULT_IDLE_S,
@@ -289,7 +249,7 @@ def add_command(sub) -> None:
                            help="run in the background (output: DAGSTER_HOME/logs/server.log); returns once it "
                                 "answers")
     serve_cmd.add_argument("--stop", action="store_true", help="stop this environment's server")
-    serve_cmd.set_defaults(func=cmd_serve)
+    serve_cmd.set_defaults(func=cmd_serve, run_command=run_command)
 
 
 def cmd_serve(args) -> int:
@@ -299,7 +259,7 @@ def cmd_serve(args) -> int:
         print("batchrl serve: stopped" if stopped else "batchrl serve: no server for this environment")
         return 0 if stopped else 1
     if not args.detach:
-        return serve(args.idle, socket_path(env, cwd))
+        return serve(args.run_command, args.idle, socket_path(env, cwd))
     import subprocess
 
     home = os.path.abspath(env.get("DAGSTER_HOME") or ".dagster_home")

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from batchrl.common import fsutil
-from batchrl.lineage.code_versions import input_uri
+from batchrl.common.storage_layout import input_uri
 
 
 def read_lineage(uri: str, storage_options: dict | None = None) -> dict[str, Any]:

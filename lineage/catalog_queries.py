@@ -14,7 +14,7 @@ from typing import Any
 
 import duckdb
 
-from batchrl.lineage.code_versions import rooted_uri
+from batchrl.common.storage_layout import rooted_uri
 
 CHECKPOINT_ASSETS = ("base_model", "reward_model", "policy_checkpoint", "dpo_checkpoint")
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import dagster as dg
 
-from batchrl.lineage.code_versions import environment_record, relative_to_root
+from batchrl.common.storage_layout import relative_to_root
+from batchrl.lineage.environment import environment_record
 from batchrl.lineage.redact import redact
 from batchrl.resources import ArtifactRef, StorageResource
 

@@ -11,7 +11,7 @@ import dagster as dg
 import duckdb
 from pydantic import Field
 
-from batchrl.lineage.code_versions import DEFAULT_ROOT, catalog_path_of
+from batchrl.common.storage_layout import DEFAULT_ROOT, catalog_path_of
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (

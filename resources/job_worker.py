@@ -25,7 +25,7 @@ from typing import Any
 
 import dagster as dg
 
-from batchrl.cli.warm_client import code_fingerprint  # an edited batchrl gets a worker of its own
+from batchrl.common.package import code_fingerprint  # an edited batchrl gets a worker of its own
 
 START_TIMEOUT_S = 120
 # variables that change what a job computes or where: a worker serves one combination of them

@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package root, above resources/
+from batchrl.common.package import PACKAGE_DIR
+
 PROFILE_DIR = os.path.join(PACKAGE_DIR, "profiles")
 SAMPLE_DATA = os.path.join(PACKAGE_DIR, "sample_data")
 

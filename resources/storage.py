@@ -19,7 +19,7 @@ import dagster as dg
 from pydantic import Field
 
 from batchrl.common import fsutil
-from batchrl.lineage.code_versions import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
+from batchrl.common.storage_layout import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
 
 LINEAGE_FILE = "lineage.json"
 

@@ -19,8 +19,8 @@ from typing import Any
 import dagster as dg
 
 from batchrl.assets.policy_chain import PROMOTED
+from batchrl.common.storage_layout import cache_dir_of, catalog_path_of, input_uri
 from batchrl.lineage.audit import read_lineage
-from batchrl.lineage.code_versions import cache_dir_of, catalog_path_of, input_uri
 from batchrl.resources.storage import ArtifactRef
 
 # lineage fields compared when a data version differs (environment: what explains a numeric drift)
@@ -133,7 +133,7 @@ def _execute(defs: dg.Definitions, instance: dg.DagsterInstance, node: Node, run
     """One asset again: a log drop's step for its recorded partition; the window over the recorded drops
     (registered in the order it read them); anything else as ``batchrl run`` does."""
     from batchrl.assets.drops import LOG_DROPS
-    from batchrl.definitions import execute_assets, selected_job
+    from batchrl.runs.execute import execute_assets, selected_job
 
     order = node.lineage.get("config", {}).get("drops") or sorted(drops)
     if partition is not None or order and drops:

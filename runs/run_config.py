@@ -9,10 +9,7 @@ import dagster as dg
 import pydantic
 from dagster._config import ConfigTypeKind
 
-
-class RunConfigError(ValueError):
-    """A run config that Dagster's schema, a stage's library config or a whole-run check rejects (the message
-    names the op and field). The one class for all of them, so a caller catches one."""
+from batchrl.common.run_config_error import RunConfigError
 
 
 def _library_model(assets_def: dg.AssetsDefinition):

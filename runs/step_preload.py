@@ -13,9 +13,9 @@ _IMPORT_STARTED = time.time()
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import batchrl.definitions  # noqa: E402  (the code location the step processes rebuild their job from)
-from batchrl.runs.step_server import STARTED_ENV  # noqa: E402
+from batchrl.runs import step_server  # noqa: E402
 
-if batchrl.definitions.steps_run_models(batchrl.definitions.defs):
+if step_server.steps_run_models(batchrl.definitions.defs):
     import torch  # noqa: F401  (the in-process model stages' first import)
 
 # the instance's storage code, imported but not opened: opening a fresh home creates its tables, and the run's
@@ -25,7 +25,6 @@ import dagster._core.instance.factory  # noqa: E402,F401
 import dagster._core.storage.sqlite_storage  # noqa: E402,F401
 
 from batchrl.runs import alembic_scripts  # noqa: E402
-from batchrl.cli import warm_server  # noqa: E402
 
 alembic_scripts.warm()  # the migration scripts, read once here for every step's revision checks
 
@@ -35,6 +34,7 @@ gc.freeze()  # what was preloaded is never garbage: the step processes' collecti
 
 # when the first step could fork: a step of a run that reaches its steps sooner waits for this line's time
 _ready = time.time()
+_forked = "; forked from the warm server" if step_server.forked_from_warm_server() else ""
 print(f"batchrl step server: preloaded in {_ready - _IMPORT_STARTED:.2f} s, ready "
-      f"{_ready - float(os.environ.get(STARTED_ENV, _IMPORT_STARTED)):.2f} s after start (at "
-      f"{_ready:.3f}){'; forked from the warm server' if warm_server._served else ''}", file=sys.stderr, flush=True)
+      f"{_ready - float(os.environ.get(step_server.STARTED_ENV, _IMPORT_STARTED)):.2f} s after start (at "
+      f"{_ready:.3f}){_forked}", file=sys.stderr, flush=True)

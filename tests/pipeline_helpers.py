@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from batchrl.definitions import build_definitions, execute_assets
-from batchrl.lineage.code_versions import cache_dir_of, catalog_path_of
+from batchrl.common.storage_layout import cache_dir_of, catalog_path_of
+from batchrl.definitions import build_definitions
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
 )
+from batchrl.runs.execute import execute_assets
 
 
 def local_resources(root: str, landing: LandingResource | None = None, **overrides) -> dict:

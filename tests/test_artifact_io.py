@@ -138,7 +138,8 @@ def test_every_launchpad_config_field_has_its_own_description():
     advantages' ``kl_coef``, the beta of the KL in the reward, vs the policy trainer's, the weight of its KL
     loss term) says so in each."""
     from batchrl.assets.common import field_description
-    from batchrl.definitions import build_definitions, environment_resources
+    from batchrl.definitions import build_definitions
+    from batchrl.resources.environments import environment_resources
 
     defs = build_definitions(environment_resources("local"))
     shown, assets = _launchpad_fields(defs)

@@ -71,7 +71,7 @@ def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_resul
 def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
     """`batchrl run` overlaps independent steps in the GPU environment (their jobs share the GPU), not on CPU;
     BATCHRL_CONCURRENT_STEPS overrides either."""
-    from batchrl.cli.main import default_concurrent_steps
+    from batchrl.cli.run_command import default_concurrent_steps
 
     monkeypatch.delenv("BATCHRL_CONCURRENT_STEPS", raising=False)
     defaults = {}
@@ -95,7 +95,8 @@ def test_the_step_server_preload_leaves_a_fresh_instance_to_the_run(tmp_path, en
     the steps run models in their own process (on the GPU host they are jobs, advantages too)."""
     home = tmp_path / "home"
     home.mkdir()
-    done = subprocess.run([sys.executable, "-c", "import sys, batchrl.runs.step_preload; print('torch' in sys.modules)"],
+    preload = "import sys, batchrl.runs.step_preload; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", preload],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_ENV": env})
     assert done.returncode == 0, done.stderr[-2000:]

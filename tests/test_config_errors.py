@@ -73,7 +73,8 @@ def test_config_an_asset_cannot_honour_is_an_error(run_cli, select, ops, named):
 
 def test_config_for_an_asset_without_config_is_an_error():
     """Dagster gives an op without config a permissive schema: its keys would be ignored silently."""
-    from batchrl.runs.run_config import RunConfigError, check_config_taken
+    from batchrl.common.run_config_error import RunConfigError
+    from batchrl.runs.run_config import check_config_taken
 
     @dg.asset
     def plain():
@@ -90,8 +91,9 @@ def test_config_under_an_asset_of_a_multi_asset_step_names_the_step(run_cli):
 
 
 def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path):
-    from batchrl.definitions import build_definitions, selected_job
+    from batchrl.definitions import build_definitions
     from batchrl.resources.profiles import available_profiles, load_profile
+    from batchrl.runs.execute import selected_job
     from batchrl.runs.run_config import validate_plan
     from pipeline_helpers import local_resources
 

@@ -12,7 +12,8 @@ import pytest
 import yaml
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-from batchrl.cli.main import DAGSTER_YAML, main
+from batchrl.cli.instance import DAGSTER_YAML
+from batchrl.cli.main import main
 
 RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",

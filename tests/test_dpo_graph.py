@@ -42,8 +42,8 @@ def test_self_play_graph_from_the_environment_or_the_profile(monkeypatch, explic
 
 
 def test_self_play_source_without_the_rewards_input_fails_before_anything_runs(tmp_path):
-    from batchrl.definitions import execute_assets
-    from batchrl.runs.run_config import RunConfigError
+    from batchrl.common.run_config_error import RunConfigError
+    from batchrl.runs.execute import execute_assets
 
     defs = build_definitions(dpo_self_play=False)
     with dg.DagsterInstance.ephemeral() as instance:
@@ -56,9 +56,9 @@ def test_self_play_source_without_the_rewards_input_fails_before_anything_runs(t
 
 def test_pair_sources_combine_with_plus_and_refuse_unknown_parts(tmp_path):
     from batchrl.assets.dpo import DPOPairsConfig
-    from batchrl.definitions import execute_assets
+    from batchrl.common.run_config_error import RunConfigError
     from batchrl.resources.profiles import pair_sources
-    from batchrl.runs.run_config import RunConfigError
+    from batchrl.runs.execute import execute_assets
 
     assert pair_sources("both") == pair_sources("self+logged") == ("logged", "self")
     assert pair_sources("scored+logged") == ("logged", "scored")
@@ -71,7 +71,7 @@ def test_pair_sources_combine_with_plus_and_refuse_unknown_parts(tmp_path):
 
 
 def test_batchrl_run_builds_the_self_play_graph_when_its_config_asks(tmp_path, monkeypatch):
-    from batchrl.cli.main import _run_config
+    from batchrl.cli.run_command import _run_config
 
     # "" = unset; setenv (not delenv, which records nothing when absent) undoes what _run_config sets
     monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")

@@ -227,7 +227,7 @@ def _cmdline_has(pid: str, text: str) -> bool:
 
 def test_edited_code_gets_a_worker_of_its_own(tmp_path):
     """A warm worker must not run yesterday's code: the socket a job goes to is keyed by the package's sources."""
-    from batchrl.resources.job_worker import code_fingerprint
+    from batchrl.common.package import code_fingerprint
 
     (tmp_path / "training").mkdir()
     (tmp_path / "training" / "__init__.py").write_text("")

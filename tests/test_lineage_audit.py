@@ -82,7 +82,7 @@ def test_environment_record_reads_the_torch_build_without_importing_it():
     records its environment without importing torch (that cost the first step ~3.5 s on the GPU host)."""
     import subprocess
 
-    probe = ("import json, sys; from batchrl.lineage.code_versions import environment_record; "
+    probe = ("import json, sys; from batchrl.lineage.environment import environment_record; "
              "env = environment_record()['torch']; print(json.dumps([env, 'torch' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

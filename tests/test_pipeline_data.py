@@ -137,7 +137,7 @@ def test_batchrl_run_drops_then_dagster_cli_window_then_audit(tmp_path):
 
 
 def test_environment_picks_resources_by_config(monkeypatch, tmp_path):
-    from batchrl.definitions import RESOURCES_BY_ENV
+    from batchrl.resources.environments import RESOURCES_BY_ENV
 
     monkeypatch.setenv("BATCHRL_STORAGE", str(tmp_path))
     monkeypatch.setenv("BATCHRL_S3_ROOT", "s3://team-bucket/batchrl")

@@ -338,9 +338,9 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     promoted checkpoint), and its audit names the new file's hash and the parent."""
     import hashlib
 
+    from batchrl.definitions import build_definitions
     from batchrl.lineage.audit import policy_chain
     from batchrl.lineage.catalog_queries import artifacts_using_file
-    from batchrl.definitions import build_definitions
 
     _, instance, root = pipeline
     before = sensor_tick(landing, None).cursor  # what the sensor saw when the earlier drops were ingested

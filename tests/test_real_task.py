@@ -81,8 +81,9 @@ def test_the_gpu_profiles_rl_iterations_plan_validates(monkeypatch):
     op computes, is in none of them (it was in the first, and the command failed before running anything)."""
     import argparse
 
-    from batchrl.cli.main import RL_LOOP, _plan, _run_config
-    from batchrl.definitions import build_definitions, selected_job
+    from batchrl.cli.run_command import RL_LOOP, _plan, _run_config
+    from batchrl.definitions import build_definitions
+    from batchrl.runs.execute import selected_job
     from batchrl.runs.run_config import validate_run_config
 
     monkeypatch.setenv("BATCHRL_ENV", "gpu")
@@ -106,14 +107,14 @@ def test_profile_errors_name_the_problem(tmp_path):
     bad.write_text("opps: {}\n")
     with pytest.raises(ProfileError, match="bad.yaml: unknown top-level keys \\['opps'\\]"):
         load_profile(str(bad))
-    from batchrl.definitions import RESOURCES_BY_ENV
+    from batchrl.resources.environments import RESOURCES_BY_ENV
 
     with pytest.raises(ProfileError, match="unknown resource 'landng'"):
         apply_resource_overrides(RESOURCES_BY_ENV["local"](), {"landng": {}})
 
 
 def test_profile_resources_replace_fields_only():
-    from batchrl.definitions import environment_resources
+    from batchrl.resources.environments import environment_resources
 
     plain = environment_resources("local")
     real = environment_resources("local", "real")
@@ -126,7 +127,7 @@ def test_profile_resources_replace_fields_only():
 def test_cli_config_files_merge_over_the_profile(tmp_path, monkeypatch):
     import argparse
 
-    from batchrl.cli.main import _run_config
+    from batchrl.cli.run_command import _run_config
 
     monkeypatch.setenv("BATCHRL_PROFILE", "")  # _run_config sets it: undone after the test, not left for the next
     monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")  # the same: "" = unset, and undone after the test

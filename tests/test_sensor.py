@@ -113,8 +113,8 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
 def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_looked(tmp_path, monkeypatch):
     """``drops_to_ingest`` (what `batchrl run` runs first) keeps each landed file's size, stamp and sha256 in
     the instance: the next look, in this process or the next command's, reads only new or changed files."""
-    from batchrl import definitions
     from batchrl.common import fsutil
+    from batchrl.runs import log_drops
 
     shutil.copytree(SAMPLES.preferences, tmp_path / "prefs")
     defs = dg.Definitions(resources={"landing": LandingResource(preferences=str(tmp_path / "prefs"))})
@@ -125,7 +125,7 @@ def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_l
 
     def look(instance) -> dict[str, str]:
         hashed.clear()
-        return definitions.drops_to_ingest(defs, instance)
+        return log_drops.drops_to_ingest(defs, instance)
 
     home = str(tmp_path / "home")
     os.makedirs(home)
@@ -142,13 +142,13 @@ def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_l
             f.write(json.dumps({"prompt": "new", "chosen": "a", "rejected": "b"}) + "\n")
         changed = look(instance)
         assert hashed == ["prefs_001.jsonl"] and changed["prefs_001.jsonl"] != first["prefs_001.jsonl"]
-        key = definitions.landing_state_key(defs.resources["landing"])
+        key = log_drops.landing_state_key(defs.resources["landing"])
         instance.run_storage.set_cursor_values({key: "{not json"})  # damaged: everything is read again
         assert look(instance) == changed and sorted(hashed) == every_file
 
 
 def test_the_ingested_drops_content_keys_in_one_pass_the_latest_of_each(tmp_path):
-    from batchrl.definitions import ingested_contents
+    from batchrl.runs.log_drops import ingested_contents
 
     os.makedirs(tmp_path / "home")
     with dg.DagsterInstance.local_temp(tempdir=str(tmp_path / "home")) as instance:

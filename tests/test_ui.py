@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from batchrl.cli.main import DAGSTER_YAML
+from batchrl.cli.instance import DAGSTER_YAML
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",

@@ -14,6 +14,7 @@ import pytest
 from test_concurrent_run import BATCHRL, SELECTION, _run
 
 from batchrl.cli import warm_client
+from batchrl.common.package import code_fingerprint
 
 
 def test_a_served_run_gives_what_a_fresh_process_gives(tmp_path):
@@ -108,9 +109,9 @@ def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path, monkeyp
     (package / "sub").mkdir(parents=True)
     (package / "sub" / "__init__.py").write_text("")
     (package / "a.py").write_text("x = 1\n")
-    before = warm_client.code_fingerprint(str(package))
+    before = code_fingerprint(str(package))
     (package / "a.py").write_text("x = 22\n")
-    assert warm_client.code_fingerprint(str(package)) != before
+    assert code_fingerprint(str(package)) != before
     key = warm_client.server_key(env, str(tmp_path))
     assert warm_client.server_key({**env, "TERM": "other"}, str(tmp_path)) == key  # not read at import
     assert warm_client.server_key({**env, "BATCHRL_ENV": "gpu"}, str(tmp_path)) != key

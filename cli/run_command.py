@@ -1,0 +1,192 @@
+"""`batchrl run`: the run config (a profile, then ``-c`` files over it), the plan of executions (RL iterations,
+then evaluation), checked whole before anything starts, then each execution with one line per asset."""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+from batchrl.cli.instance import ensure_dagster_home, latest_uri, open_instance
+
+
+def add_command(sub) -> None:
+    """The ``run`` subcommand; ArgumentTypeError when BATCHRL_CONCURRENT_STEPS is no number of steps."""
+    run = sub.add_parser("run", help="materialise assets (default: all) into the persistent Dagster instance")
+    run.add_argument("--select", default="*", help="comma-separated asset names, or * for all")
+    run.add_argument("--rl-iterations", type=int, default=None,
+                     help="rollout→policy_checkpoint iterations (each from the latest checkpoint), then evaluation "
+                          "(default: the profile's, else 1)")
+    run.add_argument("--profile", help="a run profile from profiles/ (e.g. 'real') or a profile .yaml path")
+    run.add_argument("-c", "--config", action="append",
+                     help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
+    run.add_argument("--max-minutes", type=float, default=None,
+                     help="start no further RL iteration after this many minutes (then evaluate)")
+    run.add_argument("--concurrent-steps", type=_steps, default=default_concurrent_steps(), metavar="N",
+                     help="steps that may run at once, each in a process of its own (Dagster's multiprocess "
+                     "executor, as from the UI): independent branches, e.g. DPO beside RL, overlap; 1: one at a "
+                     "time in this process. Default: BATCHRL_CONCURRENT_STEPS, else the environment's (gpu 3, "
+                     "local and s3 1)")
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="stream Dagster's events and the libraries' output here (default: a log file under "
+                          "DAGSTER_HOME/logs; one line per asset here)")
+    run.set_defaults(func=cmd_run)
+
+
+RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
+
+
+def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
+    """Run config and default RL iterations: the profile's, then ``-c`` files merged over it."""
+    from batchrl.resources.profiles import deep_merge, dpo_self_play, load_profile
+
+    ops, iterations = {}, 1
+    if args.profile:
+        os.environ["BATCHRL_PROFILE"] = args.profile  # read when the definitions build their resources
+        profile = load_profile(args.profile)
+        ops, iterations = profile["ops"], profile["rl_iterations"]
+        print(f"=== profile {args.profile} ({os.environ.get('BATCHRL_ENV', 'local')}): {profile['description']}")
+    for path in args.config or []:
+        import yaml
+
+        with open(path) as f:
+            extra = yaml.safe_load(f) or {}
+        ops = deep_merge(ops, extra.get("ops", extra))
+    if dpo_self_play(ops):  # the DPO path with its rewards input (read when the definitions build)
+        os.environ["BATCHRL_DPO_SELF_PLAY"] = "1"
+    return ({"ops": ops} if ops else {}), (args.rl_iterations or iterations)
+
+
+def _with_seed(run_config: dict, seed: int) -> dict:
+    from batchrl.resources.profiles import deep_merge
+
+    return deep_merge(run_config, {"ops": {"rollouts": {"config": {"seed": seed}}}})
+
+
+def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list[str] | None, dict]]:
+    """The executions of one `batchrl run`: (title, selection, run config) each, validated up front."""
+    selection = None if args.select == "*" else args.select.split(",")
+    if iterations <= 1:
+        return [("", selection, _config_for(run_config, selection))]
+    # every asset a run can materialise (not promoted_policy: the RL loop's back edge, which no op computes)
+    every = selection or sorted(key.to_user_string() for key in defs.resolve_asset_graph().executable_asset_keys)
+    plan = [("", [name for name in every if name != "evaluation"], None)]  # evaluate once, after the last
+    plan += [(f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, i))
+             for i in range(1, iterations)]
+    plan += [("evaluation", ["evaluation"], run_config)] if "evaluation" in every else []
+    return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]
+
+
+def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
+    """Some selected asset launches jobs (needs the ``trainer`` resource)."""
+    from batchrl.runs.execute import selected_job
+
+    graph = defs.resolve_asset_graph()
+    return any("trainer" in graph.get(key).assets_def.required_resource_keys
+               for selection in selections for key in selected_job(defs, selection).asset_layer.executable_asset_keys)
+
+
+# a GPU's stages leave it partly idle, so the GPU environment overlaps independent steps (their jobs share the GPU
+# through gpu_job_slots: whole graph 107 -> 94 s warm, 162-168 -> 130 s cold on one H200, bench/RESULTS.md); on CPU
+# they divide the same cores (README job 140 -> 132 s on 2 cores: too little for a process per step)
+CONCURRENT_STEPS_BY_ENV = {"local": 1, "s3": 1, "gpu": 3}
+
+
+def _steps(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of steps, at least 1")
+    return int(text)
+
+
+def default_concurrent_steps() -> int:
+    """``batchrl run --concurrent-steps``' default: BATCHRL_CONCURRENT_STEPS, else BATCHRL_ENV's."""
+    explicit = os.environ.get("BATCHRL_CONCURRENT_STEPS")
+    # an unknown environment is the definitions' error to report, not every command's parser's
+    return _steps(explicit) if explicit else CONCURRENT_STEPS_BY_ENV.get(os.environ.get("BATCHRL_ENV", "local"), 1)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    home = ensure_dagster_home()
+    run_config, iterations = _run_config(args)
+    from batchrl.cli.console import RunProgress, print_run_summary, quiet_libraries, run_log_path
+    from batchrl.common.log_file import output_to_log
+
+    quiet_libraries()
+    log_path = run_log_path(home)
+    if args.concurrent_steps > 1:  # first thing: the step server's imports overlap this process's
+        from batchrl.runs import step_server
+
+        step_server.start(None if args.verbose else log_path)
+    import contextlib
+    import uuid
+
+    import dagster as dg
+
+    from batchrl.common.run_config_error import RunConfigError
+    from batchrl.definitions import build_definitions
+    from batchrl.runs.execute import execute_assets, selected_job
+    from batchrl.runs.log_drops import drops_to_ingest
+    from batchrl.runs.run_config import config_file_tags, validate_plan
+
+    defs = build_definitions()
+    plan = _plan(defs, args, run_config, iterations)
+    try:  # every execution's config, before the first asset runs
+        validate_plan(defs, run_config, [(selected_job(defs, sel), config) for _, sel, config in plan],
+                      ", ".join(args.config or []))
+    except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
+        print(f"batchrl run: {error}", file=sys.stderr)
+        return 2
+    if _runs_jobs(defs, [selection for _, selection, _ in plan]):
+        # its imports overlap the data-only first steps
+        defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
+    tags = config_file_tags(args.config or [])
+    started = time.monotonic()
+    done: list[dict] = []
+    with open_instance() as instance:
+        with contextlib.ExitStack() as stack:
+            out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
+            drops = len(drops_to_ingest(defs, instance))  # each new log drop's run gives three lines
+            counts = [_step_count(defs, sel, drops) for _, sel, _ in plan]
+            steps = sum(counts)
+            out.write(f"batchrl run: {steps} asset steps; details in {'this console' if args.verbose else log_path}\n")
+            for title, selection, config in plan:
+                if title.startswith("RL iteration") and args.max_minutes and \
+                        time.monotonic() - started > 60 * args.max_minutes:
+                    out.write(f"=== time budget of {args.max_minutes} min reached: no further RL iteration\n")
+                    continue
+                if title:
+                    out.write(f"=== {title}\n")
+                run_id = str(uuid.uuid4())
+                assets = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
+                with RunProgress(instance, run_id, assets, out) as progress:
+                    progress.total = counts[plan.index((title, selection, config))]
+                    result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags,
+                                            on_run=progress.follow, concurrent_steps=args.concurrent_steps)
+                done += progress.done
+                if not result.success:
+                    break
+        latest = functools.lru_cache(maxsize=None)(lambda asset: latest_uri(instance, asset))  # asked twice each
+        print_run_summary(done, result.success, time.monotonic() - started, None if args.verbose else log_path, latest,
+                          dagster_home=home)
+    return 0 if result.success else 1
+
+
+def _step_count(defs, selection: list[str] | None, drops: int) -> int:
+    """Asset lines a run prints: the per-drop assets once per log drop to ingest, the others once."""
+    from batchrl.assets.drops import PER_DROP_ASSETS
+    from batchrl.runs.execute import selected_job
+
+    keys = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
+    per_drop = keys & set(PER_DROP_ASSETS)
+    return len(keys) - len(per_drop) + len(per_drop) * drops
+
+
+def _config_for(run_config: dict, selection: list[str] | None) -> dict:
+    """Only the ops of the selected assets: Dagster refuses config for ops outside the run."""
+    if not selection or "ops" not in run_config:
+        return run_config
+    from batchrl.assets.drops import DROP_OP, PER_DROP_ASSETS
+
+    wanted = set(selection) | ({DROP_OP} if set(PER_DROP_ASSETS) & set(selection) else set())
+    return {**run_config, "ops": {k: v for k, v in run_config["ops"].items() if k in wanted}}

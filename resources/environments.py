@@ -1,0 +1,88 @@
+"""The resources of each environment (``BATCHRL_ENV``: local | s3 | gpu), one mapping each; a profile
+(``BATCHRL_PROFILE``, see ``resources.profiles``) overrides fields of them."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from batchrl.common.storage_layout import cache_dir_of, catalog_path_of, local_storage_root
+from batchrl.resources import (
+    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+)
+from batchrl.resources.profiles import apply_resource_overrides, load_profile
+
+
+def _landing(storage_options: dict | None = None) -> LandingResource:
+    """``BATCHRL_LANDING`` (a folder or ``s3://`` prefix holding ``preferences/``, ``scored/`` and
+    ``arith/{train,eval}.jsonl``): where the team's logs land; unset: the shipped samples."""
+    landing = os.environ.get("BATCHRL_LANDING", "").rstrip("/")
+    if not landing:
+        return LandingResource()
+    return LandingResource(preferences=f"{landing}/preferences", scored=f"{landing}/scored",
+                           prompts=f"{landing}/arith/train.jsonl", eval_prompts=f"{landing}/arith/eval.jsonl",
+                           storage_options=storage_options or {})
+
+
+def _local() -> dict:
+    root = local_storage_root()
+    return {
+        "storage": StorageResource(root=root, cache_dir=cache_dir_of(root)),
+        "catalog": CatalogResource(path=catalog_path_of(root)),
+        "landing": _landing(),
+        "rollout_engine": RolloutEngineResource(),
+        "trainer": TrainerLauncherResource(),
+        "compute": ComputeResource(),
+    }
+
+
+def _s3() -> dict:
+    options = {"client_kwargs": {"endpoint_url": os.environ["BATCHRL_S3_ENDPOINT"]}} \
+        if os.environ.get("BATCHRL_S3_ENDPOINT") else {}
+    return {**_local(),
+            "storage": StorageResource(root=os.environ.get("BATCHRL_S3_ROOT", "s3://batchrl/artifacts"),
+                                       storage_options=options,
+                                       cache_dir=cache_dir_of(local_storage_root())),
+            "landing": _landing(options)}
+
+
+def _gpu() -> dict:
+    """Every model stage on CUDA in bf16, each in a Pipes job like the trainers (the Dagster process holds no
+    GPU memory between assets; one-process jobs share a warm worker that empties its cache after each job);
+    rollouts with vLLM where it is installed, else the static-cache engine (``BATCHRL_ROLLOUT_ENGINE`` forces
+    one); evaluation decodes with the static-cache engine."""
+    engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
+    return {**_local(),
+            "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
+            # one-process jobs in a long-lived warm job worker (resources/job_worker.py): fresh processes paid
+            # imports + CUDA context per stage (bench/RESULTS.md); BATCHRL_JOB_BACKEND=subprocess for those
+            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
+                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "worker"),
+                                               # two jobs share the GPU when a run overlaps steps
+                                               gpu_job_slots=int(os.environ.get("BATCHRL_GPU_JOB_SLOTS", "2")),
+                                               env=_job_env(cache_dir_of(local_storage_root()))),
+            "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
+
+
+def _job_env(cache_dir: str) -> dict[str, str]:
+    """The GPU jobs' environment: compile caches, and tokenizers on every core (the console turns that off for
+    its own process; a job tokenising 4,096 rollouts single-threaded idled the GPU ~4 s on the H200)."""
+    return {**_compile_caches(cache_dir), "TOKENIZERS_PARALLELISM": "true"}
+
+
+def _compile_caches(cache_dir: str) -> dict[str, str]:
+    """torch.compile's inductor cache and Triton's kernel cache beside the storage (like vLLM's): a retrain on
+    new logs, or a job in a fresh pod that mounts the cache, reuses the compiled kernels instead of paying the
+    compile again (a variable already set in the environment wins)."""
+    wanted = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "torch", "inductor"),
+              "TRITON_CACHE_DIR": os.path.join(cache_dir, "torch", "triton")}
+    return {key: os.environ.get(key, path) for key, path in wanted.items()}
+
+
+RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
+
+def environment_resources(env: str | None = None, profile: str | None = None) -> dict:
+    """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides."""
+    env = env or os.environ.get("BATCHRL_ENV", "local")
+    resources = RESOURCES_BY_ENV[env]()
+    profile = profile or os.environ.get("BATCHRL_PROFILE")
+    return apply_resource_overrides(resources, load_profile(profile, env)["resources"]) if profile else resources

@@ -1,0 +1,169 @@
+"""The package's shape, read from the source with ``ast`` (nothing is imported or executed):
+
+- the root holds only ``__init__.py`` and ``definitions.py`` (the Dagster code location); every other module lives
+  in the folder of its concern;
+- imports between top-level folders form no circle (``batchrl.X...`` imports anywhere in a file, imports inside
+  functions included; a folder may import itself), so the folders stack in floors and imports only point down;
+- nothing imports ``batchrl.definitions`` but the few modules in ``DEFINITIONS_IMPORTERS``.
+"""
+from __future__ import annotations
+
+import ast
+import os
+
+PACKAGE = "batchrl"
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT_MODULES = {"__init__.py", "definitions.py"}
+
+# The code location is the top of the graph: it declares assets, resources, jobs and the executor, so the modules
+# below must not need it. Only these load it, each because its job is to build or preload the code location itself:
+DEFINITIONS_IMPORTERS = {
+    # `batchrl run` and `batchrl stale` build the code location of the command's environment, as `dagster dev` does
+    "batchrl.cli.run_command", "batchrl.cli.lineage_commands",
+    # the step server's preload: the code location the multiprocess executor's step processes rebuild their job from
+    "batchrl.runs.step_preload",
+    # `batchrl reproduce` builds the code location with the recorded resources of the artifact it re-materialises
+    "batchrl.runs.reproduce",
+}
+
+
+def package_modules(package_dir: str = PACKAGE_DIR) -> dict[str, str]:
+    """Dotted name -> file of every module of the package: the root's files and the package folders below it
+    (folders with an ``__init__.py``; tests/, bench/, scripts/ and docs/ are not part of the package)."""
+    modules = {}
+    for folder, dirs, files in os.walk(package_dir):
+        dirs[:] = sorted(d for d in dirs if os.path.isfile(os.path.join(folder, d, "__init__.py")))
+        rel = os.path.relpath(folder, package_dir)
+        prefix = PACKAGE if rel == "." else f"{PACKAGE}.{rel.replace(os.sep, '.')}"
+        for name in sorted(f for f in files if f.endswith(".py")):
+            modules[prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"] = os.path.join(folder, name)
+    return modules
+
+
+def imported_names(path: str, module: str) -> set[str]:
+    """The ``batchrl`` names a file imports anywhere (``from batchrl import x`` gives ``batchrl.x``; relative
+    imports resolved against ``module``)."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.startswith(PACKAGE + ".")}
+
+
+def top_level(name: str) -> str:
+    """``batchrl.runs.execute`` -> ``runs``; ``batchrl.definitions`` -> ``definitions``."""
+    return name.split(".")[1]
+
+
+def folder_graph(modules: dict[str, str]) -> dict[str, set[str]]:
+    """Top-level folder -> the other top-level folders its modules import (the root's modules are left out:
+    the code location is the top, and ``test_only_the_allowed_modules_import_the_code_location`` guards it)."""
+    folders = {top_level(m) for m, path in modules.items()
+               if os.path.dirname(path) != os.path.dirname(modules[PACKAGE])}  # not a root module
+    graph: dict[str, set[str]] = {folder: set() for folder in folders}
+    for module, path in modules.items():
+        if module == PACKAGE or top_level(module) not in folders:
+            continue
+        for name in imported_names(path, module):
+            target = top_level(name)
+            if target in folders and target != top_level(module):
+                graph[top_level(module)].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (``[a, b, ..., a]``), or None when it has none."""
+    state: dict[str, str] = {}  # node -> "open" while on the path, "done" once every path from it is walked
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def edges_of(cycle: list[str], modules: dict[str, str]) -> list[str]:
+    """The imports that make each step of a circle, for the failure message."""
+    lines = []
+    for source, target in zip(cycle, cycle[1:]):
+        lines += [f"{module} imports {name}" for module, path in sorted(modules.items())
+                  if module != PACKAGE and top_level(module) == source
+                  for name in sorted(imported_names(path, module)) if top_level(name) == target]
+    return lines
+
+
+def loose_modules(package_dir: str = PACKAGE_DIR) -> list[str]:
+    """The root's .py files other than ``ROOT_MODULES``."""
+    return sorted(f for f in os.listdir(package_dir) if f.endswith(".py") and f not in ROOT_MODULES)
+
+
+def definitions_importers(modules: dict[str, str]) -> list[str]:
+    """The modules that import ``batchrl.definitions`` (or a name from it)."""
+    code_location = f"{PACKAGE}.definitions"
+    return sorted(m for m, path in modules.items() if m != code_location and any(
+        n == code_location or n.startswith(code_location + ".") for n in imported_names(path, m)))
+
+
+def test_the_root_holds_only_the_code_location():
+    loose = loose_modules()
+    assert not loose, f"modules at the package root: {loose}; move each into the folder of its concern"
+
+
+def test_no_import_circle_between_folders():
+    modules = package_modules()
+    cycle = find_cycle(folder_graph(modules))
+    assert cycle is None, f"import circle between folders {' -> '.join(cycle)}:\n  " + "\n  ".join(
+        edges_of(cycle, modules))
+
+
+def test_only_the_allowed_modules_import_the_code_location():
+    unexpected = [m for m in definitions_importers(package_modules()) if m not in DEFINITIONS_IMPORTERS]
+    assert not unexpected, f"{unexpected} import batchrl.definitions (the top of the graph); import what it is " \
+                           "built from instead, or justify the module in DEFINITIONS_IMPORTERS"
+
+
+def test_the_checks_can_fail(tmp_path):
+    """The readers see what the tests guard against: a folder circle through a function-local import, a
+    ``from batchrl import module`` and a relative import, and a loose module at a root."""
+    for folder, source in {"low": "def f():\n    from batchrl.high import api\n",
+                           "high": "from batchrl import low\nfrom ..low import thing\n"}.items():
+        os.makedirs(tmp_path / folder)
+        (tmp_path / folder / "__init__.py").write_text("")
+        (tmp_path / folder / "mod.py").write_text(source)
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "loose.py").write_text("from batchrl.definitions import defs\n")
+    modules = package_modules(str(tmp_path))
+    assert set(modules) == {"batchrl", "batchrl.loose", "batchrl.low", "batchrl.low.mod", "batchrl.high",
+                            "batchrl.high.mod"}
+    assert imported_names(str(tmp_path / "high" / "mod.py"), "batchrl.high.mod") == {"batchrl.low",
+                                                                                      "batchrl.low.thing"}
+    assert folder_graph(modules) == {"low": {"high"}, "high": {"low"}}
+    assert find_cycle(folder_graph(modules)) in (["high", "low", "high"], ["low", "high", "low"])
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert loose_modules(str(tmp_path)) == ["loose.py"]
+    assert definitions_importers(modules) == ["batchrl.loose"]
