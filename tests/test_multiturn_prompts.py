@@ -123,3 +123,51 @@ def test_rollouts_keep_the_messages_and_the_policy_batch_the_sampled_ids(arith_m
     compute_advantages(compute_rewards(rollouts), "grpo").to_parquet(batch_path)
     whole = _chat_template_ids(load_tokenizer(arith_model), CHAT)
     assert load_batch(str(batch_path))["prompt_ids"][:2] == [whole, whole]  # what the policy update trains on
+
+
+@pytest.fixture(scope="module")
+def chat_reward_model(arith_model, tmp_path_factory) -> str:
+    """The arithmetic model as a reward model with a head saved once (scores are the same on every load)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    rm = tmp_path_factory.mktemp("chat_rm") / "rm"
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(arith_model, num_labels=1).save_pretrained(rm)
+    shutil.copytree(arith_model, rm, ignore=shutil.ignore_patterns("*.safetensors", "config.json"), dirs_exist_ok=True)
+    return str(rm)
+
+
+def test_the_reward_model_scores_a_multi_turn_sample_after_its_whole_conversation(chat_reward_model, monkeypatch):
+    import numpy as np
+
+    from batchrl.training import reward_model
+    from batchrl.training.rewards import REWARD_MODEL, RewardConfig, compute_rewards
+
+    tok = load_tokenizer(chat_reward_model)
+    other = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}, CHAT[-1]]
+    last = CHAT[-1]["content"]
+    # the same last user turn and completion, different earlier turns (and a single-turn row beside them)
+    rows = pd.DataFrame({"prompt": [last, last, "What is 1 + 1?"], "response": ["8", "8", "2"],
+                         "prompt_messages": [json.dumps(CHAT), json.dumps(other), None]})
+    seen = []
+    score_sequences = reward_model.score_sequences
+    monkeypatch.setattr(reward_model, "score_sequences", lambda model, sequences, *a, **k: (
+        seen.append(sequences), score_sequences(model, sequences, *a, **k))[1])
+    cfg = RewardConfig(weights={"rule": 0.0, REWARD_MODEL: 1.0})
+    scored = compute_rewards(rows, cfg, reward_model_path=chat_reward_model)
+    eos = [tok.eos_token_id]
+    reply = list(tok("8", add_special_tokens=False)["input_ids"]) + eos
+    assert seen[0][0] == _chat_template_ids(tok, CHAT) + reply  # every turn, not the flat prompt alone
+    assert seen[0][1] == _chat_template_ids(tok, other) + reply
+    # a single-turn row is encoded as before: the user prompt alone (its RM scores and data versions unchanged)
+    assert seen[0][2] == _chat_template_ids(tok, [{"role": "user", "content": "What is 1 + 1?"}]) + \
+        list(tok("2", add_special_tokens=False)["input_ids"]) + eos
+    assert seen[0][2] == reward_model.encode_scored(tok, ["What is 1 + 1?"], ["2"], 256)[0]
+    scores = scored[REWARD_MODEL].to_numpy()
+    assert scores[0] != scores[1]
+    # a table without any prompt_messages column scores as before
+    plain = compute_rewards(rows.drop(columns=["prompt_messages"]).iloc[2:], cfg, reward_model_path=chat_reward_model)
+    np.testing.assert_allclose(plain[REWARD_MODEL].to_numpy(), scores[2:], rtol=1e-5)

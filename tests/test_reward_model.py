@@ -114,8 +114,8 @@ def test_rm_scoring_tokenises_while_the_model_loads_with_the_same_scores(trained
     serial = rm_module.score_texts(model, tokenizer, pairs["prompt"].tolist(), pairs["chosen"].tolist(), batch_size=5)
     seen = []
     real_encode, real_load = rm_module.encode_scored, rm_module.load_reward_model
-    monkeypatch.setattr(rm_module, "encode_scored", lambda *a: seen.append(("encode", threading.current_thread().name))
-                        or real_encode(*a))
+    monkeypatch.setattr(rm_module, "encode_scored", lambda *a, **k: seen.append(("encode", threading.current_thread().name))
+                        or real_encode(*a, **k))
     monkeypatch.setattr(rm_module, "load_reward_model", lambda *a, **k: seen.append(
         ("load", threading.current_thread().name)) or real_load(*a, **k))
     overlapped = score_with_reward_model(trained["model_dir"], pairs["prompt"].tolist(), pairs["chosen"].tolist(),

@@ -13,13 +13,14 @@ import importlib
 import math
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
 from batchrl.training.phases import beside_load, phase
+from batchrl.training.text import Messages, prompt_messages
 
 RewardFn = Callable[[str, str, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -161,9 +162,11 @@ def get_reward_function(spec: str) -> RewardFn:
 
 def score_with_reward_model(
     rm_path: str, prompts: list[str], responses: list[str], *, batch_size: int = 32, max_length: int = 256,
-    device: str = "cpu", dtype: str = "float32",
+    device: str = "cpu", dtype: str = "float32", messages: Sequence[Messages] | None = None,
 ) -> np.ndarray:
     """Scalar RM scores (float32) of each (prompt, response), from an RM folder (``train_reward_model``);
+    ``messages``: per prompt, its multi-turn context (``prompt_messages``, or None), which the RM reads whole
+    (the chat template over every turn) in the flat prompt's place, as the rollout engine sampled from it;
     the model runs in ``dtype`` (bfloat16 on GPUs: float32 matmuls there run at a fraction of the speed).
     The texts are tokenised on a thread while the model loads (the tokenizer's batch call releases the GIL
     and spreads over the cores); the ``tokenise`` phase is what remains of it once the model is loaded."""
@@ -172,7 +175,8 @@ def score_with_reward_model(
 
     tokenizer = load_tokenizer(rm_path)
     (model, _), sequences = beside_load(
-        lambda: encode_scored(tokenizer, list(prompts), list(responses), max_length),
+        lambda: encode_scored(tokenizer, list(prompts), list(responses), max_length,
+                              messages=None if messages is None else list(messages)),
         lambda: load_reward_model(rm_path, device=device, dtype=dtype, tokenizer=tokenizer))
     return score_sequences(model, sequences, tokenizer.pad_token_id, batch_size=batch_size)
 
@@ -256,7 +260,8 @@ def compute_rewards(
 ) -> pd.DataFrame:
     """The input rows (needs ``prompt``, ``response``; ``category``/``answer`` etc. go to ``meta``) plus
     one float column per component (``rule``, each ``custom`` name, ``reward_model`` if the mix weighs
-    the RM) and ``reward``, the mix. ``reward_model_path``, when given, overrides ``cfg.reward_model_path``."""
+    the RM) and ``reward``, the mix. ``reward_model_path``, when given, overrides ``cfg.reward_model_path``.
+    A row's ``prompt_messages`` (a multi-turn prompt) is the conversation the RM scores the response after."""
     cfg = cfg or RewardConfig()
     if reward_model_path:
         cfg = cfg.model_copy(update={"reward_model_path": reward_model_path})
@@ -272,6 +277,7 @@ def compute_rewards(
         components[REWARD_MODEL] = score_with_reward_model(
             cfg.reward_model_path, frame["prompt"].tolist(), frame["response"].tolist(),
             batch_size=cfg.rm_batch_size, max_length=cfg.rm_max_length, device=device, dtype=dtype,
+            messages=prompt_messages(records),
         ).astype(np.float64)
     elif cfg.needs_reward_model:
         raise ValueError("the reward mix weights the reward model but no reward_model_path is set")
