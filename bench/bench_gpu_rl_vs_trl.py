@@ -95,7 +95,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
         with open(config, "w") as f:
             json.dump(LORA_CONFIG, f)
         extra = ["-c", config]
-    code, prep_s = _batchrl(env, ["--select", PREP, *extra], log)
+    code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)  # not the profile's 8
     if code:
         raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code}); see {log}")
     code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
@@ -119,6 +119,15 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
             round(loop / max(iterations, 1), 2), "per_iteration": phases,
             "policy": history["uri"].get("policy_checkpoint"), "base": history["uri"].get("base_model"),
             "history": history["meta"]}
+
+
+def prepare_base(state: str, out: str) -> str:
+    """The base model folder without a ``full`` arm in this state (TRL's arm alone): the preparation run only."""
+    env = _arm_env(state, "trl_base")
+    code, _ = _batchrl(env, ["--select", PREP, "--rl-iterations", "1"], os.path.join(out, "trl_base_run.log"))
+    if code:
+        raise SystemExit(f"trl: the preparation ({PREP}) failed ({code})")
+    return _arm_history(env)["uri"]["base_model"]
 
 
 def run_trl_arm(base: str, minutes: float, state: str) -> dict:
@@ -163,7 +172,7 @@ def run_trl_arm(base: str, minutes: float, state: str) -> dict:
     trainer.save_model(folder)
     tokenizer.save_pretrained(folder)
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    return {"wall_s": round(wall, 1), "rounds": rounds, "optimizer_steps": trainer.state.global_step,
+    return {"wall_s": round(wall, 1), "rounds": rounds, "base": base, "optimizer_steps": trainer.state.global_step,
             "samples": rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT,
             "samples_per_s": round(rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT / wall, 1),
             "mean_iteration_s": round(wall / max(rounds, 1), 2), "train_reward_first_last":
@@ -210,9 +219,10 @@ def main() -> None:
             if part in ("full", "lora"):
                 record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out)
             elif part == "trl":
-                record["arms"]["trl"] = run_trl_arm(record["arms"]["full"]["base"], args.minutes, args.state)
+                base = record["arms"].get("full", {}).get("base") or prepare_base(args.state, args.out)
+                record["arms"]["trl"] = run_trl_arm(base, args.minutes, args.state)
             elif part == "eval":
-                models = {"base": record["arms"]["full"]["base"]}
+                models = {"base": next(r["base"] for r in record["arms"].values() if r.get("base"))}
                 models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})
                 done = record.setdefault("eval", {})  # each model once, over consecutive calls
                 done.update(evaluate({name: path for name, path in models.items() if name not in done}))
