@@ -166,7 +166,7 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
                                                     "batchrl.training.kl_reward", "batchrl.training.remax",
-                                                    "batchrl.training.trainer.critic", config=AdvantageConfig),
+                                                    "batchrl.training.value_model", config=AdvantageConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN,
                                   "reward_model": dg.AssetIn(metadata={OPTIONAL_KEY: True})},
           metadata=declared_files(table="advantages.parquet"))

@@ -8,10 +8,10 @@ import torch
 from batchrl.training.advantages import compute_advantages
 from batchrl.training.rewards import REWARD_FUNCTIONS
 from batchrl.training.rollout import make_rollout_engine
+from batchrl.training.batch_layout import pad_prompt_completion
 from batchrl.training.trainer.config import PolicyConfig
-from batchrl.training.trainer.critic import is_value_model, load_value_model, predict_values, value_predictions
-from batchrl.training.trainer.batching import pad_prompt_completion
 from batchrl.training.trainer.policy import train_policy
+from batchrl.training.value_model import is_value_model, load_value_model, predict_values, value_predictions
 
 from arith_pairs import ARITH as TRAIN, ARITH_EVAL as EVAL  # noqa: E402
 

@@ -6,12 +6,11 @@ import pandas as pd
 import pytest
 import torch
 
+from batchrl.training.batch_layout import encode_pairs, pair_logprobs
 from batchrl.training.evaluate import evaluate_policy
 from batchrl.training.rewards import REWARD_FUNCTIONS
 from batchrl.training.text import encode_prompt_completion, render_prompt
 from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
-from batchrl.training.trainer.batching import encode_pairs
-from batchrl.training.trainer.reference import pair_logprobs
 
 ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 

@@ -250,8 +250,9 @@ def test_policy_chain_of_adapters_with_a_lora_critic(inputs, tmp_path):
     base, its KL reference comes from the disabled adapter (the base, no second model), and the critic is an
     adapter with its value head."""
     from batchrl.training.tiny_model import load_model_and_tokenizer
-    from batchrl.training.trainer.critic import load_value_model, predict_values
-    from batchrl.training.trainer.policy import FIXED_LOGPROBS, load_batch, sequence_token_logprobs, train_policy
+    from batchrl.training.batch_layout import sequence_token_logprobs
+    from batchrl.training.trainer.policy import FIXED_LOGPROBS, load_batch, train_policy
+    from batchrl.training.value_model import load_value_model, predict_values
 
     base = inputs["model_path"]
     cfg = PolicyConfig(adv_estimator="gae", critic=True, micro_batch_size=16, lr=1e-2, critic_lr=1e-2, kl_coef=0.05,

@@ -7,8 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from batchrl.training.advantages import compute_advantages
+from batchrl.training.batch_layout import pad_prompt_completion
 from batchrl.training.jobs import job_command
-from batchrl.training.trainer.batching import epoch_order, pad_prompt_completion
+from batchrl.training.trainer.batching import epoch_order
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig
 from batchrl.training.trainer.engine import deepspeed_config
 from batchrl.training.trainer.loop import fit_batch

@@ -158,7 +158,7 @@ def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
         kl = {"ref_logprobs": reference_token_logprobs(reference_model_path, table, device=device),
               "controller": controller, "kind": settings.kl_penalty}
     if critic_path is not None:
-        from batchrl.training.trainer.critic import predict_values
+        from batchrl.training.value_model import predict_values
 
         table = table.assign(values=predict_values(critic_path, table, device=device))
     return compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,

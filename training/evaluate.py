@@ -24,12 +24,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from batchrl.training.batch_layout import encode_pairs, pair_logprobs
 from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.tiny_model import cached_in_worker, load_checkpoint_in_place, load_tokenizer, tokenizer_key
-from batchrl.training.trainer.batching import encode_pairs
-from batchrl.training.trainer.reference import pair_logprobs
 from batchrl.training.weights import read_weights, same_model_files
 
 

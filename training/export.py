@@ -56,7 +56,7 @@ def _load_merged(checkpoint: str):
 
         return load_reward_model(checkpoint)
     if task == lora.TOKEN_CLS:
-        from batchrl.training.trainer.critic import load_value_model
+        from batchrl.training.value_model import load_value_model
 
         model, tokenizer = load_value_model(checkpoint)
         model.config.use_cache = True

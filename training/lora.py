@@ -12,7 +12,7 @@ bytes, hence the same data version, under any root, and an ``s3://`` root's loca
 Any other base (a plain folder) is named by its absolute path, as PEFT itself does.
 
 Consumers call the usual loaders (``tiny_model.load_pretrained``, ``load_model_and_tokenizer``,
-``load_tokenizer``, ``reward_model.load_reward_model``, ``critic.load_value_model``): each has one branch to
+``load_tokenizer``, ``reward_model.load_reward_model``, ``value_model.load_value_model``): each has one branch to
 ``load_merged`` here, which loads the base (from the job worker's weight cache where it holds it), applies the
 adapter and merges it in memory. Nothing merged is written to storage; ``batchrl export`` does that on request.
 """

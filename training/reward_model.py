@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from batchrl.training.phases import phase
+from batchrl.training.scoring import score_in_batches
 from batchrl.training.text import encode_prompt_completions, prompt_messages
 from batchrl.training.tiny_model import load_pretrained, load_tokenizer
 
@@ -80,23 +81,15 @@ def score_texts(
     return score_sequences(model, sequences, tokenizer.pad_token_id, batch_size=batch_size, max_tokens=max_tokens)
 
 
-@torch.no_grad()
 def score_sequences(model: Any, sequences: list[list[int]], pad_id: int, *, batch_size: int = 32,
                     max_tokens: int | None = None) -> np.ndarray:
     """``score_texts`` of sequences already tokenised (``encode_scored``)."""
-    from batchrl.training.trainer.batching import length_sorted_batches
-
     if not len(sequences):
         return np.zeros(0, dtype=np.float32)
-    was_training = model.training
-    model.eval()
-    batches = length_sorted_batches([len(s) for s in sequences], None if max_tokens else batch_size, max_tokens)
     with phase("rm_score"):
-        scores = [sequence_scores(model, [sequences[i] for i in idx], pad_id) for idx in batches]
-        out = np.empty(len(sequences), dtype=np.float32)
-        out[np.concatenate(batches)] = torch.cat(scores).cpu().numpy()
-    model.train(was_training)
-    return out
+        return score_in_batches(model, [len(s) for s in sequences],
+                                lambda idx: sequence_scores(model, [sequences[i] for i in idx], pad_id),
+                                batch_size=None if max_tokens else batch_size, max_tokens=max_tokens)
 
 
 def encode_pairs_scored(tokenizer: Any, pairs: pd.DataFrame, max_length: int) -> list[list[int]]:

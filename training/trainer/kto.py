@@ -18,11 +18,11 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import kto_kl_reference_point, kto_loss
+from batchrl.training.batch_layout import completion_logprobs, sequence_token_logprobs
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
 from batchrl.training.trainer.config import KTOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
-from batchrl.training.trainer.policy import _row_batch, sequence_token_logprobs
-from batchrl.training.trainer.batching import completion_logprobs
+from batchrl.training.trainer.policy import _row_batch
 from batchrl.training.transfer import to_device_async
 
 KTO_REFERENCE = "kto_reference.pt"

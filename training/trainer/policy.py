@@ -21,9 +21,9 @@ import torch
 
 from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_policy_loss,
                                     kl_penalty, masked_mean)
-from batchrl.training.trainer.batching import (completion_logprobs, epoch_order, length_sorted_batches, pad_floats,
-                                               pad_prompt_completion,
-                                               step_micro_batches, steps_per_epoch, to_device)
+from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
+                                           sequence_token_logprobs, to_device)
+from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.transfer import to_device_async
@@ -38,28 +38,6 @@ def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, tor
     if "advantages" in rows:  # absent when only log-probs are wanted
         batch["advantages"] = pad_floats([rows["advantages"][i] for i in idx], R)
     return to_device(batch, device)
-
-
-@torch.no_grad()
-def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, device, *,
-                            temperature: float, batch_size: int | None = None,
-                            max_tokens: int | None = None) -> list[np.ndarray]:
-    """Per-row response token log-probs (unpadded float32 arrays) under ``model`` in eval mode; batches of
-    ``batch_size`` rows and/or ``max_tokens`` padded tokens."""
-    was_training = model.training
-    model.eval()
-    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(rows["prompt_ids"])
-    lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])]
-    batches = length_sorted_batches(lengths, batch_size, max_tokens)  # similar lengths per batch: little padding
-    # on the device until every batch is queued: a .cpu() per batch would idle the GPU while the host pads
-    logps = [completion_logprobs(model, _row_batch(rows, idx, pad_id, device), temperature=temperature).float()
-             for idx in batches]
-    for idx, logp in zip(batches, logps):
-        logp = logp.cpu().numpy()
-        for j, i in enumerate(idx):
-            out[i] = logp[j, :len(rows["response_ids"][i])]
-    model.train(was_training)
-    return out
 
 
 def _same_model(path_a: str, path_b: str) -> bool:

@@ -14,39 +14,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from batchrl.training.batch_layout import encode_pairs, pair_logprobs
 from batchrl.training.phases import beside_load, phase
-from batchrl.training.trainer.batching import (completion_logprobs, encode_pairs, length_sorted_batches, pair_batch,
-                                               to_device)
-
-
-@torch.no_grad()
-def pair_logprobs(model: Any, items: list[dict], pad_id: int, device: Any, *, batch_size: int | None = None,
-                  max_tokens: int | None = None, fused: bool = True) -> dict[str, np.ndarray]:
-    """Summed completion log-probs (eos included: the DPO convention) and token counts of each encoded pair
-    (``encode_pairs``) under ``model`` in eval mode: ``chosen_logp, rejected_logp`` (float64), ``chosen_len,
-    rejected_len`` (int64), in input order. Batches of similar length: ``batch_size`` pairs and/or
-    ``max_tokens`` padded tokens (both rows of a pair counted; 32 pairs when neither is given)."""
-    was_training = model.training
-    model.eval()
-    lengths = [2 * (len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"]))) for it in items]
-    batches = length_sorted_batches(lengths, batch_size or (None if max_tokens else 32), max_tokens)
-    # results stay on the device until the end: a per-batch .cpu() would make the host wait for each
-    # forward pass before building the next batch (the GPU then idles while the host pads)
-    logps, counts = [], []
-    for idx in batches:
-        batch = to_device(pair_batch([items[i] for i in idx], pad_id), device)
-        logps.append(completion_logprobs(model, batch, fused=fused).sum(-1).double())
-        counts.append(batch["response_mask"].sum(-1).long())
-    model.train(was_training)
-    cols = {k: np.zeros(len(items), dtype=dtype_) for k, dtype_ in
-            (("chosen_logp", np.float64), ("rejected_logp", np.float64), ("chosen_len", np.int64),
-             ("rejected_len", np.int64))}
-    for idx, logp, count in zip(batches, logps, counts):
-        n = len(idx)
-        logp, count = logp.cpu().numpy(), count.cpu().numpy()
-        cols["chosen_logp"][idx], cols["rejected_logp"][idx] = logp[:n], logp[n:]
-        cols["chosen_len"][idx], cols["rejected_len"][idx] = count[:n], count[n:]
-    return cols
 
 
 @torch.no_grad()
