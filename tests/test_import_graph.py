@@ -4,12 +4,16 @@
   in the folder of its concern;
 - imports between top-level folders form no circle (``batchrl.X...`` imports anywhere in a file, imports inside
   functions included; a folder may import itself), so the folders stack in floors and imports only point down;
-- nothing imports ``batchrl.definitions`` but the few modules in ``DEFINITIONS_IMPORTERS``.
+- nothing imports ``batchrl.definitions`` but the few modules in ``DEFINITIONS_IMPORTERS``;
+- the stages that never train import nothing of ``training/trainer/`` (and, checked in a fresh process that imports
+  them, neither the trainer nor DeepSpeed gets loaded).
 """
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 PACKAGE = "batchrl"
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +29,15 @@ DEFINITIONS_IMPORTERS = {
     # `batchrl reproduce` builds the code location with the recorded resources of the artifact it re-materialises
     "batchrl.runs.reproduce",
 }
+
+# The stages that never train: advantages (critic values, KL in the reward), evaluation, reward scoring. They score
+# sequences (``training.scoring``, the value model, the reward model) and import nothing of ``training/trainer/``
+# (DeepSpeed engines, optimisers, checkpoints), not even inside a function: neither their processes nor their code
+# versions carry the trainer.
+NON_TRAINING_STAGES = ("batchrl.training.advantages", "batchrl.training.evaluate", "batchrl.training.kl_reward",
+                       "batchrl.training.rewards", "batchrl.training.reward_model", "batchrl.training.scoring",
+                       "batchrl.training.value_model")
+TRAINER = f"{PACKAGE}.training.trainer"
 
 
 def package_modules(package_dir: str = PACKAGE_DIR) -> dict[str, str]:
@@ -129,6 +142,22 @@ def definitions_importers(modules: dict[str, str]) -> list[str]:
         n == code_location or n.startswith(code_location + ".") for n in imported_names(path, m)))
 
 
+def import_closure(names: tuple[str, ...], modules: dict[str, str]) -> set[str]:
+    """The modules ``names`` import, transitively (imports inside functions included; ``from batchrl.x import f``
+    counts as importing ``batchrl.x``)."""
+    seen: set[str] = set()
+    pending = list(names)
+    while pending:
+        name = pending.pop()
+        while name not in modules and "." in name:  # an attribute of a module: the module
+            name = name.rpartition(".")[0]
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        pending += imported_names(modules[name], name)
+    return seen
+
+
 def test_the_root_holds_only_the_code_location():
     loose = loose_modules()
     assert not loose, f"modules at the package root: {loose}; move each into the folder of its concern"
@@ -145,6 +174,19 @@ def test_only_the_allowed_modules_import_the_code_location():
     unexpected = [m for m in definitions_importers(package_modules()) if m not in DEFINITIONS_IMPORTERS]
     assert not unexpected, f"{unexpected} import batchrl.definitions (the top of the graph); import what it is " \
                            "built from instead, or justify the module in DEFINITIONS_IMPORTERS"
+
+
+def test_the_stages_that_never_train_import_nothing_of_the_trainer_nor_deepspeed():
+    modules = package_modules()
+    reached = sorted(m for m in import_closure(NON_TRAINING_STAGES, modules)
+                     if m == TRAINER or m.startswith(TRAINER + "."))
+    assert not reached, f"the stages that never train reach {reached}: move what they need out of training/trainer/"
+    stages = (*NON_TRAINING_STAGES, "batchrl.training.jobs.inference")  # the job that runs them on a GPU host
+    code = (f"import importlib, sys; [importlib.import_module(m) for m in {stages!r}]; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed' or m.startswith({TRAINER!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
 def test_the_checks_can_fail(tmp_path):
@@ -166,4 +208,6 @@ def test_the_checks_can_fail(tmp_path):
     assert find_cycle(folder_graph(modules)) in (["high", "low", "high"], ["low", "high", "low"])
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert loose_modules(str(tmp_path)) == ["loose.py"]
+    # a function-local import of a name is followed to its module
+    assert import_closure(("batchrl.low.mod",), modules) == {"batchrl.low.mod", "batchrl.high"}
     assert definitions_importers(modules) == ["batchrl.loose"]

@@ -107,26 +107,14 @@ def check_same_shape(cfg: Any, adapter_path: str) -> None:
                          "it with the same values, or start a new chain from the base model")
 
 
-def frozen_base_placement(cfg: Any) -> dict[str, Any]:
-    """How a LoRA run loads its frozen base: on a GPU in bf16 straight onto its device when the run computes in
-    bf16 (``bf16`` or ``bf16_amp``: a frozen fp32 copy would only double the memory and the load; the adapters
-    stay fp32, PEFT's default, and the job worker's weight cache can serve the base the rollouts and reference
-    pass loaded); else as full fine-tuning loads it (fp32 on the host; the CPU stays fp32)."""
-    from batchrl.training.trainer.engine import gpu_precision, use_cuda
-
-    if use_cuda() and gpu_precision(cfg) in ("bf16", "bf16_amp"):
-        return {"dtype": torch.bfloat16, "device": f"cuda:{os.environ.get('LOCAL_RANK', '0')}"}
-    return {}
-
-
-def trainable(load_model: Callable[..., tuple[Any, Any]], model_path: str, cfg: Any,
-              task_type: str) -> tuple[Any, Any, str]:
-    """``(peft model, tokenizer, base folder)`` to train: ``load_model(base, **frozen_base_placement(cfg))`` with a
-    new adapter of ``cfg``'s shape, or, when ``model_path`` is itself an adapter (a policy chain's parent), with
-    that adapter loaded trainable (it is trained further, the base stays frozen)."""
+def trainable(load_model: Callable[..., tuple[Any, Any]], model_path: str, cfg: Any, task_type: str,
+              placement: dict[str, Any]) -> tuple[Any, Any, str]:
+    """``(peft model, tokenizer, base folder)`` to train: ``load_model(base, **placement)`` (the trainer's
+    ``engine.frozen_base_placement``) with a new adapter of ``cfg``'s shape, or, when ``model_path`` is itself an
+    adapter (a policy chain's parent), with that adapter loaded trainable (it is trained further, the base stays
+    frozen)."""
     from peft import PeftModel, get_peft_model
 
-    placement = frozen_base_placement(cfg)
     if is_adapter_folder(model_path):
         check_same_shape(cfg, model_path)
         base = resolve_base(model_path)

@@ -25,7 +25,7 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
     ``response_ids``, old ``values``, ``returns``) at ``cfg.critic_lr``; exports the critic to
     ``out_dir/critic`` and returns its loss curve and metrics."""
     from batchrl.training.trainer.checkpoint import export_hf_model, seed_everything
-    from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler
+    from batchrl.training.trainer.engine import frozen_base_placement, init_deepspeed, make_optimizer, make_scheduler
     from batchrl.training.trainer.loop import compute_autocast, fit_batch, forward_module
     from batchrl.training.trainer.batching import steps_per_epoch
 
@@ -38,7 +38,8 @@ def train_critic(cfg: PolicyConfig, rows: dict[str, list], *, critic_path: str, 
     if lora.enabled(cfg):  # adapters on the frozen base, the value head trained in full (saved with them)
         if lora.is_adapter_folder(critic_path) and lora.read_adapter_config(critic_path).get("task_type") != lora.TOKEN_CLS:
             critic_path = lora.resolve_base(critic_path)  # a policy's adapter: a new critic from its base
-        model, tokenizer, lora_base = lora.trainable(load_value_model, critic_path, cfg, lora.TOKEN_CLS)
+        model, tokenizer, lora_base = lora.trainable(load_value_model, critic_path, cfg, lora.TOKEN_CLS,
+                                                     frozen_base_placement(cfg))
     else:
         (model, tokenizer), lora_base = load_value_model(critic_path), None
     model.train()

@@ -51,6 +51,16 @@ def gpu_precision(cfg: Any) -> str:
     return "bf16" if cfg.precision == "bf16_amp" and cfg.zero_stage == 3 else cfg.precision
 
 
+def frozen_base_placement(cfg: Any) -> dict[str, Any]:
+    """How a LoRA run loads its frozen base (``lora.trainable``): on a GPU in bf16 straight onto its device when
+    the run computes in bf16 (``bf16`` or ``bf16_amp``: a frozen fp32 copy would only double the memory and the
+    load; the adapters stay fp32, PEFT's default, and the job worker's weight cache can serve the base the rollouts
+    and reference pass loaded); else as full fine-tuning loads it (fp32 on the host; the CPU stays fp32)."""
+    if use_cuda() and gpu_precision(cfg) in ("bf16", "bf16_amp"):
+        return {"dtype": torch.bfloat16, "device": f"cuda:{os.environ.get('LOCAL_RANK', '0')}"}
+    return {}
+
+
 def trainer_clips(cfg: Any) -> bool:
     """ZeRO-0 with fp32 weights: the trainer clips the gradients itself (torch's foreach kernels, a few
     launches) instead of DeepSpeed's loop of one norm and one scale per parameter."""

@@ -18,7 +18,8 @@ from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoin
                                                  save_checkpoint, seed_everything, write_completion,
                                                  write_train_record)
 from batchrl.training.trainer.config import TrainerConfig
-from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler, trainer_clips
+from batchrl.training.trainer.engine import (frozen_base_placement, init_deepspeed, make_optimizer, make_scheduler,
+                                            trainer_clips)
 
 Report = Callable[[dict, int], None]
 
@@ -137,7 +138,8 @@ class TrainLoop:
         seed_everything(cfg.seed)
         self.lora_base: str | None = None  # the frozen base folder of a LoRA run
         if lora.enabled(cfg):
-            model, self.tokenizer, self.lora_base = lora.trainable(load_model, model_path, cfg, task_type)
+            model, self.tokenizer, self.lora_base = lora.trainable(load_model, model_path, cfg, task_type,
+                                                                   frozen_base_placement(cfg))
         else:
             model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
         if cfg.gradient_checkpointing:
