@@ -9,6 +9,7 @@ import pandas as pd
 from pydantic import Field, field_validator
 
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
+from batchrl.assets.run_rules import self_play_missing
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
 from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
@@ -81,35 +82,11 @@ def dpo_pairs_asset(self_play: bool) -> dg.AssetsDefinition:
             """The preference pairs of the DPO path (one id per pair): the logged ones or the scored logs' (this
             code location's DPO path does not wait for the policy's samples; BATCHRL_DPO_SELF_PLAY=1 builds it
             with them)."""
-            if "self" in pair_sources(config.source):
-                raise dg.Failure(self_play_missing(config.source))
+            problem = self_play_missing(config.source, has_rewards_input=False)
+            if problem:
+                raise dg.Failure(problem)
             return _pairs(context, config, preference_window, scored_pairs, None, storage, catalog)
     return decorator(dpo_pairs)
-
-
-def check_pair_source(graph, run_config: dict | None) -> None:
-    """Before a run: a known pair source, and a self-play one needs a DPO path with the rewards input
-    (``RunConfigError``)."""
-    from batchrl.common.run_config_error import RunConfigError
-    from batchrl.resources.profiles import dpo_self_play
-
-    key = dg.AssetKey("dpo_pairs")
-    ops = (run_config or {}).get("ops") or {}
-    source = ((ops.get("dpo_pairs") or {}).get("config") or {}).get("source")
-    if isinstance(source, str):
-        try:
-            pair_sources(source)
-        except ValueError as error:
-            raise RunConfigError(str(error)) from None
-    if dpo_self_play(ops) and graph.has(key) and dg.AssetKey("rewards") not in graph.get(key).parent_keys:
-        raise RunConfigError(self_play_missing(ops["dpo_pairs"]["config"]["source"]))
-
-
-def self_play_missing(source: str) -> str:
-    return (f"dpo_pairs: source {source!r} takes pairs from the policy's scored samples, but this code location's "
-            "DPO path has no rewards input (logged pairs only, so it runs beside the RL branch): set "
-            "BATCHRL_DPO_SELF_PLAY=1, or use a profile whose dpo_pairs source takes self pairs (`batchrl run` "
-            "does this itself from its run config)")
 
 
 PAIR_COLUMNS = ["prompt", "chosen", "rejected", "prompt_messages", "category"]

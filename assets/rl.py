@@ -13,7 +13,8 @@ from batchrl.assets.common import (
 from batchrl.assets.policy_chain import (
     PROMOTED_POLICY_IN, chain_base, current_policy, parent_policy, promote,
 )
-from batchrl.assets.rl_algorithm import check_kl_in_reward, critic_inputs, critic_job_inputs, kl_in_reward_inputs
+from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
+from batchrl.assets.run_rules import check_run_config, kl_placement
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
@@ -100,9 +101,8 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
     """n sampled responses per prompt from the current policy (the promoted checkpoint of this base model's
     chain, the base model on a new chain), with token log-probs (plus one greedy response per prompt with
     ``greedy_baseline``, for ReMax)."""
-    from batchrl.assets.rl_config import check_rl_run_config
-
-    check_rl_run_config(context.run.run_config, _selected_assets(context))  # runs launched from the UI
+    # runs launched from the UI skip `batchrl run`'s and execute_assets' up-front check: the same one, here
+    check_run_config(context.run.run_config, _selected_assets(context), context.job_def.asset_layer.asset_graph)
     policy = current_policy(context, promoted_policy, base_model, config.policy)
     table = prompts.read_table()
     if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
@@ -208,7 +208,10 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
     policy the rollouts were sampled from (its parent: the promoted checkpoint, or the base model on a new
     chain); the new checkpoint is promoted, so the next iteration samples from it."""
     parent = parent_policy(rollouts, promoted_policy, base_model)
-    check_kl_in_reward(advantages, config.use_kl_in_reward, config.kl_coef)
+    kl_problem = kl_placement(bool(advantages.lineage.get("config", {}).get("use_kl_in_reward", False)),
+                              config.use_kl_in_reward, config.kl_coef, materialised=True)
+    if kl_problem:  # the advantages may come from an earlier run, which the up-front check never saw
+        raise dg.Failure(kl_problem)
     critic_config, companions = critic_job_inputs(storage, advantages, config.critic)
     job_config = {
         "trainer": config.model_dump(),

@@ -1,6 +1,6 @@
 """What the RL assets need from lineage for KL in the reward and critic values: the reference model, the KL
-controller's state carried over from the previous iteration (through the promoted policy), and the
-agreement of the advantages stage and the policy update on where the KL term lives."""
+controller's state carried over from the previous iteration (through the promoted policy), and the critic the
+advantages were valued with (where the KL term lives is ``assets.run_rules.kl_placement``'s)."""
 from __future__ import annotations
 
 from typing import Any
@@ -50,19 +50,6 @@ def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResou
         context.log.info(f"advantages: adaptive KL coefficient {carried:.6g} carried over from "
                          f"advantages {previous.data_version}")
     return {"reference_model_path": base_model.path, "kl_coef": carried}, inputs
-
-
-def check_kl_in_reward(advantages: Artifact, policy_use_kl_in_reward: bool, policy_kl_coef: float) -> None:
-    """The policy update and the advantages it reads must agree on where the KL term is."""
-    applied = bool(advantages.lineage.get("config", {}).get("use_kl_in_reward", False))
-    if policy_use_kl_in_reward and not applied:
-        raise dg.Failure("policy_checkpoint: config use_kl_in_reward is true (no KL loss) but the advantages were "
-                         "computed without KL in the reward (advantages config use_kl_in_reward: false): the KL "
-                         "term would silently vanish; set advantages use_kl_in_reward: true")
-    if applied and not policy_use_kl_in_reward and policy_kl_coef > 0:
-        raise dg.Failure("policy_checkpoint: the advantages already carry the KL penalty in their rewards "
-                         "(advantages config use_kl_in_reward: true) and config use_kl_in_reward is false, so the "
-                         "KL loss would count it twice; set policy_checkpoint use_kl_in_reward: true or kl_coef: 0")
 
 
 CRITIC_ASSET = "critic_checkpoint"

@@ -39,7 +39,7 @@ Command = Callable[[list[str]], int]  # a command's argv -> its exit status (``c
 # run's executors
 PRELOAD = ("batchrl.runs.step_preload", "batchrl.cli.main", "batchrl.cli.console", "batchrl.runs.execute",
            "batchrl.runs.run_config", "batchrl.resources.environments", "batchrl.resources.profiles",
-           "batchrl.assets.rl_config", "dagster._core.execution.api", "dagster._core.definitions.reconstruct",
+           "batchrl.assets.run_rules", "dagster._core.execution.api", "dagster._core.definitions.reconstruct",
            "dagster._core.executor.multiprocess", "multiprocessing.forkserver")
 
 

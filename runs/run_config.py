@@ -91,14 +91,13 @@ def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config:
 
 def check_whole_run(defs: dg.Definitions, run_config: dict | None, selection: list[str] | None,
                     source: str = "") -> None:
-    """What one stage's choice needs from another's (``assets.rl_config``: remax needs greedy baselines, ...) and
-    the DPO pair source's graph (``assets.dpo``), among the ``selection`` (None: every asset)."""
-    from batchrl.assets.dpo import check_pair_source
-    from batchrl.assets.rl_config import check_rl_run_config
+    """What one stage's choice needs from another's among the ``selection`` (None: every asset), and the DPO pair
+    source against the code location's graph: ``assets.run_rules.check_run_config``, the one whole-run check (the
+    ``rollouts`` asset runs it too, for runs launched from the UI)."""
+    from batchrl.assets.run_rules import check_run_config
 
     try:
-        check_rl_run_config(run_config, selection)
-        check_pair_source(defs.resolve_asset_graph(), run_config)
+        check_run_config(run_config, selection, defs.resolve_asset_graph())
     except RunConfigError as error:
         raise RunConfigError(f"{_where(source)}: {error}") from None
 

@@ -53,10 +53,11 @@ def test_cross_stage_errors_are_one_line_and_exit_2(run_cli, select, ops, fields
 
 
 def test_one_run_config_error_class():
-    from batchrl.assets import rl_config
+    from batchrl.assets import run_rules
+    from batchrl.common import run_config_error
     from batchrl.runs import run_config
 
-    assert rl_config.RunConfigError is run_config.RunConfigError
+    assert run_rules.RunConfigError is run_config.RunConfigError is run_config_error.RunConfigError
 
 
 @pytest.mark.parametrize("select, ops, named", [

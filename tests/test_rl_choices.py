@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-from batchrl.assets.rl_config import RunConfigError, check_rl_run_config
+from batchrl.assets.run_rules import check_run_config
+from batchrl.common.run_config_error import RunConfigError
 from batchrl.resources import StorageResource
 from batchrl.training.algos import ADV_ESTIMATOR_NEEDS, ADV_ESTIMATORS
 
@@ -151,7 +152,7 @@ def test_policy_refuses_advantages_without_the_kl_it_expects(upstream):
 ])
 def test_impossible_combinations_are_config_errors_naming_the_field(ops, field):
     with pytest.raises(RunConfigError) as err:
-        check_rl_run_config({"ops": ops})
+        check_run_config({"ops": ops})
     assert field in str(err.value)
 
 
@@ -161,6 +162,27 @@ def test_config_error_stops_the_run_before_any_asset(tmp_path):
             run_assets(local_resources(str(tmp_path / "s")), instance, None,
                        {"ops": {"advantages": {"config": {"estimator": "remax"}}}})
         assert instance.get_latest_materialization_event(dg.AssetKey("prompts")) is None
+
+
+def test_a_run_launched_from_the_ui_is_checked_by_its_rollouts_step(upstream):
+    """A run launched from the UI skips `batchrl run`'s and execute_assets' check: its rollouts step runs the same
+    one (the RL rules and, with the code location's graph, the DPO pair source's) before sampling anything."""
+    from batchrl.definitions import build_definitions
+    from batchrl.runs.execute import selected_job
+
+    instance, root = upstream
+    defs = build_definitions(local_resources(root), dpo_self_play=False)
+    for selection, ops, named in [
+        (RL[:3], {"advantages": {"config": {"estimator": "remax"}}}, "ops.rollouts.config.greedy_baseline"),
+        (["rollouts", "dpo_pairs"], {"dpo_pairs": {"config": {"source": "both"}}}, "BATCHRL_DPO_SELF_PLAY=1"),
+    ]:
+        before = instance.get_latest_materialization_event(dg.AssetKey("rollouts"))
+        result = selected_job(defs, selection).execute_in_process(instance=instance, run_config={"ops": ops},
+                                                                  raise_on_error=False)
+        failed = {e.step_key: str(e.event_specific_data.error) for e in result.all_events
+                  if e.event_type_value == "STEP_FAILURE"}
+        assert "rollouts" in failed and named in failed["rollouts"], failed
+        assert instance.get_latest_materialization_event(dg.AssetKey("rollouts")) == before
 
 
 def test_unknown_names_are_refused_by_the_config_schema(tmp_path):
@@ -175,11 +197,25 @@ def test_unknown_names_are_refused_by_the_config_schema(tmp_path):
                 job.execute_in_process(instance=instance, run_config={"ops": {asset: {"config": {field: value}}}})
 
 
+@pytest.mark.parametrize("materialised, vanishes, twice", [
+    (False, "the KL term would vanish", "adds it again as a loss"),  # this run's configs, up front
+    (True, "would silently vanish", "would count it twice"),  # the advantages policy_checkpoint reads
+])
+def test_one_kl_placement_rule_for_configs_and_materialised_advantages(materialised, vanishes, twice):
+    from batchrl.assets.run_rules import kl_placement
+
+    # (advantages use_kl_in_reward, policy use_kl_in_reward, policy kl_coef)
+    for agree in [(True, True, 0.01), (False, False, 0.01), (True, False, 0.0)]:
+        assert kl_placement(*agree, materialised=materialised) is None
+    assert vanishes in kl_placement(False, True, 0.0, materialised=materialised)
+    assert twice in kl_placement(True, False, 0.01, materialised=materialised)
+
+
 def test_valid_combinations_pass():
-    check_rl_run_config({"ops": {"rollouts": {"config": {"greedy_baseline": True}},
+    check_run_config({"ops": {"rollouts": {"config": {"greedy_baseline": True}},
                                  "advantages": {"config": {"estimator": "remax"}}}})
-    check_rl_run_config({"ops": {"advantages": {"config": {"estimator": "remax"}}}}, ["advantages"])
-    check_rl_run_config({"ops": {"advantages": {"config": {"estimator": "gae"}},
+    check_run_config({"ops": {"advantages": {"config": {"estimator": "remax"}}}}, ["advantages"])
+    check_run_config({"ops": {"advantages": {"config": {"estimator": "gae"}},
                                  "policy_checkpoint": {"config": {"adv_estimator": "gae", "critic": True}}}})
 
 

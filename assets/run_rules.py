@@ -1,0 +1,134 @@
+"""Every rule of what one stage's run config needs from another's, each written once here, and the one whole-run
+check that applies them before anything runs.
+
+Each stage's config validates itself (allowed names come from the registries; ``AdvantageSettings`` refuses KL in
+the reward at ``kl_coef: 0``, ``PolicyConfig`` a critic its own ``adv_estimator`` does not use); what one stage's
+choice requires from another's is checked by ``check_run_config`` (``RunConfigError``, naming the fields), from
+what the estimators registered they need (``algos.registry``): a greedy baseline for ReMax, several samples per
+prompt for group estimators, a critic for GAE, one place for the KL term, reward names that resolve, a DPO pair
+source that exists and whose graph has the inputs it takes. It is called by ``runs.run_config.check_whole_run``
+(`batchrl run`'s up-front ``validate_plan``, and ``runs.execute.execute_assets`` before executing) and by the
+``rollouts`` asset for runs launched from the UI, which skip both.
+
+Two rules are applied again when their stage runs, to what its input was materialised with (an input from an
+earlier run, which no up-front check saw): ``kl_placement`` by ``policy_checkpoint`` against the advantages'
+lineage, ``self_play_missing`` by ``dpo_pairs`` against its own inputs.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import dagster as dg
+import pydantic
+
+from batchrl.common.run_config_error import RunConfigError
+from batchrl.resources.profiles import pair_sources
+from batchrl.training.advantages import AdvantageSettings
+from batchrl.training.algos import estimator_needs
+from batchrl.training.rewards import RewardConfig, get_reward_function
+from batchrl.training.trainer.config import PolicyConfig
+
+
+def _config(ops: dict, asset: str, cls: type):
+    try:
+        return cls(**(ops.get(asset) or {}).get("config", {}))
+    except pydantic.ValidationError as err:
+        fields = ", ".join(f"ops.{asset}.config.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise RunConfigError(fields) from None
+
+
+def check_run_config(run_config: dict | None, selection: Iterable[str] | None = None, graph=None) -> None:
+    """Raise ``RunConfigError`` naming the fields of the first impossible combination among the selected assets
+    (all when ``selection`` is None). ``graph``: the code location's asset graph, for the DPO pair source's
+    inputs (None: that rule is left to the ``dpo_pairs`` step)."""
+    ops = (run_config or {}).get("ops", {}) or {}
+    _check_rl(ops, set(selection) if selection else None)
+    _check_pair_source(ops, graph)
+
+
+def _check_rl(ops: dict, selected: set[str] | None) -> None:
+    from batchrl.assets.rl import RolloutConfig
+
+    def chosen(*assets: str) -> bool:
+        return selected is None or all(a in selected for a in assets)
+
+    rollouts = _config(ops, "rollouts", RolloutConfig) if chosen("rollouts") else None
+    algorithm = _config(ops, "advantages", AdvantageSettings) if chosen("advantages") else None
+    policy = _config(ops, "policy_checkpoint", PolicyConfig) if chosen("policy_checkpoint") else None
+    if chosen("rewards"):
+        rewards = _config(ops, "rewards", RewardConfig)
+        for field, spec in [("rule", rewards.rule), *((f"custom.{k}", v) for k, v in rewards.custom.items())]:
+            try:
+                get_reward_function(spec)
+            except (KeyError, TypeError, ImportError, AttributeError) as err:
+                raise RunConfigError(f"ops.rewards.config.{field}: {err}") from None
+    if algorithm is not None:
+        needs = estimator_needs(algorithm.estimator)
+        where = f"ops.advantages.config.estimator={algorithm.estimator}"
+        if rollouts is not None and "reward_baselines" in needs and not rollouts.greedy_baseline:
+            raise RunConfigError(f"{where} needs a greedy baseline per prompt: set ops.rollouts.config.greedy_baseline: "
+                                 "true")
+        if rollouts is not None and "groups" in needs and rollouts.samples_per_prompt < 2:
+            raise RunConfigError(f"{where} compares responses within a prompt's group: "
+                                 f"ops.rollouts.config.samples_per_prompt={rollouts.samples_per_prompt} must be >= 2")
+        if policy is not None and "values" in needs and not policy.critic:
+            raise RunConfigError(f"{where} needs critic values: set ops.policy_checkpoint.config.critic: true "
+                                 "(a value model trained with the policy)")
+    if algorithm is not None and policy is not None:
+        if "adv_estimator" in policy.model_fields_set and policy.adv_estimator != algorithm.estimator:
+            raise RunConfigError(f"ops.policy_checkpoint.config.adv_estimator={policy.adv_estimator} differs from "
+                                 f"ops.advantages.config.estimator={algorithm.estimator}")
+        problem = kl_placement(algorithm.use_kl_in_reward, policy.use_kl_in_reward, policy.kl_coef)
+        if problem:
+            raise RunConfigError(problem)
+
+
+def kl_placement(advantages_kl_in_reward: bool, policy_kl_in_reward: bool, policy_kl_coef: float,
+                 materialised: bool = False) -> str | None:
+    """Where the KL term lives: the advantages stage and the policy update must agree on it, or it vanishes (the
+    policy drops its KL loss for a KL the rewards do not carry) or counts twice (the rewards carry it and the
+    policy adds its loss). The problem, None when they agree. ``materialised``: the advantages' side is what an
+    advantages artifact was computed with (``policy_checkpoint``), not this run's config."""
+    if policy_kl_in_reward and not advantages_kl_in_reward:
+        if materialised:
+            return ("policy_checkpoint: config use_kl_in_reward is true (no KL loss) but the advantages were "
+                    "computed without KL in the reward (advantages config use_kl_in_reward: false): the KL "
+                    "term would silently vanish; set advantages use_kl_in_reward: true")
+        return ("ops.policy_checkpoint.config.use_kl_in_reward: true turns the KL loss off but "
+                "ops.advantages.config.use_kl_in_reward is false: the KL term would vanish")
+    if advantages_kl_in_reward and not policy_kl_in_reward and policy_kl_coef > 0:
+        if materialised:
+            return ("policy_checkpoint: the advantages already carry the KL penalty in their rewards "
+                    "(advantages config use_kl_in_reward: true) and config use_kl_in_reward is false, so the "
+                    "KL loss would count it twice; set policy_checkpoint use_kl_in_reward: true or kl_coef: 0")
+        return ("ops.advantages.config.use_kl_in_reward: true puts KL in the reward, and "
+                "ops.policy_checkpoint.config.use_kl_in_reward: false adds it again as a loss: set "
+                "policy use_kl_in_reward: true (or its kl_coef: 0)")
+    return None
+
+
+def _check_pair_source(ops: dict, graph) -> None:
+    """A known pair source; a self-play one needs a DPO path with the rewards input (when ``graph`` is given)."""
+    source = ((ops.get("dpo_pairs") or {}).get("config") or {}).get("source")
+    if not isinstance(source, str):
+        return  # none given (logged); another type is Dagster's config schema's to refuse
+    key = dg.AssetKey("dpo_pairs")
+    has_rewards = graph is None or not graph.has(key) or dg.AssetKey("rewards") in graph.get(key).parent_keys
+    try:
+        problem = self_play_missing(source, has_rewards)
+    except ValueError as error:
+        raise RunConfigError(str(error)) from None
+    if problem:
+        raise RunConfigError(problem)
+
+
+def self_play_missing(source: str, has_rewards_input: bool) -> str | None:
+    """A ``dpo_pairs`` source that takes the policy's scored samples needs its ``rewards`` input (a code location
+    built with self-play pairs): the problem, None when it has it or takes no self pairs. ValueError (naming it)
+    for an unknown source."""
+    if has_rewards_input or "self" not in pair_sources(source):
+        return None
+    return (f"dpo_pairs: source {source!r} takes pairs from the policy's scored samples, but this code location's "
+            "DPO path has no rewards input (logged pairs only, so it runs beside the RL branch): set "
+            "BATCHRL_DPO_SELF_PLAY=1, or use a profile whose dpo_pairs source takes self pairs (`batchrl run` "
+            "does this itself from its run config)")
