@@ -43,6 +43,7 @@ def test_ipo_is_length_normalised():
     h = (-1 / 2 - (-2) / 4) - (-1.5 / 2 - (-1.5) / 4)  # = 0.375
     assert losses.item() == pytest.approx((h - 1 / (2 * BETA)) ** 2, rel=1e-6)
     assert chosen.item() == pytest.approx(BETA * (-1 / 2 + 1.5 / 2))
+    assert rejected.item() == pytest.approx(BETA * (-2 / 4 + 1.5 / 4))  # per token of the rejected completion too
     with pytest.raises(ValueError, match="lengths"):
         dpo_loss(*LOGPS, loss_type="ipo")
 
@@ -80,10 +81,11 @@ def test_dpo_gradcheck_float64(loss_type):
 
 def test_rewards_are_detached_and_bf16_upcast():
     pc = torch.tensor([-1.0, -3.0], dtype=torch.bfloat16, requires_grad=True)
-    losses, chosen, rejected = dpo_loss(pc, torch.tensor([-2.0, -1.0], dtype=torch.bfloat16),
-                                        torch.tensor([-1.5, -2.0], dtype=torch.bfloat16),
+    pr = torch.tensor([-2.0, -1.0], dtype=torch.bfloat16, requires_grad=True)
+    losses, chosen, rejected = dpo_loss(pc, pr, torch.tensor([-1.5, -2.0], dtype=torch.bfloat16),
                                         torch.tensor([-1.5, -1.0], dtype=torch.bfloat16))
-    assert losses.dtype == torch.float32 and not chosen.requires_grad and losses.requires_grad
+    assert losses.dtype == torch.float32 and losses.requires_grad
+    assert not chosen.requires_grad and not rejected.requires_grad
 
 
 def test_preference_metrics():

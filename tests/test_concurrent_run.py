@@ -8,55 +8,12 @@ import re
 import subprocess
 import sys
 
-import dagster as dg
 import pytest
-
-SELECTION = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "scored_logs",
-             "scored_pairs"]
-BATCHRL = os.path.join(os.path.dirname(sys.executable), "batchrl")
-
-
-def _run(tmp_path, name: str, steps: int, served: bool = False) -> dict:
-    """One `batchrl run` of SELECTION into its own instance (``served``: in a fork of `batchrl serve`, started
-    for it): per step of the run after the per-drop ones, its start and end times and the pid of the process that
-    executed it; the (asset, data version) it printed."""
-    home, storage = tmp_path / name / "home", tmp_path / name / "storage"
-    home.mkdir(parents=True)
-    env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": str(storage)}
-    if served:
-        up = subprocess.run([BATCHRL, "serve", "--detach", "--idle", "120"], env=env, timeout=300)
-        assert up.returncode == 0, (home / "logs" / "server.log").read_text(errors="replace")[-3000:]
-    try:
-        done = subprocess.run([BATCHRL, "run", "--select", ",".join(SELECTION), "--concurrent-steps", str(steps)],
-                              env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        if served:
-            subprocess.run([BATCHRL, "serve", "--stop"], env=env, timeout=60)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    os.environ["DAGSTER_HOME"], saved = str(home), os.environ.get("DAGSTER_HOME")
-    try:
-        with dg.DagsterInstance.get() as instance:
-            steps_seen: dict[str, dict] = {}
-            for run in instance.get_runs():
-                for entry in instance.all_logs(run.run_id):
-                    kind = entry.dagster_event.event_type_value if entry.dagster_event else None
-                    if kind in ("STEP_START", "STEP_SUCCESS") and not run.tags.get("dagster/partition"):
-                        step = steps_seen.setdefault(entry.step_key, {})
-                        step["start" if kind == "STEP_START" else "end"] = entry.timestamp
-                        step["pid"] = entry.dagster_event.pid
-    finally:
-        os.environ.pop("DAGSTER_HOME") if saved is None else os.environ.__setitem__("DAGSTER_HOME", saved)
-    # the console's asset lines: "[ k/n] ok   <asset>   <seconds> s  <data version>  <headline numbers>"
-    lines = [re.match(r"\[\s*\d+/\d+\] (\w+)\s+(\w+)\s+[\d.]+ s\s+(\w+)", line) for line in done.stdout.splitlines()]
-    logs = "".join(path.read_text(errors="replace") for path in (home / "logs").glob("run-*.log"))
-    server = home / "logs" / "server.log"
-    return {"steps": steps_seen, "versions": sorted((m[2], m[3]) for m in lines if m and m[1] == "ok"),
-            "console": done.stdout + done.stderr, "log": logs,
-            "server_log": server.read_text(errors="replace") if server.exists() else ""}
+from helpers_batchrl_run import run_selection
 
 
 def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_results(tmp_path):
-    one, three = _run(tmp_path, "sequential", 1), _run(tmp_path, "concurrent", 3)
+    one, three = run_selection(tmp_path, "sequential", 1), run_selection(tmp_path, "concurrent", 3)
     windows = sorted((s["start"], s["end"]) for s in three["steps"].values())
     overlapping = sum(later[0] < earlier[1] for earlier, later in zip(windows, windows[1:]))
     assert overlapping >= 1, three["steps"]  # prompts, scored_logs and preference_window need nothing of each other

@@ -6,7 +6,8 @@
   functions included; a folder may import itself), so the folders stack in floors and imports only point down;
 - nothing imports ``batchrl.definitions`` but the few modules in ``DEFINITIONS_IMPORTERS``;
 - the stages that never train import nothing of ``training/trainer/`` (and, checked in a fresh process that imports
-  them, neither the trainer nor DeepSpeed gets loaded).
+  them, neither the trainer nor DeepSpeed gets loaded);
+- no test module imports another: what tests share lives in a helper module of tests/ (not named ``test_*``).
 """
 from __future__ import annotations
 
@@ -158,6 +159,25 @@ def import_closure(names: tuple[str, ...], modules: dict[str, str]) -> set[str]:
     return seen
 
 
+def imports_of_test_modules(path: str) -> list[str]:
+    """The ``test_*`` modules a file imports (``import test_x``, ``from tests.test_x import ...``, ``from . import
+    test_x``)."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module] if node.module else []
+            if node.module in ("tests", None):  # the package of the tests, or a relative import of a module
+                names += [alias.name for alias in node.names]
+        else:
+            continue
+        found += [name for name in names if name and name.rpartition(".")[2].startswith("test_")]
+    return found
+
+
 def test_the_root_holds_only_the_code_location():
     loose = loose_modules()
     assert not loose, f"modules at the package root: {loose}; move each into the folder of its concern"
@@ -211,3 +231,15 @@ def test_the_checks_can_fail(tmp_path):
     # a function-local import of a name is followed to its module
     assert import_closure(("batchrl.low.mod",), modules) == {"batchrl.low.mod", "batchrl.high"}
     assert definitions_importers(modules) == ["batchrl.loose"]
+
+
+def test_no_test_module_imports_another(tmp_path):
+    """Running one test file collects only its tests (and its fixtures' state is its own): what tests share lives in
+    a helper module."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    offenders = [f"{name} imports {imported}" for name in sorted(os.listdir(tests)) if name.endswith(".py")
+                 for imported in imports_of_test_modules(os.path.join(tests, name))]
+    assert not offenders, offenders
+    (tmp_path / "test_a.py").write_text("import test_b\nfrom tests.test_c import x\nfrom . import test_d, helper\n"
+                                        "from helpers_e import test_value\n")
+    assert imports_of_test_modules(str(tmp_path / "test_a.py")) == ["test_b", "tests.test_c", "test_d"]

@@ -11,12 +11,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from helpers_ingest import tricky_lines
 
 from batchrl.ingest import IngestConfig, discover_inputs, ingest_logs
 from batchrl.ingest.jsonl import _utf8_valid
 from batchrl.ingest.nfc import nfc_unstable_re, unstable_rows
 from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, contract_violations, to_pandas
-from tests.test_ingest_fastpath import tricky_lines
 
 
 @pytest.mark.parametrize("data", [

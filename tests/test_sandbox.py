@@ -5,7 +5,6 @@ import os
 import socket
 import tempfile
 import threading
-import time
 
 import pytest
 
@@ -111,15 +110,17 @@ def test_escape_attempts_score_zero_and_leave_nothing(level, attempt, tmp_path, 
     before = _leftovers()
     code = ESCAPES[attempt].format(secret=secret_dir / "secret.txt", secret_dir=secret_dir, marker=marker,
                                    port=server.getsockname()[1])
-    started = time.perf_counter()
+    runs, run_python = [], sandbox.run_python
+    monkeypatch.setattr(sandbox, "run_python", lambda *a, **k: runs.append(run_python(*a, **k)) or runs[-1])
     response = f"```python\n{code}```"
     score = REWARD_FUNCTIONS["code_exec"]("write add", response, {"tests": ADD_TESTS})
-    elapsed = time.perf_counter() - started
     done.set()
     listener.join()
     server.close()
     assert score == 0.0
-    assert elapsed < 3 * ESCAPE.timeout_s + 1  # killed at the timeout; the three cases run in parallel
+    assert len(runs) == len(ADD_TESTS)  # a sandbox per test case
+    if attempt == "infinite_loop":  # code that never ends is killed at the timeout, in each case
+        assert all(run.timed_out and run.returncode is None for run in runs), runs
     assert connections == [], "the sandboxed code reached a host socket"
     assert not marker.exists()
     assert _leftovers() <= before, "a scratch directory was left behind"

@@ -57,7 +57,9 @@ def test_generate_round_trip(built):
     batch = tokenizer([render_prompt(tokenizer, "What is 2 + 3?")], return_tensors="pt", add_special_tokens=False)
     out = model.generate(**batch, max_new_tokens=5, do_sample=False)
     assert out.shape == (1, batch["input_ids"].shape[1] + 5) or tokenizer.eos_token_id in out[0].tolist()
-    assert isinstance(tokenizer.decode(out[0]), str)
+    prompt = tokenizer.decode(batch["input_ids"][0])
+    assert tokenizer(prompt, add_special_tokens=False)["input_ids"] == batch["input_ids"][0].tolist()  # ids, text, ids
+    assert tokenizer.decode(out[0]).startswith(prompt)  # the generated sequence continues the prompt
 
 
 def test_rebuild_is_byte_identical_and_seed_matters(built, tmp_path):

@@ -11,15 +11,15 @@ import sys
 import time
 
 import pytest
-from test_concurrent_run import BATCHRL, SELECTION, _run
+from helpers_batchrl_run import BATCHRL, run_selection
 
 from batchrl.cli import warm_client
 from batchrl.common.package import code_fingerprint
 
 
 def test_a_served_run_gives_what_a_fresh_process_gives(tmp_path):
-    fresh, served = _run(tmp_path, "fresh", 1), _run(tmp_path, "served", 1, served=True)
-    concurrent = _run(tmp_path, "served-concurrent", 3, served=True)
+    fresh, served = run_selection(tmp_path, "fresh", 1), run_selection(tmp_path, "served", 1, served=True)
+    concurrent = run_selection(tmp_path, "served-concurrent", 3, served=True)
     assert "`batchrl run --select" not in fresh["server_log"]
     for run in (served, concurrent):
         assert re.search(r"`batchrl run --select \S+ --concurrent-steps \d` in process (\d+)", run["server_log"])
@@ -99,11 +99,10 @@ def test_ctrl_c_reaches_the_served_command(server):
 
 def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path, monkeypatch):
     env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home")}
-    started = time.monotonic()
+    # it exits on its own (a server that stayed would end in TimeoutExpired), saying why
     done = subprocess.run([sys.executable, "-m", "batchrl.cli", "serve", "--idle", "0.5"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "without a command, exiting" in done.stdout, done.stdout + done.stderr
-    assert time.monotonic() - started < 290
     # the key: batchrl's files (an edited checkout is not served by a server of the old code) and the environment
     package = tmp_path / "pkg"
     (package / "sub").mkdir(parents=True)
@@ -119,9 +118,9 @@ def test_the_server_exits_when_idle_and_code_edits_get_another(tmp_path, monkeyp
     # and the installed packages: a package added to (or upgraded in) a site-packages folder
     site_packages = tmp_path / "site-packages"
     site_packages.mkdir()
+    os.utime(site_packages, ns=(0, 0))  # an old folder: the install below changes its mtime, however coarse the clock
     monkeypatch.setattr("site.getsitepackages", lambda: [str(site_packages)])
     key = warm_client.server_key(env, str(tmp_path))
     assert warm_client.server_key(env, str(tmp_path)) == key
-    time.sleep(0.01)
     (site_packages / "newpkg-1.0.dist-info").mkdir()
     assert warm_client.server_key(env, str(tmp_path)) != key
