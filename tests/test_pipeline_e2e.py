@@ -203,7 +203,7 @@ def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
 
 
 def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_stale(pipeline, tmp_path):
-    """code_version follows imports: batching.py is imported by the stages that batch with it only (not named by them)."""
+    """code_version follows imports: scoring.py is imported by the stages that batch with it only (not named by them)."""
     import subprocess
     import sys
 
@@ -219,12 +219,12 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
         return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
     assert code_stale_in_copy() == set()  # same source, other folder: same code versions
-    batching = tmp_path / "batchrl" / "training" / "trainer" / "batching.py"
-    batching.write_text(batching.read_text() + "\n\ndef padded_length(n: int, multiple: int = 8) -> int:\n"
+    scoring = tmp_path / "batchrl" / "training" / "scoring.py"
+    scoring.write_text(scoring.read_text() + "\n\ndef padded_length(n: int, multiple: int = 8) -> int:\n"
                         "    return -(-n // multiple) * multiple\n")
-    # every stage that trains through the trainer loop (reward model, DPO, policy), batches pairs (reference,
-    # evaluation's preference log-probs), scores with the RM in length-sorted batches (rewards) or computes
-    # log-probs with the trainer's batching (advantages: KL in the reward, critic values)
+    # every stage that scores sequences in length-sorted batches: the trainers (their reference/old log-probs),
+    # the reference pass and evaluation's preference log-probs, RM scoring (rewards), the KL in the reward and
+    # critic values (advantages)
     assert code_stale_in_copy() == {"reward_model", "reference_logprobs", "dpo_checkpoint", "policy_checkpoint",
                                     "offline_policy_checkpoint", "kto_checkpoint",
                                     "advantages", "rewards", "evaluation"}
