@@ -60,3 +60,18 @@ def test_the_step_server_preload_leaves_a_fresh_instance_to_the_run(tmp_path, en
     assert "step server: preloaded" in done.stderr
     assert done.stdout.strip() == str(torch_preloaded)
     assert list(home.iterdir()) == []
+
+
+def test_a_chain_of_steps_runs_in_process_whatever_the_concurrency():
+    """An RL iteration (rollouts → rewards → advantages → policy_checkpoint) has no two steps that could run at
+    once: `execute_assets` runs it in process even with --concurrent-steps > 1 (no step processes to start); a
+    selection with independent steps still goes to the multiprocess executor."""
+    from batchrl.cli.run_command import RL_LOOP
+    from batchrl.definitions import build_definitions
+    from batchrl.runs.execute import is_chain, selected_job
+
+    defs = build_definitions()
+    assert is_chain(selected_job(defs, list(RL_LOOP)))
+    assert is_chain(selected_job(defs, ["rewards"]))
+    assert not is_chain(selected_job(defs, ["prompts", "preference_window"]))
+    assert not is_chain(selected_job(defs, None))
