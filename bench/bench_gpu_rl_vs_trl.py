@@ -14,8 +14,12 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   Dagster home; wall = the timed command's process (CLI start, job worker start and hand-offs included);
 - ``lora``: the same with ``policy_checkpoint`` as a LoRA adapter (rank 32, alpha 32, lr 1e-4: LoRA's usual
   10x the full-weight rate; all linear layers);
+- ``compile``: the same with ``policy_checkpoint.torch_compile`` (each decoder layer compiled: the update of a
+  thin 30-layer model is launch-bound);
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
   ``train()`` (the model already built), stopped at the first round boundary after M minutes;
+- ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
+  starts each iteration with a fresh optimiser: a measured answer to whether that costs accuracy);
 - ``eval``: the evaluation of base and every arm that finished and is not evaluated yet; every part writes
   ``$OUT/rl_vs_trl.json``.
 
@@ -40,7 +44,9 @@ ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 192, 8, 64, 96
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # a CPU check of this script's paths: the real profile's CPU size
 if SMOKE:
     ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
-LORA_CONFIG = {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}}
+# the batchrl arms other than ``full``: the run config over the profile's
+ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
+               "compile": {"ops": {"policy_checkpoint": {"config": {"torch_compile": True}}}}}
 
 
 def _arm_env(state: str, arm: str) -> dict[str, str]:
@@ -87,13 +93,16 @@ print("HISTORY" + json.dumps(out))
 
 
 def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
+    import shutil
+
+    shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
     env = _arm_env(state, arm)
     log = os.path.join(out, f"{arm}_run.log")
     extra = []
-    if arm == "lora":
-        config = os.path.join(state, "lora.json")  # YAML's superset: JSON reads as run config
+    if arm in ARM_CONFIGS:
+        config = os.path.join(state, f"{arm}.json")  # YAML's superset: JSON reads as run config
         with open(config, "w") as f:
-            json.dump(LORA_CONFIG, f)
+            json.dump(ARM_CONFIGS[arm], f)
         extra = ["-c", config]
     code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)  # not the profile's 8
     if code:
@@ -109,6 +118,12 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
     for stage in RL_CHAIN.split(","):
         walls = [s for r in rl_runs for k, s in r["steps"].items() if k.startswith(stage)]
         phases[f"{stage}_step_s"] = round(sum(walls) / max(len(walls), 1), 2)
+    # where an iteration's wall goes outside its steps: inside a run (start, between steps, end) and between runs
+    ordered = sorted(rl_runs, key=lambda r: r["start"])
+    phases["in_run_outside_steps_s"] = round(sum(r["end"] - r["start"] - sum(r["steps"].values())
+                                                 for r in ordered) / max(len(ordered), 1), 2)
+    phases["between_runs_s"] = round(sum(b["start"] - a["end"] for a, b in zip(ordered, ordered[1:]))
+                                     / max(len(ordered) - 1, 1), 2)
     for stage, key in (("rollouts", "generate_s"), ("policy_checkpoint", "job_wall_s")):
         values = [m[key] for m in history["meta"][stage] if key in m]
         if values:
@@ -130,7 +145,10 @@ def prepare_base(state: str, out: str) -> str:
     return _arm_history(env)["uri"]["base_model"]
 
 
-def run_trl_arm(base: str, minutes: float, state: str) -> dict:
+def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False) -> dict:
+    """TRL's GRPOTrainer for ``minutes``; ``reset_optimizer``: AdamW's moments cleared at every round boundary,
+    as batchrl's policy_checkpoint starts each RL iteration with a fresh optimiser (the ``trl_reset`` arm: does
+    that reset explain a held-out accuracy gap?)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -152,6 +170,8 @@ def run_trl_arm(base: str, minutes: float, state: str) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % steps_per_round == 0 and time.monotonic() - clock["start"] > 60 * minutes:
                 control.should_training_stop = True
+            if reset_optimizer and state.global_step % steps_per_round == 0:
+                kwargs["optimizer"].state.clear()  # the next step starts AdamW afresh, as a new batchrl job does
 
     config = GRPOConfig(
         output_dir=os.path.join(state, "trl_out"), per_device_train_batch_size=MICRO_BATCH,
@@ -168,7 +188,7 @@ def run_trl_arm(base: str, minutes: float, state: str) -> dict:
     trainer.train()
     wall = time.monotonic() - clock["start"]
     rounds = trainer.state.global_step // steps_per_round
-    folder = os.path.join(state, "trl_final")
+    folder = os.path.join(state, "trl_reset_final" if reset_optimizer else "trl_final")
     trainer.save_model(folder)
     tokenizer.save_pretrained(folder)
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
@@ -216,11 +236,11 @@ def main() -> None:
     for part in args.parts.split(","):
         print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
         try:
-            if part in ("full", "lora"):
+            if part == "full" or part in ARM_CONFIGS:
                 record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out)
-            elif part == "trl":
+            elif part in ("trl", "trl_reset"):
                 base = record["arms"].get("full", {}).get("base") or prepare_base(args.state, args.out)
-                record["arms"]["trl"] = run_trl_arm(base, args.minutes, args.state)
+                record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset")
             elif part == "eval":
                 models = {"base": next(r["base"] for r in record["arms"].values() if r.get("base"))}
                 models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})
