@@ -151,26 +151,43 @@ def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
         os.kill(worker_pid, signal.SIGTERM)
 
 
-def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(inputs, tmp_path):
+def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(inputs, tmp_path, monkeypatch):
     """A job outside the warm workers (vLLM rollouts, data-parallel training) holds a GPU job slot too: while
     the only slot runs another step's job, it does not start; once the slot is free, it runs."""
     import fcntl
     import threading
-    import time
 
+    from batchrl.resources import job_worker
     from batchrl.resources.job_worker import slot_path
 
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=30, env={"BATCHRL_STORAGE": str(tmp_path)})
     config_path = str(tmp_path / "own" / "reference_logprobs.json")
+    busy_path = slot_path(worker.job_env(), 0) + ".busy"
 
+    # the step's tries for the slot, seen as they happen (the real flock still decides): two refusals mean it
+    # found the slot busy and came back for it, i.e. it is waiting
+    refused, waiting = [], threading.Event()
+    real_flock = job_worker.fcntl.flock
+
+    def watched_flock(file, operation):
+        try:
+            return real_flock(file, operation)
+        except BlockingIOError:
+            if getattr(file, "name", None) == busy_path:
+                refused.append(operation)
+                if len(refused) >= 2:
+                    waiting.set()
+            raise
+
+    monkeypatch.setattr(job_worker.fcntl, "flock", watched_flock)
     own_process = _own_process_asset(inputs, tmp_path / "own")
     results = []
-    with open(slot_path(worker.job_env(), 0) + ".busy", "w") as busy:
-        fcntl.flock(busy, fcntl.LOCK_EX)  # the one slot runs another step's job
+    with open(busy_path, "w") as busy:
+        real_flock(busy, fcntl.LOCK_EX)  # the one slot runs another step's job
         run = lambda: results.append(dg.materialize([own_process], resources={"trainer": worker}))
         step = threading.Thread(target=run)
         step.start()
-        time.sleep(4)
+        assert waiting.wait(timeout=240), "the step never asked for the slot"
         assert step.is_alive() and not os.path.exists(tmp_path / "own" / "ref.parquet")
         assert not [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, config_path)]
     step.join(timeout=240)
