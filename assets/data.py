@@ -7,11 +7,13 @@ give the same data versions; the lineage keeps their full URIs for the audit."""
 
 import json
 import os
+import warnings
 
 import dagster as dg
 import pydantic
 
-from batchrl.assets.common import code_version, declared_files, publish, run_config_for, to_library_config
+from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, to_library_config
+from batchrl.assets.data_quality import quality_metadata, reason_counts, table_metadata, top_reasons
 from batchrl.assets.drops import CATALOG_POOL, LOG_DROPS, drop_content, drop_uri, landing_root
 from batchrl.common import fsutil
 from batchrl.ingest import IngestConfig, StageReport, check_reject_rate, discover_inputs, ingest_logs, scored_to_pairs
@@ -61,6 +63,16 @@ def _out(kinds: set[str], description: str, **files: str) -> dg.AssetOut:
                        metadata=declared_files(**files))
 
 
+def _drop_check(name: str, description: str) -> dg.AssetCheckSpec:
+    """A blocking check of ``validated_preferences`` partitioned like it: each result belongs to its drop (the
+    UI shows the check per drop, not the drops joined into one series). Dagster marks a check's partitions as
+    preview; the feature is what the UI reads, so its warning stays out of every import."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dg.PreviewWarning)
+        return dg.AssetCheckSpec(name, asset="validated_preferences", blocking=True, partitions_def=LOG_DROPS,
+                                 description=description)
+
+
 @dg.multi_asset(
     outs={"raw_logs": _out({"jsonl"}, "Manifest of the drop's landed files: uri, size, sha256, format.",
                            manifest="manifest.json"),
@@ -73,11 +85,10 @@ def _out(kinds: set[str], description: str, **files: str) -> dg.AssetOut:
                                         totals="totals.json")},
     internal_asset_deps={"cleaned_logs": {dg.AssetKey("raw_logs")},
                          "validated_preferences": {dg.AssetKey("cleaned_logs")}},
-    check_specs=[dg.AssetCheckSpec("nothing_lost", asset="validated_preferences", blocking=True, description=(
-                     "rows_in == valid + quarantined + duplicates, over cleaning and validation together")),
-                 dg.AssetCheckSpec("reject_rate_below_threshold", asset="validated_preferences", blocking=True,
-                                   description="The drop's reject rate is within IngestConfig.reject_threshold: "
-                                               "else training stops, and later windows leave the drop out")],
+    check_specs=[_drop_check("nothing_lost", "rows_in == valid + quarantined + duplicates, over cleaning and "
+                                             "validation together"),
+                 _drop_check("reject_rate_below_threshold", "The drop's reject rate is within "
+                             "IngestConfig.reject_threshold: else training stops, and later windows leave the drop out")],
     partitions_def=LOG_DROPS, pool=CATALOG_POOL, can_subset=False)
 def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing: LandingResource,
              storage: StorageResource, catalog: CatalogResource):
@@ -109,18 +120,21 @@ def log_drop(context: dg.AssetExecutionContext, config: IngestRunConfig, landing
         # one pass: the contract stage saw every input row; the clean stage's rejects are among its quarantined
         totals = {"rows_in": stage["rows_in"], "valid": stage["valid"], "quarantined": stage["quarantined"],
                   "duplicates": stage["duplicates"], "reject_rate": stage["quarantined"] / max(stage["rows_in"], 1)}
+        quality = quality_metadata(staging, "preferences.parquet", stage["reasons"])
         validated = publish(context, storage, catalog, staging, asset="validated_preferences", content_hash=written,
                             inputs={"cleaned_logs": cleaned.value}, config=config.model_dump(),
                             sidecars={REPORT_FILE: stage, "totals.json": totals},
-                            metadata={**totals, "stage": stage, "reasons_clean": clean.get("reasons", {})})
+                            metadata={**totals, **quality, "stage": stage, "reasons_clean": clean.get("reasons", {})})
     yield from (raw, cleaned, validated)
     accounted = totals["valid"] + totals["quarantined"] + totals["duplicates"]
     yield dg.AssetCheckResult(check_name="nothing_lost", asset_key="validated_preferences",
                               passed=accounted == totals["rows_in"], metadata={**totals, "accounted": accounted})
-    passed, description, threshold = _gate(totals, cfg.reject_threshold)
+    rejects = {code: n for code, n in stage["reasons"].items() if code != "duplicate"}  # duplicates are no rejects
+    passed, description, threshold = _gate(totals, cfg.reject_threshold, rejects)
     yield dg.AssetCheckResult(check_name="reject_rate_below_threshold", asset_key="validated_preferences",
                               passed=passed, description=description,
-                              metadata={"reject_rate": totals["reject_rate"], "threshold": threshold})
+                              metadata={"reject_rate": totals["reject_rate"], "threshold": threshold,
+                                        "top_reasons": top_reasons(rejects), **reason_counts(stage["reasons"])})
 
 
 def _hash_as_written(staging: str, file_sha256: dict[str, str]) -> str | None:
@@ -138,10 +152,12 @@ def _publish_json(context, storage: StorageResource, catalog: CatalogResource, a
         return publish(context, storage, catalog, staging, asset=asset, **publish_kwargs)
 
 
-def _gate(totals: dict, threshold: float) -> tuple[bool, str, float]:
-    """The reject-rate gate of one drop (clean + validate together): (passed, description, threshold)."""
+def _gate(totals: dict, threshold: float, reasons: dict[str, int] | None = None) -> tuple[bool, str, float]:
+    """The reject-rate gate of one drop (clean + validate together): (passed, description, threshold);
+    ``reasons``: the drop's reason codes, which the description names."""
     both_stages = StageReport(stage="clean+validate", rows_in=totals["rows_in"], valid=totals["valid"],
-                              quarantined=totals["quarantined"], duplicates=totals["duplicates"])
+                              quarantined=totals["quarantined"], duplicates=totals["duplicates"],
+                              reasons=dict(reasons or {}))
     return (*check_reject_rate(both_stages, threshold), threshold)
 
 
@@ -179,6 +195,7 @@ def preference_window(context: dg.AssetExecutionContext, config: WindowConfig,
                          f"failing their gate {[d for d in window if not gates[d]]}")
     with storage.staging_dir("preference_window") as staging:
         report = combine_drops([(d, validated_preferences[d].path) for d in taken], staging)
+        report.update(table_metadata(output_file(context, staging)))
         return publish(context, storage, catalog, staging, config={**config.model_dump(), "drops": taken},
                        inputs={f"validated_preferences[{d}]": validated_preferences[d] for d in taken},
                        metadata={**report, "drops": taken, "drops_not_ingested": [d for d in order if d not in landed],
@@ -201,6 +218,7 @@ def _ingest_landing(context: dg.AssetExecutionContext, cfg: IngestConfig, landin
         metadata = {k: report[k] for k in ("rows_in", "valid", "quarantined", "duplicates", "reasons",
                                            "invariant_holds")}
         metadata["mapped"] = stage.extra["mapped"]
+        metadata.update(quality_metadata(staging, os.path.basename(output_file(context, staging)), stage.reasons))
         return publish(context, storage, catalog, staging, input_files=files,
                        config={"landing": landing_uri, **config.model_dump()}, metadata=metadata,
                        sidecars={REPORT_FILE: report})

@@ -310,7 +310,8 @@ def check_reject_rate(report: StageReport, threshold: float) -> tuple[bool, str]
     Duplicates are not rejects (they are counted, not lost). An empty input passes trivially.
     """
     rate = report.reject_rate
-    summary = ", ".join(f"{k}={v}" for k, v in sorted(report.reasons.items())) or "none"
+    # the most frequent reasons first: they say why the drop failed
+    summary = ", ".join(f"{k}={v}" for k, v in sorted(report.reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
     desc = (f"{report.stage}: {report.quarantined}/{report.rows_in} quarantined ({rate:.2%}, threshold "
             f"{threshold:.2%}); {report.duplicates} duplicates; reasons: {summary}")
     if not report.invariant_holds:
