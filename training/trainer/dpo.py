@@ -15,7 +15,7 @@ import torch
 
 from batchrl.training.algos import dpo_loss, orpo_loss, preference_metrics, simpo_loss
 from batchrl.training.batch_layout import completion_logprobs, encode_pairs, pair_batch, pair_logprobs, to_device
-from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
+from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import DPOConfig
 from batchrl.training.transfer import to_device_async
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
@@ -113,25 +113,17 @@ def train_dpo(cfg: DPOConfig, *, pairs_parquet: str, reference_parquet: str, mod
 
     lengths = [len(it["chosen_prompt"]) + max(len(it["chosen"]), len(it["rejected"])) for it in items] \
         if cfg.group_by_length else None
-    for epoch in range(loop.state["epoch"], cfg.epochs):
-        order = epoch_order(len(items), cfg.seed, epoch)
-        for step in range(loop.state["step_in_epoch"], n_steps):
-            if loop.finished():
-                break
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
-                with loop.forward_context():
-                    pc, pr, lc, lr_ = _pair_logps(loop.model, [items[i] for i in idx], pad_id, loop.device,
-                                                  cfg.fused_logprobs)
-                    losses, rc, rr = pair_losses(cfg, pc, pr, to_device_async(ref_c_t[idx], loop.device),
-                                                 to_device_async(ref_r_t[idx], loop.device), lc, lr_)
-                    loss = losses.mean()
-                loop.backward(loss)
-                loop.accumulate({"loss": loss, **preference_metrics(rc.detach(), rr.detach()),
-                                 "logps/chosen": pc.detach().mean(), "logps/rejected": pr.detach().mean()})
-            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
-        if loop.finished():
-            break
-        loop.next_epoch(epoch)
+    for micro_batches in loop.steps(len(items), cfg.epochs, lengths):
+        for idx in micro_batches:
+            with loop.forward_context():
+                pc, pr, lc, lr_ = _pair_logps(loop.model, [items[i] for i in idx], pad_id, loop.device,
+                                              cfg.fused_logprobs)
+                losses, rc, rr = pair_losses(cfg, pc, pr, to_device_async(ref_c_t[idx], loop.device),
+                                             to_device_async(ref_r_t[idx], loop.device), lc, lr_)
+                loss = losses.mean()
+            loop.backward(loss)
+            loop.accumulate({"loss": loss, **preference_metrics(rc.detach(), rr.detach()),
+                             "logps/chosen": pc.detach().mean(), "logps/rejected": pr.detach().mean()})
 
     result = loop.summary()
     if not result["stopped_early"]:

@@ -19,7 +19,7 @@ import torch
 
 from batchrl.training.algos import kto_kl_reference_point, kto_loss
 from batchrl.training.batch_layout import completion_logprobs, sequence_token_logprobs
-from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
+from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import KTOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.trainer.policy import _row_batch
@@ -103,31 +103,23 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
     ref_matched, ref_mismatched = ref["matched"], ref["mismatched"]
     lengths = [len(p) + len(r) for p, r in zip(rows["matched"]["prompt_ids"], rows["matched"]["response_ids"])] \
         if cfg.group_by_length else None
-    for epoch in range(loop.state["epoch"], cfg.epochs):
-        order = epoch_order(len(frame), cfg.seed, epoch)
-        for step in range(loop.state["step_in_epoch"], n_steps):
-            if loop.finished():
-                break
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
-                with loop.forward_context():
-                    with torch.no_grad():  # the reference point carries no gradient (TRL)
-                        z0 = kto_kl_reference_point(_summed_logps(loop, rows["mismatched"], idx, cfg),
-                                                    to_device_async(ref_mismatched[idx], loop.device))
-                    logps = _summed_logps(loop, rows["matched"], idx, cfg)
-                    up = to_device_async(desirable[idx], loop.device)
-                    losses, rewards = kto_loss(logps, to_device_async(ref_matched[idx], loop.device), up, z0,
-                                               beta=cfg.beta, desirable_weight=desirable_weight,
-                                               undesirable_weight=cfg.undesirable_weight)
-                    loss = losses.mean()
-                loop.backward(loss)
-                upf = up.to(rewards.dtype)
-                loop.accumulate({"loss": loss, "kl": z0,
-                                 "rewards/desirable": (rewards * upf).sum() / upf.sum().clamp_min(1),
-                                 "rewards/undesirable": (rewards * (1 - upf)).sum() / (1 - upf).sum().clamp_min(1)})
-            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
-        if loop.finished():
-            break
-        loop.next_epoch(epoch)
+    for micro_batches in loop.steps(len(frame), cfg.epochs, lengths):
+        for idx in micro_batches:
+            with loop.forward_context():
+                with torch.no_grad():  # the reference point carries no gradient (TRL)
+                    z0 = kto_kl_reference_point(_summed_logps(loop, rows["mismatched"], idx, cfg),
+                                                to_device_async(ref_mismatched[idx], loop.device))
+                logps = _summed_logps(loop, rows["matched"], idx, cfg)
+                up = to_device_async(desirable[idx], loop.device)
+                losses, rewards = kto_loss(logps, to_device_async(ref_matched[idx], loop.device), up, z0,
+                                           beta=cfg.beta, desirable_weight=desirable_weight,
+                                           undesirable_weight=cfg.undesirable_weight)
+                loss = losses.mean()
+            loop.backward(loss)
+            upf = up.to(rewards.dtype)
+            loop.accumulate({"loss": loss, "kl": z0,
+                             "rewards/desirable": (rewards * upf).sum() / upf.sum().clamp_min(1),
+                             "rewards/undesirable": (rewards * (1 - upf)).sum() / (1 - upf).sum().clamp_min(1)})
 
     result = loop.summary()
     result.update(num_examples=len(frame), num_desirable=n_up, desirable_weight=desirable_weight,

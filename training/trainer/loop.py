@@ -7,13 +7,13 @@ import contextlib
 import hashlib
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from batchrl.training import lora
 from batchrl.training.phases import PhaseClock
-from batchrl.training.trainer.batching import world
+from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch, world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
                                                  save_checkpoint, seed_everything, write_completion,
                                                  write_train_record)
@@ -283,6 +283,23 @@ class TrainLoop:
 
     def next_epoch(self, epoch: int) -> None:
         self.state.update(epoch=epoch + 1, step_in_epoch=0)
+
+    def steps(self, n: int, epochs: int, lengths: Sequence[int] | None = None) -> Iterator[list]:
+        """The trainers' one epoch/step loop over ``n`` examples, from where the run stands (a resumed run
+        skips what it did): each optimiser step yields its micro-batches — this rank's index arrays
+        (``step_micro_batches`` of the epoch's seeded order, grouped by ``lengths`` when given) — and, once the
+        caller has run them, is recorded (``end_step``); stops at ``finished``."""
+        n_steps = steps_per_epoch(n, self.cfg.micro_batch_size, self.cfg.grad_accum)
+        for epoch in range(self.state["epoch"], epochs):
+            order = epoch_order(n, self.cfg.seed, epoch)
+            for step in range(self.state["step_in_epoch"], n_steps):
+                if self.finished():
+                    break
+                yield step_micro_batches(order, step, self.cfg.micro_batch_size, self.cfg.grad_accum, lengths)
+                self.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
+            if self.finished():
+                break
+            self.next_epoch(epoch)
 
     def save(self) -> str:
         self.flush_metrics()  # the history in the checkpoint holds every step taken

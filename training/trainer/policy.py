@@ -23,7 +23,7 @@ from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_po
                                     kl_penalty, masked_mean)
 from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
                                            sequence_token_logprobs, to_device)
-from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
+from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.transfer import to_device_async
@@ -149,26 +149,18 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     lengths = [len(p) + len(r) for p, r in zip(rows["prompt_ids"], rows["response_ids"])] \
         if cfg.group_by_length else None
 
-    for epoch in range(loop.state["epoch"], cfg.ppo_epochs):
-        order = epoch_order(n, cfg.seed, epoch)
-        for step in range(loop.state["step_in_epoch"], n_steps):
-            if loop.finished():
-                break
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
-                batch = _row_batch(rows, idx, pad_id, loop.device)
-                mask, R = batch["response_mask"], batch["response_mask"].shape[1]
-                old = to_device_async(pad_floats([fixed["old"][i] for i in idx], R), loop.device)
-                with loop.forward_context():
-                    logp, entropy = completion_logprobs(loop.model, batch, temperature=cfg.temperature,
-                                                        with_entropy=True, fused=cfg.fused_logprobs)
-                    loss, parts = _policy_loss(cfg, policy_loss_fn, rows, fixed, idx, batch, old, logp, entropy,
-                                               use_is, loop.device)
-                loop.backward(loss)
-                loop.accumulate({**parts, "loss": loss})
-            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
-        if loop.finished():
-            break
-        loop.next_epoch(epoch)
+    for micro_batches in loop.steps(n, cfg.ppo_epochs, lengths):
+        for idx in micro_batches:
+            batch = _row_batch(rows, idx, pad_id, loop.device)
+            mask, R = batch["response_mask"], batch["response_mask"].shape[1]
+            old = to_device_async(pad_floats([fixed["old"][i] for i in idx], R), loop.device)
+            with loop.forward_context():
+                logp, entropy = completion_logprobs(loop.model, batch, temperature=cfg.temperature,
+                                                    with_entropy=True, fused=cfg.fused_logprobs)
+                loss, parts = _policy_loss(cfg, policy_loss_fn, rows, fixed, idx, batch, old, logp, entropy,
+                                           use_is, loop.device)
+            loop.backward(loss)
+            loop.accumulate({**parts, "loss": loss})
 
     result = loop.summary()
     result["num_samples"] = n

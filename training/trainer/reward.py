@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from batchrl.training.lora import SEQ_CLS
-from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch
+from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import RewardModelConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 
@@ -62,22 +62,14 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     # characters as the length proxy (the grouping the trainer has always used: same batches, same results)
     lengths = [len(p) + max(len(c), len(r)) for p, c, r in zip(pairs["prompt"], pairs["chosen"], pairs["rejected"])] \
         if cfg.group_by_length else None
-    for epoch in range(loop.state["epoch"], cfg.epochs):
-        order = epoch_order(len(pairs), cfg.seed, epoch)
-        for step in range(loop.state["step_in_epoch"], n_steps):
-            if loop.finished():
-                break
-            for idx in step_micro_batches(order, step, cfg.micro_batch_size, cfg.grad_accum, lengths):
-                rows = [sequences[i] for i in idx] + [sequences[n + i] for i in idx]  # chosen, then rejected
-                with loop.forward_context():
-                    scores = sequence_scores(loop.model, rows, pad_id)
-                    loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
-                loop.backward(loss)
-                loop.accumulate({"loss": loss, **metrics})
-            loop.end_step({"epoch": epoch}, epoch=epoch, step_in_epoch=step + 1)
-        if loop.finished():
-            break
-        loop.next_epoch(epoch)
+    for micro_batches in loop.steps(len(pairs), cfg.epochs, lengths):
+        for idx in micro_batches:
+            rows = [sequences[i] for i in idx] + [sequences[n + i] for i in idx]  # chosen, then rejected
+            with loop.forward_context():
+                scores = sequence_scores(loop.model, rows, pad_id)
+                loss, metrics = bradley_terry_loss(scores[: len(idx)], scores[len(idx):])
+            loop.backward(loss)
+            loop.accumulate({"loss": loss, **metrics})
 
     result = loop.summary()
     if not result["stopped_early"]:
