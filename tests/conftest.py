@@ -73,3 +73,13 @@ def arith_model(tmp_path_factory) -> str:
     from arith_pairs import build_arith_model
 
     return build_arith_model(tmp_path_factory.mktemp("arith_model") / "model")
+
+
+@pytest.fixture(scope="session")
+def arith_job_inputs(tmp_path_factory) -> dict:
+    """The small tiny model (hidden 64) and 32 arithmetic pairs (rejected = gold + 2) that the trainer-job and
+    job-worker tests train on, built once per session (read-only): model_path, pairs_parquet, root."""
+    from arith_pairs import build_arith_pairs
+
+    root = tmp_path_factory.mktemp("arith_jobs")
+    return {**build_arith_pairs(root, rejected_offset=2), "root": root}

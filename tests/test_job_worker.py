@@ -6,50 +6,41 @@ import signal
 
 import dagster as dg
 import pandas as pd
-import pytest
 import torch
 from safetensors.torch import load_file
-
-from arith_pairs import build_arith_pairs
 
 from batchrl.resources import TrainerLauncherResource
 
 
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("worker")
-    return {**build_arith_pairs(root, rejected_offset=2), "root": root}
-
-
-def _graph(inputs, root):
+def _graph(arith_job_inputs, root):
     ref_out = str(root / "ref" / "reference_logprobs.parquet")
 
     @dg.asset
     def reference_logprobs(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
         os.makedirs(root / "ref", exist_ok=True)
         return trainer.run_job(context, "reference_logprobs", {
-            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
+            "model_path": arith_job_inputs["model_path"], "pairs_parquet": arith_job_inputs["pairs_parquet"],
             "out_parquet": ref_out, "max_length": 64}, str(root / "ref"))
 
     @dg.asset(deps=[reference_logprobs])
     def dpo_checkpoint(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
         os.makedirs(root / "dpo", exist_ok=True)
         return trainer.run_job(context, "train_dpo", {
-            "trainer": {"epochs": 1, "micro_batch_size": 8}, "pairs_parquet": inputs["pairs_parquet"],
-            "model_path": inputs["model_path"], "reference_parquet": ref_out, "out_dir": str(root / "dpo")},
+            "trainer": {"epochs": 1, "micro_batch_size": 8}, "pairs_parquet": arith_job_inputs["pairs_parquet"],
+            "model_path": arith_job_inputs["model_path"], "reference_parquet": ref_out, "out_dir": str(root / "dpo")},
             str(root / "dpo"))
 
     return [reference_logprobs, dpo_checkpoint]
 
 
-def _own_process_asset(inputs, folder):
+def _own_process_asset(arith_job_inputs, folder):
     """Reference log-probs as a job in a process of its own, writing ``folder``/ref.parquet."""
 
     @dg.asset
     def own_process(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
         os.makedirs(folder, exist_ok=True)
         return trainer.run_job(context, "reference_logprobs", {
-            "model_path": inputs["model_path"], "pairs_parquet": inputs["pairs_parquet"],
+            "model_path": arith_job_inputs["model_path"], "pairs_parquet": arith_job_inputs["pairs_parquet"],
             "out_parquet": str(folder / "ref.parquet"), "max_length": 64}, str(folder),
             fresh_process=True)  # e.g. vLLM rollouts: their engine process and memory must go with the job
 
@@ -60,10 +51,11 @@ def _metadata(result, node):
     return {k: v.value for k, v in result.asset_materializations_for_node(node)[-1].metadata.items()}
 
 
-def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
+def test_jobs_in_a_warm_worker_match_fresh_subprocesses(arith_job_inputs, tmp_path):
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": str(tmp_path)})
-    warm = dg.materialize(_graph(inputs, tmp_path / "warm"), resources={"trainer": worker})
-    fresh = dg.materialize(_graph(inputs, tmp_path / "fresh"), resources={"trainer": TrainerLauncherResource()})
+    warm = dg.materialize(_graph(arith_job_inputs, tmp_path / "warm"), resources={"trainer": worker})
+    fresh = dg.materialize(_graph(arith_job_inputs, tmp_path / "fresh"),
+                           resources={"trainer": TrainerLauncherResource()})
     assert warm.success and fresh.success
     pids = set()
     for node in ("reference_logprobs", "dpo_checkpoint"):
@@ -82,7 +74,8 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     @dg.asset
     def broken(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource):
         return trainer.run_job(context, "train_dpo", {"trainer": {"epochs": 1}, "pairs_parquet": "/nonexistent.parquet",
-                                                      "model_path": inputs["model_path"], "reference_parquet": "/x",
+                                                      "model_path": arith_job_inputs["model_path"],
+                                                      "reference_parquet": "/x",
                                                       "out_dir": str(tmp_path / "broken")}, str(tmp_path))
 
     failed = dg.materialize([broken], resources={"trainer": worker}, raise_on_error=False)
@@ -90,27 +83,28 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(inputs, tmp_path):
     failure = [e for e in failed.all_events if e.event_type_value == "STEP_FAILURE"][0]
     assert "failed in the job worker" in str(failure.event_specific_data.error) and "nonexistent" in str(
         failure.event_specific_data.error)
-    again = dg.materialize(_graph(inputs, tmp_path / "again")[:1], resources={"trainer": worker})
+    again = dg.materialize(_graph(arith_job_inputs, tmp_path / "again")[:1], resources={"trainer": worker})
     new_pid = _metadata(again, "reference_logprobs")["worker_pid"]
     assert new_pid != pid  # the failed worker exited; a fresh one took the next job
 
-    own_process = _own_process_asset(inputs, tmp_path / "own")
+    own_process = _own_process_asset(arith_job_inputs, tmp_path / "own")
 
     alone = dg.materialize([own_process], resources={"trainer": worker})
     assert alone.success and "worker_pid" not in _metadata(alone, "own_process")
     os.kill(new_pid, signal.SIGTERM)
 
 
-def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(inputs, tmp_path):
+def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(arith_job_inputs, tmp_path):
     """With the weight cache on (``BATCHRL_WEIGHT_CACHE_GB``; off by default on a host without CUDA): reference
     log-probs load the base model and keep its weights; DPO, the next job in the same worker, builds its model
     from them (a hit) and trains it in place; a third job still finds the base model's weights. Every output is
     what fresh subprocesses give."""
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=60,
                                      env={"BATCHRL_STORAGE": str(tmp_path), "BATCHRL_WEIGHT_CACHE_GB": "1"})
-    warm = dg.materialize(_graph(inputs, tmp_path / "warm"), resources={"trainer": worker})
-    again = dg.materialize(_graph(inputs, tmp_path / "again")[:1], resources={"trainer": worker})
-    fresh = dg.materialize(_graph(inputs, tmp_path / "fresh"), resources={"trainer": TrainerLauncherResource()})
+    warm = dg.materialize(_graph(arith_job_inputs, tmp_path / "warm"), resources={"trainer": worker})
+    again = dg.materialize(_graph(arith_job_inputs, tmp_path / "again")[:1], resources={"trainer": worker})
+    fresh = dg.materialize(_graph(arith_job_inputs, tmp_path / "fresh"),
+                           resources={"trainer": TrainerLauncherResource()})
     assert warm.success and again.success and fresh.success
     cache = lambda result, node: tuple(_metadata(result, node)[f"weight_cache_{k}"] for k in ("hits", "misses"))
     assert cache(warm, "reference_logprobs") == (0, 1)  # loaded from the files, kept
@@ -127,7 +121,7 @@ def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(input
     os.kill(pids.pop(), signal.SIGTERM)
 
 
-def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
+def test_gpu_job_slots_run_a_job_beside_a_busy_worker(arith_job_inputs, tmp_path):
     """gpu_job_slots 2: while one worker runs a job (its slot held, as by another step of a multiprocess
     run), the next job goes to a second warm worker instead of queueing; once the slot is free, jobs go to
     the first again. Both give the same numbers."""
@@ -137,7 +131,7 @@ def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
 
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=60, gpu_job_slots=2,
                                      env={"BATCHRL_STORAGE": str(tmp_path)})
-    run = lambda name: dg.materialize(_graph(inputs, tmp_path / name)[:1], resources={"trainer": worker})
+    run = lambda name: dg.materialize(_graph(arith_job_inputs, tmp_path / name)[:1], resources={"trainer": worker})
     pid = lambda result: _metadata(result, "reference_logprobs")["worker_pid"]
     first = pid(run("first"))
     with open(slot_path(worker.job_env(), 0) + ".busy", "w") as busy:
@@ -151,7 +145,7 @@ def test_gpu_job_slots_run_a_job_beside_a_busy_worker(inputs, tmp_path):
         os.kill(worker_pid, signal.SIGTERM)
 
 
-def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(inputs, tmp_path, monkeypatch):
+def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(arith_job_inputs, tmp_path, monkeypatch):
     """A job outside the warm workers (vLLM rollouts, data-parallel training) holds a GPU job slot too: while
     the only slot runs another step's job, it does not start; once the slot is free, it runs."""
     import fcntl
@@ -180,7 +174,7 @@ def test_a_job_in_processes_of_its_own_waits_for_a_gpu_job_slot(inputs, tmp_path
             raise
 
     monkeypatch.setattr(job_worker.fcntl, "flock", watched_flock)
-    own_process = _own_process_asset(inputs, tmp_path / "own")
+    own_process = _own_process_asset(arith_job_inputs, tmp_path / "own")
     results = []
     with open(busy_path, "w") as busy:
         real_flock(busy, fcntl.LOCK_EX)  # the one slot runs another step's job
