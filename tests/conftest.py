@@ -30,6 +30,24 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
+# Seconds per module in a full run with -n 2 on the 2-core dev box (2026-12-04; the data-parallel trainer jobs
+# split out of test_trainer_jobs): the heaviest go first. Under loadscope a module runs whole on one worker, and
+# xdist's own order (most tests first) started test_real_profile (3 tests, ~600 s) last: ~10 min alone at the end.
+MODULE_SECONDS = {
+    "test_real_profile.py": 620, "test_pipeline_e2e.py": 420, "test_trainer_jobs_global_batch.py": 215,
+    "test_rl_choices.py": 160, "test_job_worker.py": 155, "test_ui.py": 150, "test_trainer_jobs_data_parallel.py": 105,
+    "test_copied_root.py": 85, "test_faults_pipeline.py": 75, "test_faults_rl.py": 65, "test_lora_graph.py": 60,
+    "test_warm_server.py": 60, "test_trainer_jobs.py": 50, "test_mixed_sources.py": 40, "test_pipeline_data.py": 40,
+    "test_gguf_source.py": 40,
+}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Heaviest modules first (a stable sort: the rest keep their order); `--no-loadscope-reorder` in pyproject
+    makes xdist hand modules out in this order."""
+    items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.name, 0))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
