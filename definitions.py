@@ -14,12 +14,14 @@ from batchrl.assets import automation, data, dpo, evaluation, models, offline, p
 from batchrl.resources import ArtifactIOManager
 from batchrl.resources.environments import environment_resources
 from batchrl.runs import step_server
+from batchrl.runs.run_log import with_run_log
 
 
-@dg.configured(dg.multiprocess_executor, config_schema={"max_concurrent": dg.Field(
+@dg.configured(with_run_log(dg.multiprocess_executor), config_schema={"max_concurrent": dg.Field(
     int, default_value=0, description="steps that may run at once (0: one per CPU core)")})
 def step_executor(config: dict) -> dict:
-    """Dagster's multiprocess executor with its step processes forked from ``batchrl.runs.step_server``."""
+    """Dagster's multiprocess executor with its step processes forked from ``batchrl.runs.step_server``; their
+    output goes to the run's log file, not the console of `dagster dev` (``runs.run_log``)."""
     return {"max_concurrent": config["max_concurrent"],
             "start_method": {"forkserver": {"preload_modules": step_server.PRELOAD}}}
 

@@ -80,7 +80,9 @@ def _training_keys() -> list[dg.AssetKey]:
     return sorted((key for a in assets if a.partitions_def is None for key in a.keys), key=str)
 
 
-@dg.sensor(job=retrain_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.STOPPED)
+@dg.sensor(job=retrain_job, minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Retrains when the landing's content changes: each new or changed log file becomes a log "
+                       "drop (a partition) ingested once; the same content never retrains twice (run key = its hash)")
 def new_logs_sensor(context: dg.SensorEvaluationContext, landing: LandingResource):
     """Retrain when the landing's *content* changes (run key = content hash: the same content never
     retrains twice, a touched but unchanged file not at all); the cursor keeps each file's size, stamp and
@@ -117,7 +119,9 @@ def ingested_drops(instance: dg.DagsterInstance) -> list[str]:
     return [drop for drop in instance.get_dynamic_partitions(LOG_DROPS.name) if drop in done]
 
 
-@dg.schedule(job=retrain_job, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED)
+@dg.schedule(job=retrain_job, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED,
+             description="At 03:00, retrains the training stages on what is new: runs only when a log drop was "
+                         "ingested that the latest preference_window did not consider")
 def nightly_retrain(context: dg.ScheduleEvaluationContext):
     """Retrain at 03:00 on what is new: runs the training stages when a log drop was ingested that the
     latest ``preference_window`` did not consider (run key = the ingested drops, so once per new set)."""

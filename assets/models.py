@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import warnings
 
 import dagster as dg
 import pandas as pd
@@ -62,9 +63,17 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
             texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"], *prompts.read_table()["prompt"]]
             dims = config.model_dump(exclude={"model_path", "gguf_file"})
             info = build_tiny_model(texts, staging, **dims)
-        return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
-                       inputs={"preference_window": preference_window, "prompts": prompts},
-                       input_files=input_files, metadata={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+        shown = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
+        in_staging = {k for k, v in shown.items() if isinstance(v, str) and v.startswith(staging)}
+        output = publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
+                         inputs={"preference_window": preference_window, "prompts": prompts}, input_files=input_files,
+                         metadata={k: v for k, v in shown.items() if k not in in_staging})
+        # the builder's paths (path, model_file, tokenizer_file) named the staging folder, gone once published
+        published = {k: dg.MetadataValue.path(output.value["uri"] + shown[k][len(staging):]) for k in in_staging}
+        with warnings.catch_warnings():  # Output(data_version=...) is flagged beta, as in publish
+            warnings.simplefilter("ignore", dg.BetaWarning)
+            return dg.Output(output.value, output_name=output.output_name, data_version=output.data_version,
+                             metadata={**output.metadata, **published})
 
 
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.jobs.train_reward_model", "batchrl.training.reward_model",

@@ -110,10 +110,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
     from batchrl.cli.console import RunProgress, print_run_summary, quiet_libraries, run_log_path
-    from batchrl.common.log_file import output_to_log
+    from batchrl.common.log_file import OUTPUT_ROUTED_ENV, output_to_log
 
     quiet_libraries()
     log_path = run_log_path(home)
+    os.environ[OUTPUT_ROUTED_ENV] = "1"  # this command's runs write where it says (its log file, or here with -v)
     if args.concurrent_steps > 1:  # first thing: the step server's imports overlap this process's
         from batchrl.runs import step_server
 

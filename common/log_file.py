@@ -7,6 +7,10 @@ import os
 import sys
 from typing import IO, Iterator
 
+# set by a command that already sends its runs' output where it wants (`batchrl run`: its log file, or the console
+# with -v): the executor's run log (runs/run_log.py) leaves it alone
+OUTPUT_ROUTED_ENV = "BATCHRL_OUTPUT_ROUTED"
+
 
 @contextlib.contextmanager
 def output_to_log(log_path: str) -> Iterator[IO[str]]:

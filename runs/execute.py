@@ -10,11 +10,9 @@ import dagster as dg
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP
 from batchrl.runs import step_server
+from batchrl.runs.launched import create_launched_run, execute_launched_in_process, reconstructable_job
 from batchrl.runs.log_drops import drops_to_ingest
 from batchrl.runs.run_config import check_whole_run
-
-# the code location's module: the step processes of a concurrent run rebuild their job from its ``defs``
-CODE_LOCATION = "batchrl.definitions"
 
 
 def selected_job(defs: dg.Definitions, selection: list[str] | None = None) -> dg.JobDefinition:
@@ -31,32 +29,33 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
                    **execute_kwargs) -> dg.ExecuteInProcessResult:
     """Materialise ``selection`` (default: every asset, with its checks), after the whole-run config checks
     (``run_config.check_whole_run``: an impossible combination fails before anything runs; ``execute_kwargs``:
-    ``run_id``, ``tags`` of ``execute_in_process``). ``concurrent_steps`` 1: one step at a time in this
+    ``run_id``, ``tags`` of the run). ``concurrent_steps`` 1: one step at a time in this
     process; N > 1: up to N independent steps at once, each in a process of its own (``execute_concurrently``).
 
     The per-drop data assets run first, one run per log drop that is new or changed (``assets.drops``:
     the drops are registered as partitions; a drop already ingested with the same content is not run
     again), then the rest in the run named by ``run_id``. ``on_run(run_id)`` is called before each run
-    starts. Returns the first failed run's result, else the last run's (``NothingToRun`` if none ran)."""
+    starts. Every run is recorded as launched from the code location (``runs.launched``): the UI shows its target
+    and re-executes it. Returns the first failed run's result, else the last run's (``NothingToRun`` if none ran)."""
     graph = defs.resolve_asset_graph()
     check_whole_run(defs, run_config, selection)
     if concurrent_steps > 1:
         step_server.start()  # its imports overlap the per-drop runs (a no-op when `batchrl run` started it)
-    job = selected_job(defs, selection)
+    job, whole = selected_job(defs, selection), defs.resolve_implicit_global_asset_job_def()
     keys = set(job.asset_layer.executable_asset_keys)
     per_drop = {k for k in keys if graph.get(k).partitions_def is not None}
     rest = keys - per_drop
     run_config, result = run_config or {}, None
     if per_drop:
-        drop_job = selected_job(defs, [k.to_user_string() for k in graph.get(next(iter(per_drop))).execution_set_asset_keys])
+        drop_keys = set(graph.get(next(iter(per_drop))).execution_set_asset_keys)
         drop_config = {"ops": {op: c for op, c in run_config.get("ops", {}).items() if op == DROP_OP}}
         for drop, content in drops_to_ingest(defs, instance).items():
             run_id = str(uuid.uuid4())
             if on_run:
                 on_run(run_id)
             tags = {**execute_kwargs.get("tags", {}), DROP_CONTENT_TAG: content}
-            result = drop_job.execute_in_process(instance=instance, run_config=drop_config, partition_key=drop,
-                                                 raise_on_error=False, run_id=run_id, tags=tags)
+            result = execute_launched_in_process(whole, drop_keys, instance, drop_config, partition_key=drop,
+                                                 run_id=run_id, tags=tags)
             if not result.success:
                 return result
     if not rest and result is None:
@@ -66,11 +65,9 @@ def execute_assets(defs: dg.Definitions, instance: dg.DagsterInstance, selection
             on_run(execute_kwargs.setdefault("run_id", str(uuid.uuid4())))
         rest_config = dict(run_config, ops={op: c for op, c in run_config.get("ops", {}).items() if op != DROP_OP}) \
             if per_drop and "ops" in run_config else run_config
-        rest_job = job.get_subset(asset_selection=rest) if per_drop else job
-        if concurrent_steps > 1 and not is_chain(rest_job):
+        if concurrent_steps > 1 and not is_chain(job.get_subset(asset_selection=rest) if per_drop else job):
             return execute_concurrently(defs, rest, instance, rest_config, concurrent_steps, **execute_kwargs)
-        result = rest_job.execute_in_process(
-            instance=instance, run_config=rest_config, raise_on_error=False, **execute_kwargs)
+        result = execute_launched_in_process(whole, rest, instance, rest_config, **execute_kwargs)
     return result
 
 
@@ -89,19 +86,14 @@ def execute_concurrently(defs: dg.Definitions, keys: set[dg.AssetKey], instance:
     """Materialise ``keys`` with the definitions' multiprocess executor (``step_executor``, the one runs from
     the UI and the daemon use), up to ``steps`` steps at once: e.g. the DPO branch trains beside the RL
     branch, their GPU jobs sharing the GPU through ``TrainerLauncherResource.gpu_job_slots``."""
-    from dagster._core.definitions.reconstruct import ReconstructableRepository
     from dagster._core.execution.api import execute_run  # execute_job's own path, with the caller's run id
 
     # the step processes rebuild the implicit asset job (its name is the same in ``defs``) from the code
     # location's definitions (the environment's)
-    implicit = defs.resolve_implicit_global_asset_job_def().name
-    job = ReconstructableRepository.for_module(CODE_LOCATION, "defs").get_reconstructable_job(implicit) \
-        .get_subset(asset_selection=frozenset(keys))
-    run = instance.create_run_for_job(
-        job_def=job.get_definition(), run_id=run_id, tags=tags, asset_selection=frozenset(keys),
-        run_config={**run_config, "execution": {"config": {"max_concurrent": steps}}},
-        job_code_origin=job.get_python_origin())
-    return execute_run(job, run, instance, raise_on_error=False)
+    whole = reconstructable_job(defs.resolve_implicit_global_asset_job_def().name)
+    run = create_launched_run(instance, whole.get_definition(), keys, tags=tags or {}, run_id=run_id,
+                              run_config={**run_config, "execution": {"config": {"max_concurrent": steps}}})
+    return execute_run(whole.get_subset(asset_selection=frozenset(keys)), run, instance, raise_on_error=False)
 
 
 @dataclasses.dataclass

@@ -3,80 +3,16 @@ shows every asset, and the daemon runs a backfill over two log drops launched th
 GraphQL API (one run per drop, kept apart by the catalog's concurrency pool)."""
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
-import pytest
+from helpers_webserver import dagster_dev  # noqa: F401  (a fixture)
+from helpers_webserver import graphql as _graphql
 
-from batchrl.cli.instance import DAGSTER_YAML
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
             "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
             "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation", "promoted_policy",
             "offline_policy_checkpoint", "feedback_logs", "kto_checkpoint"}
-
-
-class Port(int):
-    """The webserver's port, with the DAGSTER_HOME it runs on."""
-
-    def __new__(cls, port: int, home: str):
-        value = super().__new__(cls, port)
-        value.home = home
-        return value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _graphql(port: int, query: str, variables: dict | None = None) -> dict:
-    body = json.dumps({"query": query, "variables": variables or {}}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        payload = json.load(resp)
-    assert "errors" not in payload, payload
-    return payload["data"]
-
-
-@pytest.fixture(scope="module")
-def dagster_dev(tmp_path_factory):
-    home = tmp_path_factory.mktemp("home")
-    (home / "dagster.yaml").write_text(DAGSTER_YAML)
-    port = _free_port()
-    env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": str(tmp_path_factory.mktemp("storage"))}
-    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
-    log = open(home / "dagster_dev.log", "w")
-    # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)
-    proc = subprocess.Popen([dagster, "dev", "-p", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5)
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"dagster dev did not start: {(home / 'dagster_dev.log').read_text()[-3000:]}")
-                time.sleep(1)
-        yield Port(port, str(home))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def _listening(port: int) -> list[str]:
@@ -103,9 +39,10 @@ def test_ui_shows_every_asset_sensor_and_schedule(dagster_dev):
     data = _graphql(dagster_dev, "{ assetNodes { assetKey { path } } }")
     assert {node["assetKey"]["path"][-1] for node in data["assetNodes"]} == EXPECTED
     repo = _graphql(dagster_dev, """{ repositoriesOrError { ... on RepositoryConnection { nodes {
-        sensors { name } schedules { name } jobs { name } } } } }""")["repositoriesOrError"]["nodes"][0]
+        sensors { name description } schedules { name description } jobs { name } } } } }""")["repositoriesOrError"]["nodes"][0]
     assert {"new_logs_sensor"} == {s["name"] for s in repo["sensors"]}
     assert {s["name"] for s in repo["schedules"]} == {"nightly_retrain"}
+    assert all(len(i["description"] or "") > 40 for i in repo["sensors"] + repo["schedules"]), repo  # said in the UI
     assert {"retrain", "ingest"} <= {j["name"] for j in repo["jobs"]}
 
 

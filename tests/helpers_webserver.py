@@ -1,0 +1,76 @@
+"""A real `dagster dev` (webserver + daemon) from the repo root on a fresh DAGSTER_HOME and storage root, and
+the webserver's GraphQL API: shared by the UI tests (test_ui, test_ui_browser)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from batchrl.cli.instance import DAGSTER_YAML
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Port(int):
+    """The webserver's port, with the DAGSTER_HOME and storage root it runs on."""
+
+    def __new__(cls, port: int, home: str, storage: str):
+        value = super().__new__(cls, port)
+        value.home = home
+        value.storage = storage
+        return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def graphql(port: int, query: str, variables: dict | None = None) -> dict:
+    body = json.dumps({"query": query, "variables": variables or {}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        payload = json.load(resp)
+    assert "errors" not in payload, payload
+    return payload["data"]
+
+
+@pytest.fixture(scope="module")
+def dagster_dev(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    port = free_port()
+    storage = str(tmp_path_factory.mktemp("storage"))
+    env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": storage}
+    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
+    log = open(home / "dagster_dev.log", "w")
+    # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)
+    proc = subprocess.Popen([dagster, "dev", "-p", str(port)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=5)
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"dagster dev did not start: {(home / 'dagster_dev.log').read_text()[-3000:]}")
+                time.sleep(1)
+        yield Port(port, str(home), storage)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
