@@ -20,6 +20,12 @@ if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/d
   { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq bubblewrap >/dev/null; } ||
     echo "bootstrap.sh: could not install bubblewrap; code rewards use the weaker sandbox" >&2
 fi
+# Debian's chromium: the browser the UI test drives (tests/test_ui_browser.py, through playwright with the system
+# browser: playwright's own browser download is not reachable everywhere).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq chromium >/dev/null; } ||
+    echo "bootstrap.sh: could not install chromium; the browser UI test fails without it" >&2
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
