@@ -13,6 +13,7 @@ from typing import Any
 import dagster as dg
 import pydantic
 
+from batchrl.assets.curves import curve_metadata, read_steps, step_series
 from batchrl.common import fsutil
 from batchrl.lineage.code_versions import code_version  # noqa: F401  (the assets import it from here)
 from batchrl.lineage.record import lineage_record
@@ -143,8 +144,9 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     result = launcher.run_job(context, job, job_config, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
     metrics["job_wall_s"] = time.perf_counter() - started  # subprocess start, model loads and training
-    curves = {k: v for k, v in metrics.items() if isinstance(v, list) and v}
-    ui = {"curves": dg.MetadataValue.md(curve_table(curves))} if curves else {}  # the per-step curve, as a table
+    lists = {k: v for k, v in metrics.items() if isinstance(v, list) and v and k != "loss_curve"}
+    series = step_series(read_steps(workdir), lists) or step_series([], {"loss": metrics.get("loss_curve") or []})
+    ui = curve_metadata(series)  # the per-step curves: a chart and a table
     published = {}
     for name, (subdir, companion_inputs) in (companions or {}).items():
         with storage.staging_dir(name) as staging:
@@ -166,16 +168,3 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
         return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
                        config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata={**metrics, **ui},
                        sidecars=sidecars, content_hash=metrics.get("content_hash") if linked else None)
-
-
-def curve_table(curves: dict[str, list], max_rows: int = 40) -> str:
-    """Per-step curves (equal-length lists, e.g. ``loss_curve``) as a Markdown table of at most ``max_rows``
-    evenly spaced steps, the last always included (matplotlib is not part of the stack: no image)."""
-    steps = max(len(v) for v in curves.values())
-    stride = max(1, -(-steps // max_rows))
-    rows = sorted({*range(0, steps, stride), steps - 1})
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| step | " + " | ".join(curves) + " |", "|---:|" + "---:|" * len(curves)]
-    lines += [f"| {i + 1} | " + " | ".join(fmt(v[i]) if i < len(v) else "" for v in curves.values()) + " |"
-              for i in rows]
-    return "\n".join(lines)

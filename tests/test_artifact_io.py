@@ -8,7 +8,7 @@ import os
 import dagster as dg
 import pandas as pd
 
-from batchrl.assets.common import curve_table, declared_files, output_file, publish
+from batchrl.assets.common import declared_files, output_file, publish
 from batchrl.resources import Artifact, ArtifactIOManager, CatalogResource, StorageResource
 
 DROPS = dg.StaticPartitionsDefinition(["drop-a", "drop-b"])
@@ -164,9 +164,3 @@ def test_every_launchpad_config_field_has_its_own_description():
     assert not copies, f"one description on differently-declared fields: {copies}"
     assert shown["advantages.kl_coef"] != shown["policy_checkpoint.kl_coef"]
     assert "reward" in shown["advantages.kl_coef"] and "loss" in shown["policy_checkpoint.kl_coef"]
-
-
-def test_curve_table_keeps_the_last_step_and_bounds_rows():
-    table = curve_table({"loss_curve": [float(i) for i in range(100)]}, max_rows=10).splitlines()
-    assert table[0] == "| step | loss_curve |" and len(table) <= 2 + 11
-    assert table[-1] == "| 100 | 99 |" and table[2] == "| 1 | 0 |"

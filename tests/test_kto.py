@@ -56,3 +56,9 @@ def test_kto_checkpoint_through_dagster_on_the_shipped_feedback_logs(tmp_path):
         assert result.success
         meta = latest_metadata(instance, "kto_checkpoint")
         assert meta["num_examples"] == latest_metadata(instance, "feedback_logs")["valid"] and meta["num_desirable"] > 0
+        # the per-step curves in the UI: a PNG chart (the KL and both reward terms among its series) above the table
+        chart, table = meta["curves"].split("\n\n", 1)
+        assert chart.startswith("![per-step curves](data:image/png;base64,")
+        header = table.splitlines()[0]
+        assert all(f" {name} |" in header for name in ("loss", "kl", "rewards/desirable", "rewards/undesirable"))
+        assert table.splitlines()[-1].startswith(f"| {meta['global_step']} |")  # the last step is a row

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 
 MAX_CURVE_POINTS = 500
+STEPS_FILE = "steps.jsonl"  # in a training job's out_dir: each step's metrics as reported, one JSON line per step
 
 
 def read_job_config(argv: list[str] | None = None) -> dict[str, Any]:
@@ -60,10 +61,13 @@ def tree_hash(root: str) -> str:
 
 
 class Reporter:
-    """Logs per-step metrics and the final materialisation to Pipes, or JSON lines on stdout."""
+    """Logs per-step metrics and the final materialisation to Pipes, or JSON lines on stdout. ``steps_file``: each
+    step's line is also appended there (a training job's ``out_dir``): the asset draws its curves from it, and a
+    resumed or already completed run in the same folder still has the steps of the runs before it."""
 
-    def __init__(self, pipes: Any | None):
+    def __init__(self, pipes: Any | None, steps_file: str | None = None):
         self.pipes = pipes
+        self.steps_file = steps_file
 
     def log(self, message: str) -> None:
         if not is_rank0():
@@ -77,6 +81,9 @@ class Reporter:
         if not is_rank0():
             return
         line = json.dumps({"step": step, **{k: _scalar(v) for k, v in metrics.items()}})
+        if self.steps_file:
+            with open(self.steps_file, "a") as f:
+                f.write(line + "\n")
         if self.pipes is not None:
             self.pipes.log.info(line)
         else:
@@ -126,6 +133,9 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     choose_attention_kernels()
     before = weight_cache.stats()
     with reporter() as rep:
+        if config.get("out_dir"):
+            os.makedirs(config["out_dir"], exist_ok=True)
+            rep.steps_file = os.path.join(config["out_dir"], STEPS_FILE)
         source = getattr(sys.modules.get(work.__module__), "__file__", None) or work.__module__
         job_name = "-".join(filter(None, (os.path.splitext(os.path.basename(source))[0], config.get("task"))))
         with profiling.profiled(job_name):  # BATCHRL_PROFILE_JOBS: where this job left the GPU idle

@@ -1,0 +1,107 @@
+"""Charts the Dagster UI shows in a materialisation: small PNG images drawn with matplotlib's Agg canvas (no
+display, no pyplot state shared between threads), embedded as a base64 data URI in Markdown metadata, which the
+UI renders as an image (``MetadataValue.md``)."""
+from __future__ import annotations
+
+import base64
+import io
+import math
+import struct
+from dataclasses import dataclass, field
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+COLUMNS = 3
+PANEL_INCHES = (3.0, 1.9)
+DPI = 72  # 3 panels of 3 inches: 648 pixels wide, small enough for the event log and the asset page
+
+
+@dataclass
+class Chart:
+    """A rendered chart: its PNG bytes and, per panel title, how many series (lines or bar groups) it draws."""
+
+    png: bytes
+    panels: dict[str, int] = field(default_factory=dict)
+
+    def markdown(self, title: str) -> str:
+        return f"![{title}](data:image/png;base64,{base64.b64encode(self.png).decode()})"
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return png_size(self.png)
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not a PNG image")
+    return struct.unpack(">II", png[16:24])
+
+
+def _grid(n_panels: int) -> tuple[Figure, list]:
+    columns = min(COLUMNS, n_panels)
+    rows = -(-n_panels // columns)
+    figure = Figure(figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows), dpi=DPI)
+    axes = figure.subplots(rows, columns, squeeze=False).ravel().tolist()
+    for unused in axes[n_panels:]:
+        unused.set_visible(False)
+    return figure, axes[:n_panels]
+
+
+def _render(figure: Figure) -> bytes:
+    figure.tight_layout(pad=0.6)
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return buffer.getvalue()
+
+
+def _finite(values: list) -> bool:
+    return any(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def line_panels(panels: dict[str, dict[str, tuple[list[int], list[float]]]], xlabel: str = "step") -> Chart:
+    """One small panel per entry of ``panels`` (``{title: {series name: (xs, ys)}}``), each series a line;
+    series with no finite value are left out, and so is a panel left empty. Raises ``ValueError`` on no panel."""
+    drawable = {title: {name: xy for name, xy in series.items() if _finite(xy[1])} for title, series in panels.items()}
+    drawable = {title: series for title, series in drawable.items() if series}
+    if not drawable:
+        raise ValueError("line_panels: no series with a finite value to draw")
+    figure, axes = _grid(len(drawable))
+    for ax, (title, series) in zip(axes, drawable.items()):
+        for name, (xs, ys) in series.items():
+            ax.plot(xs, [y if isinstance(y, (int, float)) else math.nan for y in ys], linewidth=1.2,
+                    marker="o" if len(xs) < 12 else None, markersize=3, label=name.removeprefix(f"{title}/"))
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=6, frameon=False)
+    return Chart(_render(figure), {title: len(series) for title, series in drawable.items()})
+
+
+def grouped_bars(panels: dict[str, dict[str, dict[str, float]]]) -> Chart:
+    """One panel per entry of ``panels`` (``{title: {group: {model: value}}}``): per group (e.g. a category) a bar
+    per model side by side, one colour per model across panels, so models compare at a glance."""
+    panels = {title: groups for title, groups in panels.items() if groups}
+    if not panels:
+        raise ValueError("grouped_bars: nothing to draw")
+    models = list(dict.fromkeys(m for groups in panels.values() for values in groups.values() for m in values))
+    colours = {m: f"C{i % 10}" for i, m in enumerate(models)}
+    figure, axes = _grid(len(panels))
+    drawn = {}
+    for ax, (title, groups) in zip(axes, panels.items()):
+        width = 0.8 / len(models)
+        for i, model in enumerate(models):
+            xs = [g + (i - (len(models) - 1) / 2) * width for g, values in enumerate(groups.values()) if model in values]
+            ys = [values[model] for values in groups.values() if model in values]
+            if xs:
+                ax.bar(xs, ys, width=width, color=colours[model], label=model)
+        ax.set_xticks(range(len(groups)), list(groups), fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        drawn[title] = len({m for values in groups.values() for m in values})
+    axes[0].legend(fontsize=6, frameon=False)
+    return Chart(_render(figure), drawn)
