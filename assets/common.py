@@ -15,6 +15,7 @@ import pydantic
 
 from batchrl.assets.curves import curve_metadata, read_steps, step_series
 from batchrl.common import fsutil
+from batchrl.common.plot_keys import numbers_as_text_when_not_plotted
 from batchrl.lineage.code_versions import code_version  # noqa: F401  (the assets import it from here)
 from batchrl.lineage.record import lineage_record
 from batchrl.lineage.redact import redact
@@ -72,6 +73,7 @@ def publish(
     metadata.update(uri=dg.MetadataValue.path(ref.uri), data_version=ref.data_version)
     if seed is not None:
         metadata["seed"] = seed
+    metadata = numbers_as_text_when_not_plotted(metadata)  # seed, world size...: text, not a plot each
     with warnings.catch_warnings():  # Output(data_version=...) is flagged beta; it is the documented way
         warnings.simplefilter("ignore", dg.BetaWarning)
         return dg.Output(ref.to_dict(), data_version=dg.DataVersion(ref.data_version), metadata=metadata,
@@ -131,12 +133,14 @@ TRAIN_RECORD = "batchrl_train.json"  # what training.trainer.checkpoint writes b
 
 def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
                       catalog: CatalogResource, launcher: TrainerLauncherResource,
-                      companions: dict[str, tuple[str, dict]] | None = None) -> dg.Output:
+                      companions: dict[str, tuple[str, dict]] | None = None,
+                      metadata: dict[str, Any] | None = None) -> dg.Output:
     """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model.
 
     ``companions``: ``{artifact: (work-dir subfolder, lineage inputs)}``, other models the job
     exported (e.g. the critic), each published as its own versioned artifact with its own lineage;
-    the main artifact names them in ``companions.json`` and in ``<artifact>_data_version`` metadata."""
+    the main artifact names them in ``companions.json`` and in ``<artifact>_data_version`` metadata;
+    ``metadata``: the asset's own numbers beside the job's."""
     workdir = work_dir(storage, context.asset_key.to_user_string(),
                        {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
     job_config = {**job_config, "out_dir": workdir}
@@ -166,5 +170,5 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
             with open(record) as f:
                 sidecars[TRAIN_RECORD] = json.load(f)
         return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
-                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata={**metrics, **ui},
+                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata={**metrics, **(metadata or {}), **ui},
                        sidecars=sidecars, content_hash=metrics.get("content_hash") if linked else None)

@@ -74,12 +74,48 @@ def parent_policy(rollouts: Artifact, promoted: Optional[Artifact], base_model: 
 
 
 def promote(context: dg.AssetExecutionContext, output: dg.Output, parent: Artifact, base_model: Artifact) -> None:
-    """Materialise ``promoted_policy`` as the checkpoint just published (its data version, its parent)."""
+    """Materialise ``promoted_policy`` as the checkpoint just published (its data version, its parent, its
+    iteration in the chain when known)."""
     ref = output.value
+    iteration = output.metadata.get(ITERATION)
     context.log_event(dg.AssetMaterialization(
         PROMOTED, description=f"policy_checkpoint {ref['data_version']} promoted (parent {parent.asset} "
                               f"{parent.data_version})",
         metadata={"uri": dg.MetadataValue.path(ref["uri"]), "data_version": ref["data_version"],
                   "artifact_asset": "policy_checkpoint", "parent": f"{parent.asset}@{parent.data_version}",
-                  "chain_base": f"base_model@{base_model.data_version}"},
+                  "chain_base": f"base_model@{base_model.data_version}",
+                  **({ITERATION: iteration} if iteration is not None else {})},
         tags={DATA_VERSION_TAG: ref["data_version"]}))
+
+
+ITERATION = "iteration"  # numeric metadata of each RL stage: the chain's iteration it belongs to (1 = first)
+
+
+def _iteration_in(instance: dg.DagsterInstance, asset: str, data_version: str, limit: int = 50) -> int | None:
+    """The ``iteration`` that ``asset``'s materialisation of ``data_version`` (among its latest ``limit``) carries."""
+    for record in instance.fetch_materializations(dg.AssetKey(asset), limit=limit).records:
+        metadata = record.asset_materialization.metadata
+        recorded = metadata.get("data_version")
+        if recorded is not None and recorded.value == data_version and ITERATION in metadata:
+            return int(metadata[ITERATION].value)
+    return None
+
+
+def policy_iteration(instance: dg.DagsterInstance, policy: Artifact) -> int | None:
+    """How many RL iterations produced ``policy``: 0 for the base model, else what its promotion recorded (None
+    for a checkpoint promoted before iterations were counted)."""
+    if policy.asset == "base_model":
+        return 0
+    return _iteration_in(instance, PROMOTED, policy.data_version)
+
+
+def input_iteration(instance: dg.DagsterInstance, upstream: Artifact) -> dict[str, int]:
+    """``{"iteration": n}`` of the RL stage whose output ``upstream`` is, {} when not known."""
+    found = _iteration_in(instance, upstream.asset, upstream.data_version)
+    return {} if found is None else {ITERATION: found}
+
+
+def next_iteration(instance: dg.DagsterInstance, policy: Artifact) -> dict[str, int]:
+    """``{"iteration": n}`` of the iteration that starts from ``policy`` ({} when its own is not known)."""
+    done = policy_iteration(instance, policy)
+    return {} if done is None else {ITERATION: done + 1}

@@ -11,7 +11,7 @@ from batchrl.assets.common import (
     code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
 )
 from batchrl.assets.policy_chain import (
-    PROMOTED_POLICY_IN, chain_base, current_policy, parent_policy, promote,
+    PROMOTED_POLICY_IN, chain_base, current_policy, input_iteration, next_iteration, parent_policy, promote,
 )
 from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
 from batchrl.assets.run_rules import check_run_config, kl_placement
@@ -23,7 +23,7 @@ from batchrl.resources import (
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.prompts import load_prompts
-from batchrl.training.rewards import RewardConfig
+from batchrl.training.rewards import REWARD_MODEL, RULE, RewardConfig
 from batchrl.training.text import prompt_messages
 from batchrl.training.trainer.config import PolicyConfig
 
@@ -130,7 +130,8 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                        config={**config.model_dump(), "engine": rollout_engine.model_dump(),
                                "chain_base": chain_base(policy)},
                        inputs={"prompts": prompts, "policy": policy},
-                       metadata={"policy": policy.uri, **{k: v for k, v in stats.items() if k != "content_hash"}})
+                       metadata={"policy": policy.uri, **next_iteration(context.instance, policy),
+                                 **{k: v for k, v in stats.items() if k != "content_hash"}})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"},
@@ -158,10 +159,21 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
             "device": compute.device, "dtype": compute.dtype, "out_parquet": out},
             workdir=workdir)
         scored = pd.read_parquet(out)
-        by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean().to_dict()
+        components = [c for c in (RULE, *reward_config.custom, REWARD_MODEL) if c in scored]
         return publish(context, storage, catalog, staging, config=config.model_dump(), inputs=inputs,
-                       metadata={"samples": len(scored), "mean_reward": float(scored["reward"].mean()),
-                                 "mean_reward_by_category": by_category})
+                       metadata={**input_iteration(context.instance, rollouts), **reward_headline(scored, components)})
+
+
+def reward_headline(scored: pd.DataFrame, components: list[str]) -> dict[str, float | int]:
+    """An iteration's reward numbers, each its own series in the UI's Plots: the mix's mean/std/min/max, each
+    component's mean (rule vs reward model vs custom), the mean per prompt category."""
+    reward = scored["reward"]
+    numbers = {"samples": len(scored), "mean_reward": float(reward.mean()), "reward_std": float(reward.std(ddof=0)),
+               "reward_min": float(reward.min()), "reward_max": float(reward.max())}
+    numbers.update({f"mean_reward/{name}": float(scored[name].mean()) for name in components})
+    by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean()
+    numbers.update({f"mean_reward_by_category/{category}": float(mean) for category, mean in by_category.items()})
+    return numbers
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
@@ -194,8 +206,10 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
             lineage_config["kl_ctrl_state"] = {k: metrics[k] for k in ("kl_coef_applied", "kl_coef_next")}
         return publish(context, storage, catalog, staging, config=lineage_config,
                        inputs={"rewards": rewards, **extra_inputs},
-                       metadata={"samples": result["samples"], "estimator": settings.estimator, **metrics,
-                                 "adv_abs_mean": result["adv_abs_mean"]})
+                       metadata={**input_iteration(context.instance, rewards), "samples": result["samples"],
+                                 "estimator": settings.estimator, **metrics, "adv_abs_mean": result["adv_abs_mean"],
+                                 # the KL coefficient in the token rewards this iteration (0: KL is a loss term)
+                                 "kl_in_reward_coef": float(metrics.get("kl_coef_applied", 0.0))})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos"),
@@ -222,6 +236,8 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
     }
     output = train_and_publish(context, "train_policy", job_config,
                                {"advantages": advantages, "policy": parent, "reference": base_model},
-                               config.seed, storage, catalog, trainer, companions=companions)
+                               config.seed, storage, catalog, trainer, companions=companions,
+                               metadata={**next_iteration(context.instance, parent),
+                                         "kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef})
     promote(context, output, parent, base_model)
     return output

@@ -10,10 +10,11 @@ import sys
 
 import dagster as dg
 
-KEEP = ("samples", "generate_s", "generated_tokens_per_s", "mean_response_tokens", "stop_rate", "mean_reward",
-        "mean_reward_by_category", "job_wall_s", "wall_s", "batch_mean_reward", "num_samples", "optimizer_steps",
-        "steps", "pairs", "self_pairs", "logged_pairs", "train_accuracy_after", "final/kl_loss", "final/ppo_kl",
-        "final/pg_loss", "final/entropy", "final/loss", "final/grad_norm", "final/pg_clipfrac")
+KEEP = ("iteration", "samples", "generate_s", "generated_tokens_per_s", "mean_response_tokens", "stop_rate",
+        "mean_reward", "reward_std", "mean_reward_by_category", "job_wall_s", "wall_s", "batch_mean_reward",
+        "num_samples", "optimizer_steps", "steps", "pairs", "self_pairs", "logged_pairs", "train_accuracy_after",
+        "final/kl_loss", "final/ppo_kl", "final/pg_loss", "final/entropy", "final/loss", "final/grad_norm",
+        "final/pg_clipfrac")  # a key "family/part" is kept when its family is (mean_reward_by_category/arith)
 
 
 def step_times(instance: dg.DagsterInstance, run_id: str) -> dict[str, float]:
@@ -42,7 +43,7 @@ def main(out_dir: str) -> None:
         for asset in ("rollouts", "rewards", "policy_checkpoint", "dpo_pairs", "dpo_checkpoint", "reward_model"):
             records = instance.fetch_materializations(dg.AssetKey(asset), limit=100).records
             history[asset] = [{k: v.value for k, v in r.asset_materialization.metadata.items()
-                               if k in KEEP} for r in reversed(records)]
+                               if k in KEEP or k.split("/")[0] in KEEP} for r in reversed(records)]
         report["history"] = history
         event = instance.get_latest_materialization_event(dg.AssetKey("evaluation"))
         if event is not None:

@@ -11,6 +11,8 @@ import os
 import dagster as dg
 from pydantic import Field
 
+from batchrl.common.plot_keys import numbers_as_text_when_not_plotted
+
 
 class ComputeResource(dg.ConfigurableResource):
     device: str = Field("cpu", description='"cpu" | "cuda" | "cuda:N"')
@@ -29,8 +31,8 @@ class ComputeResource(dg.ConfigurableResource):
             reported = launcher.run_job(context, "inference", config, workdir).metadata or {}
             # where the job's time went (load, tokenise, score...) and whether its models came from the worker's
             # weight cache: on the asset's materialisation, beside its own
-            context.add_output_metadata({k: getattr(v, "value", v) for k, v in reported.items()
-                                         if k.startswith(("phase_s/", "weight_cache_"))})
+            context.add_output_metadata(numbers_as_text_when_not_plotted({
+                k: getattr(v, "value", v) for k, v in reported.items() if k.startswith(("phase_s/", "weight_cache_"))}))
             with open(config["result_json"]) as f:
                 return json.load(f)
         result = run_task(config)

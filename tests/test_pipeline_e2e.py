@@ -420,7 +420,8 @@ def test_training_assets_on_two_ranks_through_pipes(pipeline):
         selection = ["dpo_checkpoint"] + (["rollouts", "rewards", "advantages", "policy_checkpoint"] if ranks else [])
         assert run_assets(resources, instance, selection=selection, run_config={"ops": ops}).success
         meta = latest_metadata(instance, "dpo_checkpoint")
-        assert meta["world_size"] == max(ranks, 1) and meta["global_step"] == len(meta["loss_curve"])
+        # the world size is shown as text: a run detail, not a series for the Plots tab
+        assert meta["world_size"] == str(max(ranks, 1)) and meta["global_step"] == len(meta["loss_curve"])
         curves[ranks] = meta["loss_curve"]
     assert curves[2] == pytest.approx(curves[0], abs=1e-5)
-    assert latest_metadata(instance, "policy_checkpoint")["world_size"] == 2
+    assert latest_metadata(instance, "policy_checkpoint")["world_size"] == "2"

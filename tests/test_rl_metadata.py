@@ -1,0 +1,62 @@
+"""An RL iteration's headline numbers in the UI (issue 34): each RL stage carries the chain's iteration as a
+number, the rewards their spread, components and per-category means as numbers (each a series in the Plots tab),
+the advantages and the update their KL coefficients; run details that are numbers but measure nothing (seed,
+world size, hashing time, weight-cache counts) are text, not plots. Two iterations on the tiny model (~2 min)."""
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+from pipeline_helpers import latest_metadata, local_resources, run_assets
+
+UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
+RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
+TINY = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}
+NUMBER = (int, float)
+
+
+@pytest.fixture(scope="module")
+def two_iterations(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rl_metadata")
+    (root / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
+        resources = local_resources(str(root / "storage"))
+        assert run_assets(resources, instance, UPSTREAM + RL_LOOP, {"ops": TINY}).success
+        first = {asset: latest_metadata(instance, asset) for asset in [*RL_LOOP, "promoted_policy"]}
+        second_config = {"rollouts": {"config": {**TINY["rollouts"]["config"], "seed": 1}}}
+        assert run_assets(resources, instance, RL_LOOP, {"ops": second_config}).success
+        second = {asset: latest_metadata(instance, asset) for asset in [*RL_LOOP, "promoted_policy"]}
+        yield first, second
+
+
+def test_every_rl_stage_carries_its_iteration_as_a_number(two_iterations):
+    first, second = two_iterations
+    for asset in [*RL_LOOP, "promoted_policy"]:
+        assert first[asset]["iteration"] == 1 and second[asset]["iteration"] == 2, asset
+    assert second["policy_checkpoint"]["data_version"] != first["policy_checkpoint"]["data_version"]
+
+
+def test_rewards_show_spread_components_and_categories_as_numbers(two_iterations):
+    rewards = two_iterations[0]["rewards"]
+    for key in ("mean_reward", "reward_std", "reward_min", "reward_max", "mean_reward/rule",
+                "mean_reward_by_category/arith"):
+        assert isinstance(rewards[key], NUMBER) and not isinstance(rewards[key], bool), key
+    assert rewards["reward_min"] <= rewards["mean_reward"] <= rewards["reward_max"]
+    assert "mean_reward/reward_model" not in rewards  # weight 0: the reward model was not run
+    assert rewards["mean_reward"] == pytest.approx(rewards["mean_reward/rule"])  # the mix is the rule alone
+
+
+def test_kl_coefficients_and_rollout_numbers_are_plottable(two_iterations):
+    first = two_iterations[0]
+    assert first["advantages"]["kl_in_reward_coef"] == 0.0  # by default the KL is a loss term of the update
+    assert first["policy_checkpoint"]["kl_loss_coef"] == pytest.approx(0.01)
+    assert isinstance(first["rollouts"]["mean_response_tokens"], NUMBER)
+    assert 0.0 <= first["rollouts"]["stop_rate"] <= 1.0
+
+
+def test_run_details_are_text_not_plots(two_iterations):
+    checkpoint = two_iterations[0]["policy_checkpoint"]
+    for key in ("seed", "world_size", "hash_s", "weight_cache_hits", "weight_cache_misses"):
+        assert isinstance(checkpoint[key], str), key
+    assert checkpoint["world_size"] == "1" and checkpoint["seed"] == "0"
+    assert isinstance(checkpoint["global_step"], int) and isinstance(checkpoint["job_wall_s"], float)
