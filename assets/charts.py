@@ -98,7 +98,9 @@ def grouped_bars(panels: dict[str, dict[str, dict[str, float]]]) -> Chart:
             ys = [values[model] for values in groups.values() if model in values]
             if xs:
                 ax.bar(xs, ys, width=width, color=colours[model], label=model)
-        ax.set_xticks(range(len(groups)), list(groups), fontsize=7)
+        # a pair source is a path (logged/prefs_000.jsonl): its file name is what tells groups apart
+        ax.set_xticks(range(len(groups)), [g.rsplit("/", 1)[-1] for g in groups], fontsize=6,
+                      rotation=15 if len(groups) > 2 else 0)
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.grid(axis="y", alpha=0.3)

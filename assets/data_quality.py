@@ -42,16 +42,16 @@ def quarantine_sample(path: str, per_reason: int = 2, limit: int = 20) -> dg.Met
         if taken.get(row["reason"], 0) < per_reason and len(records) < limit:
             taken[row["reason"]] = taken.get(row["reason"], 0) + 1
             records.append(dg.TableRecord({
-                "reason": row["reason"], "detail": _printable(row["detail"] or ""),
+                "reason": row["reason"], "detail": printable(row["detail"] or ""),
                 "source_file": row["source_file"] or "", "source_line": int(row["source_line"] or 0),
-                "raw": _printable((row["raw"] or "")[:RAW_CHARS])}))
+                "raw": printable((row["raw"] or "")[:RAW_CHARS])}))
     schema = dg.TableSchema(columns=[dg.TableColumn("reason"), dg.TableColumn("detail"),
                                      dg.TableColumn("source_file"), dg.TableColumn("source_line", "int"),
                                      dg.TableColumn("raw")])
     return dg.MetadataValue.table(records, schema=schema)
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """Control characters (but tab) as ``\\xNN`` escapes."""
     return "".join(c if c.isprintable() or c == "\t" else c.encode("unicode_escape").decode() for c in text)
 

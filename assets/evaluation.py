@@ -7,7 +7,9 @@ from typing import Optional
 import dagster as dg
 from pydantic import Field
 
+from batchrl.assets.charts import grouped_bars
 from batchrl.assets.common import code_version, publish
+from batchrl.assets.data_quality import printable
 from batchrl.assets.dpo import ReferenceConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
@@ -64,16 +66,19 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
             "eval_prompts_parquet": os.path.join(workdir, "eval_prompts.parquet"), "pairs_parquet": pairs_parquet,
             "reference_parquet": os.path.join(workdir, "reference.parquet"), "options": options}, workdir=workdir)
     results = rounded(results)
+    shown = {model: without_single_group_copies(metrics) for model, metrics in results.items()}
     with storage.staging_dir("evaluation") as staging:
         with open(os.path.join(staging, "evaluation.json"), "w") as f:
             json.dump(results, f, indent=2, sort_keys=True)
-        flat = {f"{model}/{metric}": value for model, metrics in results.items()
+        flat = {f"{model}/{metric}": value for model, metrics in shown.items()
                 for metric, value in metrics.items() if isinstance(value, (int, float))}
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
                        inputs={**models, "reward_model": reward_model, "dpo_pairs": dpo_pairs,
                                "reference_logprobs": reference_logprobs},
                        input_files=[{"uri": landing.eval_prompts, "sha256": fsutil.sha256_file(fs, path)}],
-                       metadata={**flat, "comparison": _comparison_table(results),
+                       metadata={**flat, "comparison": _comparison_table(shown),
+                                 "comparison_chart": dg.MetadataValue.md(
+                                     grouped_bars(overlay_panels(shown)).markdown("models side by side")),
                                  "examples": dg.MetadataValue.md(_examples_markdown(results))})
 
 
@@ -118,6 +123,46 @@ def _examples_markdown(results: dict) -> str:
     lines = []
     for model, r in results.items():
         for ex in r.get("examples", []):
-            answer = ex["response"].replace("\n", " ").replace("|", "/")[:160]
-            lines.append(f"| {model} | {ex.get('category', '')} | {ex['prompt'][:80]} | {answer} | {ex['answer']} |")
+            answer = _cell(ex["response"].replace("\n", " ")[:160])
+            prompt, gold = _cell(ex["prompt"][:80]), _cell(str(ex["answer"]))
+            lines.append(f"| {model} | {ex.get('category', '')} | {prompt} | {answer} | {gold} |")
     return "| model | category | prompt | response | gold |\n|---|---|---|---|---|\n" + "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """Model output as a Markdown table cell: control characters escaped (shown as ``\\x07``, not boxes), no
+    cell breaks."""
+    return printable(text).replace("|", "/")
+
+
+# a family of per-group metrics (``accuracy/<category>``) and the key of its value over all groups
+OVERALL = {"accuracy": "arith_accuracy", "n": "arith_n", "preference_accuracy": "preference_accuracy",
+           "preference_n": "preference_n", "logratio_accuracy": "logratio_accuracy"}
+
+
+def without_single_group_copies(metrics: dict) -> dict:
+    """``metrics`` less a per-group family of one group equal to its overall value (one category ``arith``:
+    ``accuracy/arith`` repeats ``arith_accuracy``, ``n/arith`` repeats ``arith_n``); evaluation.json keeps all."""
+    dropped = set()
+    for family, overall in OVERALL.items():
+        groups = [key for key in metrics if key.startswith(f"{family}/")]
+        if len(groups) == 1 and metrics[groups[0]] == metrics.get(overall):
+            dropped.add(groups[0])
+    return {key: value for key, value in metrics.items() if key not in dropped}
+
+
+def overlay_panels(results: dict) -> dict[str, dict[str, dict[str, float]]]:
+    """``{metric: {group: {model: value}}}`` for the side-by-side chart: a panel per metric (its per-category or
+    per-source values as groups beside ``all``), counts left out."""
+    panels: dict[str, dict[str, dict[str, float]]] = {}
+    overall_of = {overall: family for family, overall in OVERALL.items()}
+    for model, metrics in results.items():
+        for key, value in metrics.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            family, _, group = key.partition("/")
+            family = overall_of.get(key, family) if not group else family
+            if family == "n" or family.endswith("_n"):
+                continue
+            panels.setdefault(family, {}).setdefault(group or "all", {})[model] = value
+    return panels

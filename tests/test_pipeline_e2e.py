@@ -156,6 +156,11 @@ def test_evaluation_compares_all_models(pipeline):
         assert sum(metrics[f"preference_n/{s}"] for s in sources) == metrics["preference_n"]
         assert all(0 <= metrics[f"preference_accuracy/{s}"] <= 1 for s in sources)
     assert all(report["dpo_checkpoint"][f"logratio_accuracy/{s}"] > 0.6 for s in sources)
+    # in the UI: the five models side by side in one chart; the one-category breakdown not listed twice
+    shown = latest_metadata(instance, "evaluation")
+    assert shown["comparison_chart"].startswith("![models side by side](data:image/png;base64,")
+    assert "dpo_checkpoint/arith_accuracy" in shown and "dpo_checkpoint/accuracy/arith" not in shown
+    assert "dpo_checkpoint/n/arith" not in shown and "| accuracy/arith |" not in shown["comparison"]
 
 
 def test_next_rollouts_sample_from_the_latest_policy_checkpoint(pipeline):
