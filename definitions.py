@@ -11,7 +11,7 @@ import os
 import dagster as dg
 
 from batchrl.assets import automation, data, dpo, evaluation, models, offline, policy_chain, rl
-from batchrl.resources import ArtifactIOManager
+from batchrl.resources import ArtifactIOManager, TrackingResource
 from batchrl.resources.environments import environment_resources
 from batchrl.runs import step_server
 from batchrl.runs.run_log import with_run_log
@@ -28,10 +28,12 @@ def step_executor(config: dict) -> dict:
 
 def build_definitions(resources: dict | None = None, dpo_self_play: bool | None = None) -> dg.Definitions:
     """The code location; ``resources`` overrides the environment's (tests pass their own). Assets hand each
-    other artifacts through ``ArtifactIOManager`` on the same storage, unless ``resources`` has an io_manager.
+    other artifacts through ``ArtifactIOManager`` on the same storage, unless ``resources`` has an io_manager;
+    without a ``tracking`` resource, MLflow tracking is off.
     ``dpo_self_play``: the DPO path may take self-play pairs (default ``dpo_takes_self_play_pairs()``)."""
     resources = resources or environment_resources()
-    resources = {"io_manager": ArtifactIOManager(storage=resources["storage"]), **resources}
+    resources = {"io_manager": ArtifactIOManager(storage=resources["storage"]), "tracking": TrackingResource(),
+                 **resources}
     self_play = dpo_takes_self_play_pairs() if dpo_self_play is None else dpo_self_play
     return dg.Definitions(
         assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation, offline]), dpo.dpo_pairs_asset(self_play),

@@ -15,11 +15,11 @@ import pydantic
 
 from batchrl.assets.curves import curve_metadata, read_steps, step_series
 from batchrl.common import fsutil
-from batchrl.common.plot_keys import numbers_as_text_when_not_plotted
+from batchrl.common.plot_keys import numbers_as_text_when_not_plotted, plotted
 from batchrl.lineage.code_versions import code_version  # noqa: F401  (the assets import it from here)
 from batchrl.lineage.record import lineage_record
 from batchrl.lineage.redact import redact
-from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
 from batchrl.resources.artifacts import FILES_KEY, Artifact
 
 
@@ -134,13 +134,13 @@ TRAIN_RECORD = "batchrl_train.json"  # what training.trainer.checkpoint writes b
 def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
                       catalog: CatalogResource, launcher: TrainerLauncherResource,
                       companions: dict[str, tuple[str, dict]] | None = None,
-                      metadata: dict[str, Any] | None = None) -> dg.Output:
+                      metadata: dict[str, Any] | None = None, tracking: TrackingResource | None = None) -> dg.Output:
     """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model.
 
     ``companions``: ``{artifact: (work-dir subfolder, lineage inputs)}``, other models the job
     exported (e.g. the critic), each published as its own versioned artifact with its own lineage;
     the main artifact names them in ``companions.json`` and in ``<artifact>_data_version`` metadata;
-    ``metadata``: the asset's own numbers beside the job's."""
+    ``metadata``: the asset's own numbers beside the job's; ``tracking``: where the run is also logged (MLflow)."""
     workdir = work_dir(storage, context.asset_key.to_user_string(),
                        {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
     job_config = {**job_config, "out_dir": workdir}
@@ -151,12 +151,13 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     lists = {k: v for k, v in metrics.items() if isinstance(v, list) and v and k != "loss_curve"}
     series = step_series(read_steps(workdir), lists) or step_series([], {"loss": metrics.get("loss_curve") or []})
     ui = curve_metadata(series)  # the per-step curves: a chart and a table
+    config = {k: v for k, v in job_config.items() if k != "out_dir"}  # the job's config, as the lineage records it
     published = {}
     for name, (subdir, companion_inputs) in (companions or {}).items():
         with storage.staging_dir(name) as staging:
             fsutil.link_tree(os.path.join(workdir, subdir), staging)
             ref = publish(context, storage, catalog, staging, asset=name, seed=seed, inputs=companion_inputs,
-                          config={k: v for k, v in job_config.items() if k != "out_dir"}).value
+                          config=config).value
         published[name] = ref
         metrics.update({f"{name}_uri": ref["uri"], f"{name}_data_version": ref["data_version"]})
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
@@ -169,6 +170,15 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
         if os.path.exists(record):  # holds wall-clock times: kept beside the weights, out of their version
             with open(record) as f:
                 sidecars[TRAIN_RECORD] = json.load(f)
-        return publish(context, storage, catalog, staging, seed=seed, inputs=inputs,
-                       config={k: v for k, v in job_config.items() if k != "out_dir"}, metadata={**metrics, **(metadata or {}), **ui},
-                       sidecars=sidecars, content_hash=metrics.get("content_hash") if linked else None)
+        output = publish(context, storage, catalog, staging, seed=seed, inputs=inputs, config=config,
+                         metadata={**metrics, **(metadata or {}), **ui}, sidecars=sidecars,
+                         content_hash=metrics.get("content_hash") if linked else None)
+    if tracking is not None and tracking.enabled:
+        numbers = {**metrics, **(metadata or {})}
+        tracking.log_training(
+            context, asset=context.asset_key.to_user_string(), series=series, uri=output.value["uri"],
+            data_version=output.value["data_version"],
+            params={**config, "seed": seed, "inputs": {k: as_ref(v).data_version for k, v in inputs.items()}},
+            # final/*: the series' last points, logged already
+            summary={k: v for k, v in numbers.items() if plotted(k) and not k.startswith("final/")})
+    return output

@@ -12,7 +12,9 @@ from batchrl.assets.common import code_version, declared_files, output_file, pub
 from batchrl.assets.run_rules import self_play_missing
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
-from batchrl.resources import Artifact, CatalogResource, ComputeResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import (
+    Artifact, CatalogResource, ComputeResource, StorageResource, TrackingResource, TrainerLauncherResource,
+)
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.resources.profiles import pair_sources
 from batchrl.training.trainer.config import DPOConfig
@@ -157,7 +159,8 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
           kinds={"deepspeed"})
 def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_pairs: Artifact,
                    reference_logprobs: Artifact, base_model: Artifact, storage: StorageResource,
-                   catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
+                   catalog: CatalogResource, trainer: TrainerLauncherResource,
+                   tracking: TrackingResource) -> dg.Output:
     """DPO-family preference optimisation of the base model, on DeepSpeed via Pipes."""
     job_config = {
         "trainer": config.model_dump(),
@@ -168,4 +171,4 @@ def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_
     return train_and_publish(context, "train_dpo", job_config,
                              {"dpo_pairs": dpo_pairs,
                               "reference_logprobs": reference_logprobs, "base_model": base_model},
-                             config.seed, storage, catalog, trainer)
+                             config.seed, storage, catalog, trainer, tracking=tracking)

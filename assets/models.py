@@ -10,7 +10,7 @@ from pydantic import Field
 
 from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish, work_dir
 from batchrl.ingest.window import first_drop
-from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import Artifact, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
 from batchrl.training.trainer.config import RewardModelConfig
 
 
@@ -81,7 +81,8 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
           kinds={"deepspeed"})
 def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, preference_window: Artifact,
                  scored_pairs: Artifact, base_model: Artifact, storage: StorageResource,
-                 catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
+                 catalog: CatalogResource, trainer: TrainerLauncherResource,
+                 tracking: TrackingResource) -> dg.Output:
     """Bradley-Terry reward model on the validated pairs plus pairs mined from scored logs, trained on
     DeepSpeed through Pipes like DPO and the policy update."""
     pairs = pd.concat([preference_window.read_table(), scored_pairs.read_table()], ignore_index=True)
@@ -93,4 +94,4 @@ def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig
                   "model_path": base_model.path}
     return train_and_publish(context, "train_reward_model", job_config,
                              {"preference_window": preference_window, "scored_pairs": scored_pairs,
-                              "base_model": base_model}, config.seed, storage, catalog, trainer)
+                              "base_model": base_model}, config.seed, storage, catalog, trainer, tracking=tracking)

@@ -6,7 +6,7 @@ import os
 import dagster as dg
 
 from batchrl.assets.common import code_version, run_config_for, train_and_publish
-from batchrl.resources import Artifact, CatalogResource, StorageResource, TrainerLauncherResource
+from batchrl.resources import Artifact, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
 from batchrl.training.offline_policy import OfflinePolicyConfig, has_logged_logprobs
 from batchrl.training.trainer.config import KTOConfig
 
@@ -19,7 +19,8 @@ KTORunConfig = run_config_for(KTOConfig, "KTORunConfig")
                                     "batchrl.training.algos"))
 def offline_policy_checkpoint(context: dg.AssetExecutionContext, config: OfflinePolicyRunConfig,
                               scored_logs: Artifact, base_model: Artifact, storage: StorageResource,
-                              catalog: CatalogResource, trainer: TrainerLauncherResource) -> dg.Output:
+                              catalog: CatalogResource, trainer: TrainerLauncherResource,
+                              tracking: TrackingResource) -> dg.Output:
     """The base model updated on the scored logs' completions (AWR, RWR, or GRPO over logged groups with
     optional truncated importance weights), on DeepSpeed via Pipes; KL to the base model as configured."""
     import pyarrow.parquet as pq
@@ -39,14 +40,14 @@ def offline_policy_checkpoint(context: dg.AssetExecutionContext, config: Offline
     }
     return train_and_publish(context, "train_policy", job_config,
                              {"scored_logs": scored_logs, "policy": base_model, "reference": base_model},
-                             offline.seed, storage, catalog, trainer)
+                             offline.seed, storage, catalog, trainer, tracking=tracking)
 
 
 @dg.asset(group_name="offline", kinds={"deepspeed"},
           code_version=code_version("batchrl.training.jobs.train_kto", "batchrl.training.algos"))
 def kto_checkpoint(context: dg.AssetExecutionContext, config: KTORunConfig, feedback_logs: Artifact,
                    base_model: Artifact, storage: StorageResource, catalog: CatalogResource,
-                   trainer: TrainerLauncherResource) -> dg.Output:
+                   trainer: TrainerLauncherResource, tracking: TrackingResource) -> dg.Output:
     """KTO of the base model on unpaired thumbs up/down (the feedback logs), its reference log-probs (the base
     model's, matched and mismatched pairs) computed and cached inside the job; on DeepSpeed via Pipes."""
     job_config = {"trainer": config.model_dump(),
@@ -54,4 +55,4 @@ def kto_checkpoint(context: dg.AssetExecutionContext, config: KTORunConfig, feed
                   "model_path": base_model.path}
     return train_and_publish(context, "train_kto", job_config,
                              {"feedback_logs": feedback_logs, "base_model": base_model},
-                             config.seed, storage, catalog, trainer)
+                             config.seed, storage, catalog, trainer, tracking=tracking)

@@ -18,7 +18,7 @@ from batchrl.assets.run_rules import check_run_config, kl_placement
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
-    TrainerLauncherResource,
+    TrackingResource, TrainerLauncherResource,
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
@@ -216,8 +216,8 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
           kinds={"deepspeed"}, ins={"promoted_policy": PROMOTED_POLICY_IN})
 def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: Artifact,
                       rollouts: Artifact, base_model: Artifact, promoted_policy: Optional[Artifact],
-                      storage: StorageResource, catalog: CatalogResource,
-                      trainer: TrainerLauncherResource) -> dg.Output:
+                      storage: StorageResource, catalog: CatalogResource, trainer: TrainerLauncherResource,
+                      tracking: TrackingResource) -> dg.Output:
     """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes, of the
     policy the rollouts were sampled from (its parent: the promoted checkpoint, or the base model on a new
     chain); the new checkpoint is promoted, so the next iteration samples from it."""
@@ -236,7 +236,7 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
     }
     output = train_and_publish(context, "train_policy", job_config,
                                {"advantages": advantages, "policy": parent, "reference": base_model},
-                               config.seed, storage, catalog, trainer, companions=companions,
+                               config.seed, storage, catalog, trainer, companions=companions, tracking=tracking,
                                metadata={**next_iteration(context.instance, parent),
                                          "kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef})
     promote(context, output, parent, base_model)

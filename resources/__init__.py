@@ -6,5 +6,7 @@ from batchrl.resources.landing import LandingResource
 from batchrl.resources.launcher import TrainerLauncherResource
 from batchrl.resources.rollout import RolloutEngineResource
 from batchrl.resources.storage import ArtifactRef, StorageResource
+from batchrl.resources.tracking import TrackingResource
 
-__all__ = ["Artifact", "ArtifactIOManager", "ArtifactRef", "CatalogResource", "ComputeResource", "LandingResource", "RolloutEngineResource", "StorageResource", "TrainerLauncherResource"]
+__all__ = ["Artifact", "ArtifactIOManager", "ArtifactRef", "CatalogResource", "ComputeResource", "LandingResource", "RolloutEngineResource", "StorageResource", "TrackingResource",
+           "TrainerLauncherResource"]

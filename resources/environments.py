@@ -7,7 +7,8 @@ import os
 
 from batchrl.common.storage_layout import cache_dir_of, catalog_path_of, local_storage_root
 from batchrl.resources import (
-    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource, TrainerLauncherResource,
+    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource, TrackingResource,
+    TrainerLauncherResource,
 )
 from batchrl.resources.profiles import apply_resource_overrides, load_profile
 
@@ -32,7 +33,15 @@ def _local() -> dict:
         "rollout_engine": RolloutEngineResource(),
         "trainer": TrainerLauncherResource(),
         "compute": ComputeResource(),
+        "tracking": _tracking(),
     }
+
+
+def _tracking() -> TrackingResource:
+    """MLflow tracking of the training assets, off unless ``BATCHRL_MLFLOW_URI`` names a tracking server (or a
+    ``sqlite:///`` store); ``BATCHRL_MLFLOW_EXPERIMENT`` names the experiment (default batchrl)."""
+    return TrackingResource(mlflow_uri=os.environ.get("BATCHRL_MLFLOW_URI", ""),
+                            experiment=os.environ.get("BATCHRL_MLFLOW_EXPERIMENT", "batchrl"))
 
 
 def _s3() -> dict:

@@ -41,6 +41,8 @@ MODULE_SECONDS = {
     "test_gguf_source.py": 40,
     # not from a full run: alone with -n 0 on the loaded dev box (2026-12-04), 128 s and 73 s
     "test_ui_browser.py": 130, "test_launched_runs.py": 40,
+    # alone with -n 0 on the loaded dev box (2026-12-04): 233 s (load ~7 on 2 cores) and 82 s
+    "test_tracking.py": 150, "test_rl_metadata.py": 80,
 }
 
 
