@@ -65,6 +65,27 @@ def _job_environment(env: dict[str, str], cwd: str):
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def _profiled(job: str):
+    """``BATCHRL_CPROFILE_DIR`` (a diagnostic, bench/profile_rl_plumbing.py): the job's Python time under cProfile,
+    dumped to ``<dir>/<job>-<pid>-<n>.prof`` — where a step's seconds outside its GPU work go in the worker."""
+    folder = os.environ.get("BATCHRL_CPROFILE_DIR")
+    if not folder:
+        yield
+        return
+    import cProfile
+
+    os.makedirs(folder, exist_ok=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+        count = len([n for n in os.listdir(folder) if n.startswith(f"{job}-{os.getpid()}-")])
+        profile.dump_stats(os.path.join(folder, f"{job}-{os.getpid()}-{count}.prof"))
+
+
 def run_request(request: dict) -> dict:
     """Run one job request in this process; the answer says whether it succeeded."""
     from batchrl.training.jobs import JOBS, TRAINING_JOBS
@@ -79,7 +100,8 @@ def run_request(request: dict) -> dict:
             if job in TRAINING_JOBS and int(os.environ.get("BATCHRL_NUM_GPUS", "0") or 0) > 1:
                 raise ValueError("data-parallel jobs run under torchrun, not in the worker")
             module = importlib.import_module(f"batchrl.training.jobs.{job}")
-            run_job(module.work, [request["config"]])
+            with _profiled(job):
+                run_job(module.work, [request["config"]])
         return {"ok": True, "pid": os.getpid(), "job_s": time.perf_counter() - started}
     except BaseException as error:  # reported to the client; the worker then exits
         return {"ok": False, "pid": os.getpid(), "error": f"{type(error).__name__}: {error}",
