@@ -13,7 +13,8 @@ from typing import Any
 import dagster as dg
 import pydantic
 
-from batchrl.assets.curves import curve_metadata, read_steps, step_series
+from batchrl.assets.background_curves import BackgroundCurves
+from batchrl.assets.curves import read_steps, step_series
 from batchrl.common import fsutil
 from batchrl.common.plot_keys import numbers_as_text_when_not_plotted, plotted
 from batchrl.lineage.code_versions import code_version  # noqa: F401  (the assets import it from here)
@@ -145,12 +146,13 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
                        {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
     job_config = {**job_config, "out_dir": workdir}
     started = time.perf_counter()
-    result = launcher.run_job(context, job, job_config, workdir)
+    with BackgroundCurves(workdir) as curves:  # the chart drawn as the steps come, not after the job
+        result = launcher.run_job(context, job, job_config, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
     metrics["job_wall_s"] = time.perf_counter() - started  # subprocess start, model loads and training
     lists = {k: v for k, v in metrics.items() if isinstance(v, list) and v and k != "loss_curve"}
     series = step_series(read_steps(workdir), lists) or step_series([], {"loss": metrics.get("loss_curve") or []})
-    ui = curve_metadata(series)  # the per-step curves: a chart and a table
+    ui = curves.metadata(series)  # the per-step curves: a chart and a table
     config = {k: v for k, v in job_config.items() if k != "out_dir"}  # the job's config, as the lineage records it
     published = {}
     for name, (subdir, companion_inputs) in (companions or {}).items():
