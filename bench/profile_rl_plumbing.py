@@ -5,7 +5,8 @@ After the real profile's preparation (``bench_gpu_rl_vs_trl.PREP``, untimed) and
 worker started, the caches warm), ``--iterations`` RL iterations run in this process under cProfile
 (``batchrl.cli.main.main``, the warm server off). Writes to ``--out``: ``plumbing.json`` (each step's wall per
 iteration, the jobs' reported phases) and ``plumbing.txt`` (the top functions by cumulative and by own time, of the
-Dagster process and of each job kind, summed over the iterations).
+Dagster process and of each job kind, summed over the iterations) and the profiles themselves (``dagster.prof``,
+``<job>.prof``).
 
     python3 bench/profile_rl_plumbing.py --iterations 4 --state /tmp/plumb --out $OUT   # on the device (gpu env)
     BENCH_SMOKE=1 python3 bench/profile_rl_plumbing.py --iterations 1 --state /tmp/plumb --out /tmp/plumb-out  # CPU
@@ -47,7 +48,7 @@ def main() -> int:
         code, _ = _batchrl(env, ["--select", selection, "--rl-iterations", str(iterations)], log)
         if code:
             raise SystemExit(f"{selection} failed ({code}); see {log}")
-    warmed_runs = len(_arm_history(env)["runs"])
+    warmed_runs = {(r["start"], r["end"]) for r in _arm_history(env)["runs"]}
 
     os.environ.update(env, BATCHRL_SERVER="off", BATCHRL_CPROFILE_DIR=worker_profiles)
     os.chdir(REPO)
@@ -60,7 +61,7 @@ def main() -> int:
     os.environ.pop("BATCHRL_CPROFILE_DIR")
 
     history = _arm_history(env)
-    runs = history["runs"][warmed_runs:]
+    runs = sorted((r for r in history["runs"] if (r["start"], r["end"]) not in warmed_runs), key=lambda r: r["start"])
     report = {"exit_code": code, "iterations": args.iterations,
               "runs": [{"wall_s": round(r["end"] - r["start"], 3), "steps": {k: round(v, 3) for k, v in r["steps"].items()}}
                        for r in runs],
@@ -73,8 +74,11 @@ def main() -> int:
     by_job: dict[str, list[str]] = {}
     for path in sorted(glob.glob(os.path.join(worker_profiles, "*.prof"))):
         by_job.setdefault(os.path.basename(path).split("-")[0], []).append(path)
-    sections += [(f"job {job} ({len(paths)} runs, warm-up included)", pstats.Stats(*paths))
+    sections += [(f"job {job} ({len(paths)} runs)", pstats.Stats(*paths))
                  for job, paths in by_job.items()]
+    profile.dump_stats(os.path.join(args.out, "dagster.prof"))
+    for job, paths in by_job.items():  # pstats.Stats(file) reads them back, summed over the job's runs
+        pstats.Stats(*paths).dump_stats(os.path.join(args.out, f"{job}.prof"))
     with open(os.path.join(args.out, "plumbing.txt"), "w") as f:
         for title, stats in sections:
             f.write(f"===== {title}: cumulative\n{_top(stats, 'cumulative', args.top)}\n\n")
