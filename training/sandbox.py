@@ -19,6 +19,7 @@ files. Isolation, strongest available first (``isolation_level()``; ``BATCHRL_SA
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 LEVELS = ("bwrap", "unshare", "rlimits")
@@ -54,6 +56,9 @@ class SandboxResult:
     timed_out: bool
     isolation: str
     wall_s: float
+    # killed because stdout or stderr passed max_output_bytes (a flood is cut at once, not kept in memory
+    # until the timeout)
+    output_truncated: bool = False
 
 
 def _works(cmd: list[str]) -> bool:
@@ -189,22 +194,53 @@ def run_python(program: str, *, stdin: str = "", limits: SandboxLimits = Sandbox
 
 
 def _run(cmd, cwd, env, stdin, limits, level) -> SandboxResult:
+    """Run ``cmd`` until it exits, its wall clock runs out or one of its streams passes ``max_output_bytes``
+    (then the process tree is killed: a print loop would otherwise fill the caller's memory until the timeout)."""
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_set_limits(limits))
-    timed_out = False
-    try:
-        out, err = proc.communicate(stdin.encode(), timeout=limits.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        out, err = b"", b""
-    finally:
-        try:  # the session's group; PID-namespace levels also take every descendant down with PID 1
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if timed_out:
-            out, err = proc.communicate()
     cut = limits.max_output_bytes
-    return SandboxResult(None if timed_out else proc.returncode, out[:cut].decode(errors="replace"),
-                         err[:cut].decode(errors="replace"), timed_out, level, time.perf_counter() - started)
+    kept: dict[str, list[bytes]] = {"out": [], "err": []}
+    seen = {"out": 0, "err": 0}
+    over, stop = threading.Event(), threading.Event()
+
+    def drain(stream, key: str) -> None:
+        while data := stream.read1(65536):
+            if seen[key] < cut:
+                kept[key].append(data[:cut - seen[key]])
+            seen[key] += len(data)
+            if seen[key] > cut:
+                over.set()
+                stop.set()
+                return
+
+    def feed() -> None:
+        try:
+            proc.stdin.write(stdin.encode())
+            proc.stdin.close()
+        except OSError:  # the program exited (or was killed) without reading all of it
+            pass
+
+    def wait() -> None:
+        proc.wait()
+        stop.set()
+
+    threads = [threading.Thread(target=drain, args=(proc.stdout, "out"), daemon=True),
+               threading.Thread(target=drain, args=(proc.stderr, "err"), daemon=True),
+               threading.Thread(target=feed, daemon=True), threading.Thread(target=wait, daemon=True)]
+    for thread in threads:
+        thread.start()
+    timed_out = not stop.wait(limits.timeout_s)
+    try:  # the session's group; PID-namespace levels also take every descendant down with PID 1
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for thread in threads[:2]:
+        thread.join(timeout=1.0)
+    for stream in (proc.stdout, proc.stderr, proc.stdin):
+        with contextlib.suppress(OSError):
+            stream.close()
+    text = {key: b"".join(parts)[:cut].decode(errors="replace") for key, parts in kept.items()}
+    return SandboxResult(None if timed_out else proc.returncode, text["out"], text["err"], timed_out, level,
+                         time.perf_counter() - started, output_truncated=over.is_set())
