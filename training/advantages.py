@@ -67,17 +67,29 @@ def group_index(table: pd.DataFrame) -> np.ndarray:
 
 
 def token_level_rewards(table: pd.DataFrame, reward_column: str = "reward") -> tuple[torch.Tensor, torch.Tensor]:
-    """``[B, T]`` rewards (outcome on the last response token) and the response mask."""
+    """``[B, T]`` rewards (outcome on the last response token) and the response mask.
+
+    Multi-turn trajectories (``training/agent``) carry ``loss_mask``: 1 on the model's own tokens, 0 on the tool
+    observations between its turns. The mask is then ``loss_mask`` (an observation gets no advantage, so the policy
+    loss never trains it) and the outcome sits on the last token the model wrote: ``r_{i,t} = R_i`` at
+    ``t = max{t : m_{i,t} = 1}``, else 0 — verl's multi-turn ``response_mask`` convention."""
     import torch  # here, not at module level: the definitions load this module without torch
 
     lengths = [len(ids) for ids in table["response_ids"]]
     T = max([1, *lengths])
     rewards = torch.zeros(len(table), T, dtype=torch.float32)
     mask = torch.zeros(len(table), T, dtype=torch.float32)
-    for i, (n, r) in enumerate(zip(lengths, table[reward_column].astype(float))):
-        mask[i, :n] = 1.0
-        if n:
-            rewards[i, n - 1] = r
+    loss_masks = table["loss_mask"] if "loss_mask" in table.columns else [None] * len(table)
+    for i, (n, r, own) in enumerate(zip(lengths, table[reward_column].astype(float), loss_masks)):
+        if own is None:
+            mask[i, :n] = 1.0
+        else:
+            if len(own) != n:
+                raise ValueError(f"row {i}: loss_mask has {len(own)} entries for {n} response tokens")
+            mask[i, :n] = torch.as_tensor(np.asarray(own, dtype=np.float32))
+        last = int(mask[i, :n].nonzero().max()) if n and mask[i, :n].any() else None
+        if last is not None:
+            rewards[i, last] = r
     return rewards, mask
 
 
