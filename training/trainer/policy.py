@@ -35,6 +35,8 @@ def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, tor
     batch = pad_prompt_completion([rows["prompt_ids"][i] for i in idx],
                                   [rows["response_ids"][i] for i in idx], pad_id)
     R = batch["responses"].shape[1]
+    if "loss_mask" in rows:  # multi-turn trajectories (training/agent): tool observations are not the policy's tokens
+        batch["response_mask"] = batch["response_mask"] * pad_floats([rows["loss_mask"][i] for i in idx], R)
     if "advantages" in rows:  # absent when only log-probs are wanted
         batch["advantages"] = pad_floats([rows["advantages"][i] for i in idx], R)
     return to_device(batch, device)
@@ -117,7 +119,7 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
             table["rollout_logprobs"].map(len) == table["response_ids"].map(len)).all():
         table = table.drop(columns="rollout_logprobs")  # the engine was built not to report them
     cols = ["prompt_ids", "response_ids", "advantages"] + [
-        c for c in ("rollout_logprobs", "reward", "values", "returns") if c in table.columns]
+        c for c in ("rollout_logprobs", "reward", "values", "returns", "loss_mask") if c in table.columns]
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
 
 
