@@ -5,7 +5,7 @@ from typing import Optional
 
 import dagster as dg
 import pandas as pd
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from batchrl.assets.common import (
     code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
@@ -22,6 +22,7 @@ from batchrl.resources import (
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
+from batchrl.training.agent.config import AgentConfig
 from batchrl.training.prompts import load_prompts
 from batchrl.training.rewards import REWARD_MODEL, RULE, RewardConfig
 from batchrl.training.text import prompt_messages
@@ -52,6 +53,19 @@ def known_data_sources(config: PromptsConfig, run_config: dict) -> Optional[list
     return None
 
 
+AgentRunConfig = run_config_for(AgentConfig, "AgentRunConfig")
+
+
+def _check_rollout_config(**config) -> None:
+    """``ops.rollouts.config``'s combinations, checked by ``batchrl run`` before anything runs and at launch."""
+    if config.get("agent") is None:
+        return
+    AgentConfig.model_validate(config["agent"])
+    if config.get("greedy_baseline"):
+        raise ValueError("agent with greedy_baseline: the greedy baseline is one turn without tools, not a "
+                         "trajectory of the same agent; ReMax over tool-using rollouts is not supported")
+
+
 class RolloutConfig(dg.Config):
     """``policy``: "latest" samples from the last policy_checkpoint of this base model's chain (the
     base model itself when the chain is new); "base" always samples from the base model.
@@ -64,9 +78,21 @@ class RolloutConfig(dg.Config):
     seed: int = Field(0, description="seed of the prompt sample and of sampling")
     greedy_baseline: bool = Field(False, description="also decode one greedy response per prompt; its reward "
                                   "becomes the prompt's baseline (ReMax, advantages.estimator: remax)")
+    agent: Optional[AgentRunConfig] = Field(None, description="multi-turn, tool-using rollouts (docs/AGENT.md): "
+                                            "the model's tool calls run in the sandbox and their output comes back "
+                                            "as a turn; unset: one turn per rollout")
+
+    @model_validator(mode="after")
+    def _agent_combinations(self):
+        if self.agent is not None:  # the library model's rules (e.g. user tools need tool_call_json), at launch
+            _check_rollout_config(**self.model_dump())
+        return self
 
 
 AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
+
+
+RolloutConfig.library_model = _check_rollout_config
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"},
@@ -93,7 +119,7 @@ def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
     return [key.to_user_string() for key in keys] if keys else None
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", config=RolloutConfig),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", "batchrl.training.agent", config=RolloutConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN}, metadata=declared_files(table="rollouts.parquet"))
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: Artifact, base_model: Artifact,
              promoted_policy: Optional[Artifact], rollout_engine: RolloutEngineResource,
@@ -112,7 +138,8 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path,
                                                prompts=list(table["prompt"]), n=config.samples_per_prompt,
                                                seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir,
-                                               messages=messages)
+                                               messages=messages,
+                                               agent=None if config.agent is None else config.agent.model_dump())
         if config.greedy_baseline:
             from batchrl.training.remax import add_greedy_baselines, greedy_engine
 

@@ -40,9 +40,11 @@ class RolloutEngineResource(dg.ConfigurableResource):
         return options
 
     def sample(self, context: dg.AssetExecutionContext, launcher, *, model_path: str, prompts: list[str], n: int,
-               seed: int, workdir: str, cache_dir: str, messages: list | None = None) -> tuple[pd.DataFrame, dict]:
+               seed: int, workdir: str, cache_dir: str, messages: list | None = None,
+               agent: dict | None = None) -> tuple[pd.DataFrame, dict]:
         """Samples (the engine contract's rows) and the sampling statistics; ``messages``: per prompt its
-        conversation (JSON) or None, rendered whole by the engine."""
+        conversation (JSON) or None, rendered whole by the engine; ``agent``: multi-turn tool use (``AgentConfig``
+        as a dict; ``training/agent``), None for one turn."""
         out = os.path.join(workdir, "samples.parquet")
         engine = self.engine_options(model_path, cache_dir)
         if self.in_subprocess:
@@ -50,7 +52,8 @@ class RolloutEngineResource(dg.ConfigurableResource):
             columns = {"prompt": prompts} if messages is None else {"prompt": prompts, "prompt_messages": messages}
             pd.DataFrame(columns).to_parquet(prompts_parquet, index=False)
             result = launcher.run_job(context, "rollouts", {"engine": engine, "prompts_parquet": prompts_parquet,
-                                                           "n": n, "seed": seed, "out_parquet": out}, workdir,
+                                                           "n": n, "seed": seed, "out_parquet": out,
+                                                           "agent": agent}, workdir,
                                      # vLLM keeps an engine-core process and its memory pool: a fresh process
                                      # gives them back when the stage ends, the warm worker would not
                                      fresh_process=self.kind == "vllm")
@@ -58,7 +61,8 @@ class RolloutEngineResource(dg.ConfigurableResource):
         else:  # imported here: the engines' torch and transformers stay out of a Dagster process that hands off
             from batchrl.training.rollout.sampling_job import sample_to_parquet
 
-            stats = sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out, messages=messages)
+            stats = sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out, messages=messages,
+                                      agent=agent)
             from batchrl.resources.compute import release_accelerator_memory
 
             release_accelerator_memory(self.device)

@@ -1,5 +1,5 @@
 """Job: sample rollouts. Config JSON: ``{"engine": {"kind", **engine kwargs}, "prompts_parquet",
-"n", "seed", "out_parquet"}`` (see ``batchrl.training.rollout.sampling_job``)."""
+"n", "seed", "out_parquet", "agent"}`` (``agent``: None, or multi-turn tool use) (see ``batchrl.training.rollout.sampling_job``)."""
 from __future__ import annotations
 
 import sys
@@ -17,7 +17,8 @@ def work(config: dict, rep: Reporter):
     prompts = list(table["prompt"])
     rep.log(f"sampling {len(prompts)} prompts x {config['n']} with {config['engine']['kind']}")
     stats = sample_to_parquet(config["engine"], prompts, n=config["n"], seed=config["seed"],
-                              out_parquet=config["out_parquet"], messages=prompt_messages(table.to_dict("records")))
+                              out_parquet=config["out_parquet"], messages=prompt_messages(table.to_dict("records")),
+                              agent=config.get("agent"))
     return stats, None
 
 

@@ -13,10 +13,11 @@ import pandas as pd
 
 
 def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, seed: int, out_parquet: str,
-                      messages: list | None = None) -> dict:
+                      messages: list | None = None, agent: dict | None = None) -> dict:
     """``engine`` = ``{"kind": ..., **make_rollout_engine kwargs}``; writes the contract's rows to
     ``out_parquet`` and returns timing and length statistics. ``messages``: per prompt its conversation
-    (the prompts table's ``prompt_messages``) or None, rendered whole by the engine."""
+    (the prompts table's ``prompt_messages``) or None, rendered whole by the engine. ``agent``: an
+    ``AgentConfig`` as a dict: multi-turn, tool-using trajectories (``training/agent``) instead of one turn."""
     from batchrl.training.rollout import make_rollout_engine
 
     options = dict(engine)
@@ -24,7 +25,16 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     sampler = make_rollout_engine(options.pop("kind"), **options)
     load_s = time.perf_counter() - started
     started = time.perf_counter()
-    rows = sampler.generate(prompts, n=n, seed=seed, messages=messages)
+    agent_stats: dict = {}
+    if agent is not None:
+        from batchrl.training.agent import AgentConfig, AgentRollouts
+        from batchrl.training.agent.stats import trajectory_stats
+
+        loop = AgentRollouts(sampler, AgentConfig.model_validate(agent))
+        rows = loop.generate(prompts, n=n, seed=seed, messages=messages)
+        agent_stats = trajectory_stats(rows, loop.stats, time.perf_counter() - started)
+    else:
+        rows = sampler.generate(prompts, n=n, seed=seed, messages=messages)
     generate_s = time.perf_counter() - started
     started = time.perf_counter()
     samples = pd.DataFrame(rows)
@@ -37,4 +47,4 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     return {"samples": len(samples), "engine_load_s": load_s, "generate_s": generate_s, "write_s": write_s,
             "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
             "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
-            "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0}
+            "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0, **agent_stats}
