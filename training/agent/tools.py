@@ -29,9 +29,8 @@ from batchrl.training.agent.config import AgentConfig
 _PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
-# statuses of a tool result: ok; error (non-zero exit, an exception); timeout; output_limit (a flood, killed);
-# invalid (an unreadable call); unknown_tool
-STATUSES = ("ok", "error", "timeout", "output_limit", "invalid", "unknown_tool")
+# statuses of a tool result (schemas/trajectory.py): ok; error (non-zero exit, an exception); timeout;
+# output_limit (a flood, killed); invalid (an unreadable call); unknown_tool
 
 
 @dataclasses.dataclass

@@ -38,7 +38,13 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     generate_s = time.perf_counter() - started
     started = time.perf_counter()
     samples = pd.DataFrame(rows)
-    samples.to_parquet(out_parquet, index=False)
+    if agent is not None:  # checked before it is written; turns with their declared struct type
+        from batchrl.schemas.trajectory import check_trajectories, write_trajectories
+
+        check_trajectories(rows, out_parquet)
+        write_trajectories(samples, out_parquet)
+    else:
+        samples.to_parquet(out_parquet, index=False)
     write_s = time.perf_counter() - started
     lengths = samples["response_ids"].map(len)
     shutdown = getattr(sampler, "shutdown", None)
