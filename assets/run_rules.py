@@ -71,6 +71,10 @@ def _check_rl(ops: dict, selected: set[str] | None) -> None:
         if rollouts is not None and "groups" in needs and rollouts.samples_per_prompt < 2:
             raise RunConfigError(f"{where} compares responses within a prompt's group: "
                                  f"ops.rollouts.config.samples_per_prompt={rollouts.samples_per_prompt} must be >= 2")
+        if rollouts is not None and rollouts.agent is not None and "values" in needs:
+            raise RunConfigError(f"{where} with ops.rollouts.config.agent: the critic is not trained with the "
+                                 "trajectories' loss mask (tool observations would get values); use a group "
+                                 "estimator (grpo, rloo, ...) for tool-using rollouts")
         if policy is not None and "values" in needs and not policy.critic:
             raise RunConfigError(f"{where} needs critic values: set ops.policy_checkpoint.config.critic: true "
                                  "(a value model trained with the policy)")
