@@ -15,17 +15,24 @@ from batchrl.training.batch_layout import sequence_token_logprobs
 from batchrl.training.rollout.transformers_engine import TransformersRolloutEngine
 
 
+def _expression(question: str) -> str:
+    """The Python expression of a tool-task question (sample_data/tools): a sum of a list, or the arithmetic."""
+    listed = re.search(r"the sum of ([\d, ]+)\?", question)
+    if listed:
+        return f"sum([{listed.group(1)}])"
+    return re.search(r"What is ([\d *+-]+)\?", question).group(1).strip()
+
+
 def three_cells(context: str) -> str:
-    """For "What is A * B?": x = A; x = x * B; print(x); then "The answer is <last output>."."""
+    """Three cells that need each other's state (x = EXPR; y = x * 1; print(y)), then "The answer is <output>."."""
     start = context.find("What is")
-    a, op, b = re.search(r"What is (\d+) ([*+]) (\d+)", context[start:]).groups()
     done = context[start:].count("```python")  # the model's cells so far (the system turn names the format too)
     if done == 0:
-        return f"Let me compute.\n```python\nx = {a}\n```"
+        return f"Let me compute.\n```python\nx = {_expression(context[start:])}\n```"
     if done == 1:
-        return f"```python\nx = x {op} {b}\n```"
+        return "```python\ny = x * 1\n```"
     if done == 2:
-        return "```python\nprint(x)\n```"
+        return "```python\nprint(y)\n```"
     outputs = re.findall(r"user\n(.*?)<\|im_end\|>", context, re.DOTALL)
     return f"The answer is {outputs[-1].strip()}."
 
