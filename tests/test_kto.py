@@ -43,6 +43,22 @@ def test_unset_desirable_weight_balances_few_thumbs_up(arith_model, tmp_path):
     assert result["desirable_weight"] == 3.0 and result["desirable_share"] == 0.5  # 2 up, 6 down
 
 
+def test_max_rows_trains_on_a_seeded_sample_and_needs_two_rows(arith_model, feedback, tmp_path):
+    """The smoke-size cap (profiles/real.yaml): a seeded sample of the rows, the same on every call."""
+    from pydantic import ValidationError
+
+    from batchrl.training.trainer.kto import load_feedback
+
+    cfg = KTOConfig(epochs=1, micro_batch_size=4, max_rows=8)
+    sample = load_feedback(feedback, cfg)
+    assert len(sample) == 8 and sample.equals(load_feedback(feedback, cfg))
+    assert set(sample["completion"]) < set(pd.read_parquet(feedback)["completion"])
+    result = train_kto(cfg, feedback_parquet=feedback, model_path=arith_model, out_dir=str(tmp_path / "out"))
+    assert result["num_examples"] == 8 and result["global_step"] == 2
+    with pytest.raises(ValidationError, match="max_rows"):  # the reference point pairs a row with another
+        KTOConfig(max_rows=1)
+
+
 def test_kto_checkpoint_through_dagster_on_the_shipped_feedback_logs(tmp_path):
     from pipeline_helpers import latest_metadata, local_resources, run_assets
 

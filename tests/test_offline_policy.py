@@ -44,6 +44,19 @@ def test_awr_and_rwr_weights(arith_model):
     assert weights[0] > weights[1] == pytest.approx(weights[2])
 
 
+def test_max_rows_keeps_a_seeded_sample_weighted_against_every_logged_score(arith_model):
+    tok = load_tokenizer(arith_model)
+    full, _ = logged_batch(LOG, tok, OfflinePolicyConfig(objective="awr"))
+    capped, metrics = logged_batch(LOG, tok, OfflinePolicyConfig(objective="awr", max_rows=3))
+    assert len(capped) == metrics["samples"] == 3 and metrics["rows"] == len(LOG)
+    again, _ = logged_batch(LOG, tok, OfflinePolicyConfig(objective="awr", max_rows=3))
+    assert again["response_ids"].tolist() == capped["response_ids"].tolist()  # seeded: the same rows each time
+    weight_of = {tuple(r): a[0] for r, a in zip(full["response_ids"], full["advantages"])}
+    assert [a[0] for a in capped["advantages"]] == pytest.approx([weight_of[tuple(r)] for r in capped["response_ids"]])
+    with pytest.raises(ValidationError, match="max_rows"):
+        OfflinePolicyConfig(max_rows=0)
+
+
 def test_importance_weights_need_the_logged_logprobs_of_this_tokenizer(arith_model):
     tok = load_tokenizer(arith_model)
     cfg = OfflinePolicyConfig(objective="grpo", importance_weights=True)

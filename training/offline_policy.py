@@ -42,6 +42,9 @@ class OfflinePolicyConfig(PolicyConfig):
         "the log's per-token log-probs of the logging policy (a column or a key of the extra column): one "
         "float per completion token of this tokenizer, end-of-sequence token included"))
     max_length: int = Field(512, ge=8, description="prompt + completion tokens; longer completions are cut")
+    max_rows: int | None = Field(None, ge=1, description=(
+        "train on a seeded sample of this many logged completions, their weights computed over all of them "
+        "(smoke-size runs of a large model on CPU); all when unset"))
 
     @model_validator(mode="after")
     def _objective_combinations(self):
@@ -92,6 +95,7 @@ def logged_batch(frame: pd.DataFrame, tokenizer: Any, cfg: OfflinePolicyConfig) 
     """The policy trainer's batch from validated scored logs, and metrics saying what was used. Raises
     ``ValueError`` naming the row when logged log-probs are asked for and missing or of the wrong length."""
     from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
+    from batchrl.training.trainer.batching import seeded_rows
 
     frame = frame.reset_index(drop=True)
     group = frame.groupby("prompt", sort=False)["score"]
@@ -117,6 +121,9 @@ def logged_batch(frame: pd.DataFrame, tokenizer: Any, cfg: OfflinePolicyConfig) 
     if frame.empty:
         raise ValueError(f"objective {cfg.objective}: no logged completion to train on (grpo needs prompts "
                          "logged with two or more scored responses)")
+    # the cap after the weights: a group's baseline stays the mean of all its logged scores
+    frame = seeded_rows(frame.assign(_weight=weights), cfg.max_rows, cfg.seed)
+    weights = frame.pop("_weight").to_numpy()
     prompts, responses = frame["prompt"].tolist(), frame["response"].tolist()
     encoded = encode_prompt_completions(tokenizer, prompts, responses, cfg.max_length,
                                         prompt_ids=encode_prompts(tokenizer, prompts,

@@ -9,6 +9,7 @@ import os
 from typing import Sequence
 
 import numpy as np
+import pandas as pd
 
 # bench/bench_gpu_scale.py imports the layout and the scoring batches from here
 from batchrl.training.batch_layout import (FUSED_CHUNK_ROWS, completion_logprobs, encode_pairs,  # noqa: F401
@@ -20,6 +21,15 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """Deterministic shuffle for ``epoch``: a pure function of (seed, epoch), so resume can skip to
     any step without replaying RNG draws."""
     return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def seeded_rows(frame: pd.DataFrame, max_rows: int | None, seed: int) -> pd.DataFrame:
+    """At most ``max_rows`` rows of ``frame``, a sample seeded by ``seed`` (the same rows on every rank and
+    every resume), index reset; all of them when ``max_rows`` is unset or not smaller. The trainers' row caps
+    (``max_pairs``, ``max_rows``): smoke-size runs of a large model on CPU train on a handful of rows."""
+    if max_rows and len(frame) > max_rows:
+        frame = frame.sample(max_rows, random_state=seed)
+    return frame.reset_index(drop=True)
 
 
 def world() -> tuple[int, int]:

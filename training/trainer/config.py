@@ -164,6 +164,8 @@ class KTOConfig(TrainerConfig):
     lr: float = Field(5e-4, gt=0)
     micro_batch_size: int = Field(8, ge=2, description="rows per micro-batch (at least 2: the reference point "
                                   "pairs each prompt with another row's completion)")
+    max_rows: int | None = Field(None, ge=2, description="train on a seeded sample of this many feedback rows "
+                                 "(smoke-size runs of a large model on CPU); all when unset")
 
 
 class RewardModelConfig(TrainerConfig):

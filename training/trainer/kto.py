@@ -19,7 +19,7 @@ import torch
 
 from batchrl.training.algos import kto_kl_reference_point, kto_loss
 from batchrl.training.batch_layout import completion_logprobs, sequence_token_logprobs
-from batchrl.training.trainer.batching import steps_per_epoch
+from batchrl.training.trainer.batching import seeded_rows, steps_per_epoch
 from batchrl.training.trainer.config import KTOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.trainer.policy import _row_batch
@@ -28,7 +28,8 @@ from batchrl.training.transfer import to_device_async
 KTO_REFERENCE = "kto_reference.pt"
 
 
-def load_feedback(feedback_parquet: str) -> pd.DataFrame:
+def load_feedback(feedback_parquet: str, cfg: KTOConfig) -> pd.DataFrame:
+    """The feedback rows KTO trains on (``cfg.max_rows``: a seeded sample of them)."""
     frame = pd.read_parquet(feedback_parquet)
     missing = {"prompt", "completion", "label"} - set(frame.columns)
     if missing:
@@ -36,7 +37,7 @@ def load_feedback(feedback_parquet: str) -> pd.DataFrame:
                        "label)")
     if frame.empty:
         raise ValueError(f"{feedback_parquet}: no feedback rows to train on")
-    return frame.reset_index(drop=True)
+    return seeded_rows(frame, cfg.max_rows, cfg.seed)
 
 
 def encode_feedback(tokenizer: Any, frame: pd.DataFrame, max_length: int) -> dict[str, list]:
@@ -84,7 +85,7 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
               report: Report | None = None) -> dict[str, Any]:
     """Train ``model_path`` with KTO on ``feedback_parquet`` (prompt, completion, label); checkpoints in
     ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns metrics: last step's and the curve."""
-    frame = load_feedback(feedback_parquet)
+    frame = load_feedback(feedback_parquet, cfg)
     cfg = fit_batch(cfg, len(frame))
     inputs = {"feedback": feedback_parquet}
     if (done := completed_run(cfg, model_path=model_path, out_dir=out_dir, inputs=inputs)) is not None:
@@ -96,7 +97,9 @@ def train_kto(cfg: KTOConfig, *, feedback_parquet: str, model_path: str, out_dir
     desirable = torch.as_tensor(frame["label"].astype(bool).to_numpy())
     n_up, n_down = int(desirable.sum()), int((~desirable).sum())
     if n_up == 0 or n_down == 0:
-        raise ValueError(f"{feedback_parquet}: KTO needs thumbs up and thumbs down, got {n_up} up / {n_down} down")
+        capped = f" in its sample of max_rows={cfg.max_rows}" if cfg.max_rows else ""
+        raise ValueError(f"{feedback_parquet}: KTO needs thumbs up and thumbs down, got {n_up} up / {n_down} down"
+                         f"{capped}")
     desirable_weight = cfg.desirable_weight or cfg.undesirable_weight * n_down / n_up  # unset: balanced
     with loop.measure_context("reference_logprobs"):
         ref = _reference(loop, cfg, rows)

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from batchrl.training.lora import SEQ_CLS
-from batchrl.training.trainer.batching import steps_per_epoch
+from batchrl.training.trainer.batching import seeded_rows, steps_per_epoch
 from batchrl.training.trainer.config import RewardModelConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 
@@ -23,9 +23,7 @@ def load_pairs(pairs_parquet: str, cfg: RewardModelConfig) -> pd.DataFrame:
     pairs = pd.read_parquet(pairs_parquet, columns=["prompt", "chosen", "rejected"])
     if len(pairs) == 0:
         raise ValueError(f"{pairs_parquet}: no preference pairs to train the reward model on")
-    if cfg.max_pairs and len(pairs) > cfg.max_pairs:
-        pairs = pairs.sample(cfg.max_pairs, random_state=cfg.seed)
-    return pairs.reset_index(drop=True)
+    return seeded_rows(pairs, cfg.max_pairs, cfg.seed)
 
 
 def _trainable_reward_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
