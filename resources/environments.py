@@ -39,9 +39,11 @@ def _local() -> dict:
 
 def _tracking() -> TrackingResource:
     """MLflow tracking of the training assets, off unless ``BATCHRL_MLFLOW_URI`` names a tracking server (or a
-    ``sqlite:///`` store); ``BATCHRL_MLFLOW_EXPERIMENT`` names the experiment (default batchrl)."""
+    ``sqlite:///`` store); ``BATCHRL_MLFLOW_EXPERIMENT`` names the experiment (default batchrl, also the W&B
+    project); W&B offline runs, off unless ``BATCHRL_WANDB_DIR`` names a folder for them."""
     return TrackingResource(mlflow_uri=os.environ.get("BATCHRL_MLFLOW_URI", ""),
-                            experiment=os.environ.get("BATCHRL_MLFLOW_EXPERIMENT", "batchrl"))
+                            experiment=os.environ.get("BATCHRL_MLFLOW_EXPERIMENT", "batchrl"),
+                            wandb_dir=os.environ.get("BATCHRL_WANDB_DIR", ""))
 
 
 def _s3() -> dict:

@@ -1,11 +1,15 @@
 """MLflow tracking of the training assets against a real tracking server (``mlflow server`` on 127.0.0.1, SQLite
 backend, a temp artifact root): one Dagster run trains DPO and a policy update on the tiny model (~2 min); each
 materialisation is an MLflow run nested under the parent run named after the Dagster run id, with the job's
-params, its per-step metrics at their step numbers and the published artifact's URI and data version."""
+params, its per-step metrics at their step numbers and the published artifact's URI and data version. The same
+run logs to W&B offline too, read back from W&B's own run files (its protobuf records)."""
 from __future__ import annotations
 
+import glob
+import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -68,11 +72,12 @@ def mlflow_server(tmp_path_factory):
 def tracked_run(mlflow_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     (root / "home").mkdir()
-    tracking = TrackingResource(mlflow_uri=mlflow_server, experiment="batchrl-test")
+    tracking = TrackingResource(mlflow_uri=mlflow_server, experiment="batchrl-test", wandb_dir=str(root / "wandb"))
     with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
         result = run_assets(local_resources(str(root / "storage"), tracking=tracking), instance, SELECTION, {"ops": OPS})
         assert result.success
-        yield result.run_id, {a: latest_metadata(instance, a) for a in ("dpo_checkpoint", "policy_checkpoint")}
+        yield result.run_id, {a: latest_metadata(instance, a) for a in ("dpo_checkpoint", "policy_checkpoint")}, \
+            str(root / "wandb")
 
 
 def _runs(url: str):
@@ -84,7 +89,7 @@ def _runs(url: str):
 
 
 def test_each_training_materialisation_is_a_run_under_the_dagster_run(mlflow_server, tracked_run):
-    dagster_run_id, _ = tracked_run
+    dagster_run_id, _, _ = tracked_run
     client, runs = _runs(mlflow_server)
     parents = [r for r in runs if r.data.tags.get("batchrl.role") == "dagster_run"]
     assert [p.info.run_name for p in parents] == [dagster_run_id]  # one parent, however many training steps
@@ -98,7 +103,7 @@ def test_each_training_materialisation_is_a_run_under_the_dagster_run(mlflow_ser
 @pytest.mark.parametrize("asset, series, steps", [("dpo_checkpoint", "rewards/margins", 4),
                                                   ("policy_checkpoint", "pg_loss", 8)])
 def test_params_step_metrics_and_the_artifact_are_read_back(mlflow_server, tracked_run, asset, series, steps):
-    _, published = tracked_run
+    _, published, _ = tracked_run
     client, runs = _runs(mlflow_server)
     run = next(r for r in runs if r.data.tags.get("dagster.asset") == asset)
     meta = published[asset]
@@ -122,13 +127,17 @@ def test_tracking_is_off_unless_the_environment_names_a_tracking_uri(monkeypatch
 
     monkeypatch.delenv("BATCHRL_MLFLOW_URI", raising=False)
     assert not environment_resources("local")["tracking"].enabled
+    monkeypatch.delenv("BATCHRL_WANDB_DIR", raising=False)
+    assert not environment_resources("local")["tracking"].enabled
     assert TrackingResource().log_training(None, asset="a", params={}, series={}, summary={}, uri="u",
-                                           data_version="d") is None  # nothing touched, not even the context
+                                           data_version="d") == {}  # nothing touched, not even the context
     monkeypatch.setenv("BATCHRL_MLFLOW_URI", "http://127.0.0.1:5000")
     monkeypatch.setenv("BATCHRL_MLFLOW_EXPERIMENT", "team")
+    monkeypatch.setenv("BATCHRL_WANDB_DIR", "/tmp/wandb-runs")
     for env in ("local", "s3", "gpu"):
         tracking = environment_resources(env)["tracking"]
         assert tracking.enabled and (tracking.mlflow_uri, tracking.experiment) == ("http://127.0.0.1:5000", "team")
+        assert tracking.wandb_dir == "/tmp/wandb-runs"
 
 
 def test_long_series_and_many_params_go_in_batches_to_a_local_store(tmp_path):
@@ -144,9 +153,71 @@ def test_long_series_and_many_params_go_in_batches_to_a_local_store(tmp_path):
     params = {"trainer": {f"p{i}": i for i in range(150)}}
     run_id = TrackingResource(mlflow_uri=uri).log_training(
         context, asset="dpo_checkpoint", params=params, series={"loss": (steps, [1.0 / s for s in steps])},
-        summary={"wall_s": 2.5, "stopped_early": False, "content_hash": "x"}, uri="/a", data_version="abc")
+        summary={"wall_s": 2.5, "stopped_early": False, "content_hash": "x"}, uri="/a", data_version="abc")["mlflow"]
     client = MlflowClient(tracking_uri=uri)
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == steps
     run = client.get_run(run_id)
     assert len(run.data.params) == 151 and run.data.params["trainer.p149"] == "149"
     assert run.data.metrics == {"loss": pytest.approx(1 / 1500), "wall_s": 2.5}  # no bool, no text
+
+
+def _wandb_records(path: str):
+    """The protobuf records of a W&B run file: W&B's header (':W&B', 0xBEE1, version 0), then LevelDB's log format
+    (32 KiB blocks of chunks with a 7-byte header: crc, length, type full/first/middle/last). wandb 0.31 reads them
+    in its Go core only, so this is the reader; the records are parsed with wandb's own protobuf classes."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0), data[:7]
+    block, pos, record = 32 * 1024, 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        record = chunk if kind in (1, 2) else record + chunk
+        if kind in (1, 4):  # full, or the last chunk of one
+            yield wandb_internal_pb2.Record.FromString(record)
+
+
+def _wandb_run(path: str) -> dict:
+    """A W&B offline run as its file holds it: the run's name/group/job type/config, its history by step, summary."""
+    key = lambda item: item.key or "/".join(item.nested_key)  # noqa: E731
+    run = {"history": {}, "summary": {}, "config": {}}
+    for record in _wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run.update(name=record.run.display_name, group=record.run.run_group, job_type=record.run.job_type)
+        if kind in ("run", "config"):
+            config = record.run.config if kind == "run" else record.config
+            run["config"].update({key(i): json.loads(i.value_json) for i in config.update})
+        elif kind == "history":
+            run["history"][record.history.step.num] = {key(i): json.loads(i.value_json) for i in record.history.item}
+        elif kind == "summary":
+            run["summary"].update({key(i): json.loads(i.value_json) for i in record.summary.update})
+        elif kind == "exit":
+            run["exit_code"] = record.exit.exit_code
+    return run
+
+
+def test_the_same_run_is_logged_to_wandb_offline(tracked_run):
+    """W&B in offline mode (nothing sent anywhere) holds what MLflow holds: params as config, the series at their
+    step numbers, the summary numbers, the artifact's URI and data version, the Dagster run id as the group."""
+    dagster_run_id, published, wandb_dir = tracked_run
+    runs = [_wandb_run(f) for f in glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "run-*.wandb"))]
+    assert sorted(r["job_type"] for r in runs) == ["dpo_checkpoint", "policy_checkpoint"]
+    for run in runs:
+        asset = run["job_type"]
+        meta, series, steps = published[asset], *{"dpo_checkpoint": ("rewards/margins", 4),
+                                                   "policy_checkpoint": ("pg_loss", 8)}[asset]
+        assert run["exit_code"] == 0 and run["group"] == dagster_run_id
+        assert run["name"] == f"{asset}@{meta['data_version']}"
+        config = run["config"]
+        assert config["batchrl.artifact_uri"] == meta["uri"]
+        assert config["batchrl.data_version"] == config["data_version"] == meta["data_version"]
+        assert config["trainer.micro_batch_size"] == OPS[asset]["config"]["micro_batch_size"] and config["seed"] == 0
+        history = {step: row[series] for step, row in run["history"].items() if series in row}
+        assert sorted(history) == list(range(1, steps + 1))
+        assert history[steps] == pytest.approx(meta[f"final/{series}"])
+        assert "job_wall_s" in run["summary"] and "world_size" not in run["summary"]
