@@ -178,8 +178,8 @@ def test_trajectories_round_trip_through_parquet_into_a_training_batch(tiny, tmp
     assert scored["reward"].tolist() == [1.0] * 4
     scored.loc[1, "reward"] = 0.0  # a group with a spread, so GRPO's advantages are not all zero
     batch = compute_advantages(scored, "grpo")
-    for adv, mask in zip(batch["advantages"], batch["loss_mask"]):
-        assert all((a == 0.0) for a, m in zip(adv, mask) if not m)  # observations: no advantage
+    for adv, mask in zip(batch["advantages"], batch["loss_mask"]):  # a value per response token, 0 on observations
+        assert len(adv) == len(mask) and all((a == 0.0) for a, m in zip(adv, mask) if not m)
     assert any(a != 0.0 for a, m in zip(batch["advantages"][0], batch["loss_mask"][0]) if m)
     batch.to_parquet(tmp_path / "batch.parquet")
     rows = load_batch(str(tmp_path / "batch.parquet"))

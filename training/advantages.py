@@ -144,7 +144,7 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
         metrics["mean_greedy_reward"] = float(np.mean(baselines))
     adv, ret = get_adv_estimator(estimator)(token_level_rewards=rewards, response_mask=mask,
                                             index=group_index(out), **{**kw, **extra})
-    lengths = mask.sum(-1).long().tolist()
+    lengths = [len(ids) for ids in out["response_ids"]]  # not mask.sum: a trajectory's mask has holes
     out["advantages"] = [adv[i, :n].tolist() for i, n in enumerate(lengths)]
     out["returns"] = [ret[i, :n].tolist() for i, n in enumerate(lengths)]
     out.attrs["metrics"] = metrics
