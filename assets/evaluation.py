@@ -11,6 +11,7 @@ from batchrl.assets.charts import grouped_bars
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.data_quality import printable
 from batchrl.assets.dpo import ReferenceConfig
+from batchrl.assets.rl import AgentRunConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
@@ -29,12 +30,16 @@ class EvaluationConfig(dg.Config):
     max_eval_prompts: int | None = Field(None, description="evaluate the first N held-out prompts (all when unset)")
     num_examples: int = Field(3, description="sample answers per model shown in the UI")
     seed: int = Field(0, description="seed of evaluation's sampling")
+    agent: Optional[AgentRunConfig] = Field(None, description="also answer the held-out prompts with tools "
+                                            "(docs/AGENT.md): tool_accuracy beside arith_accuracy (no tools), "
+                                            "mean_tool_calls, tool_error_rate")
 
 
 OFFLINE_MODELS = ("offline_policy_checkpoint", "kto_checkpoint")  # compared once materialised
 
 
-@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", config=EvaluationConfig),
+@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", "batchrl.training.agent",
+                                                                       config=EvaluationConfig),
           kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in OFFLINE_MODELS})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: Artifact,
                dpo_checkpoint: Artifact, base_model: Artifact, reward_model: Artifact, dpo_pairs: Artifact,
@@ -57,7 +62,8 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,
                    seed=config.seed, reward=config.reward, num_examples=config.num_examples, device=compute.device,
-                   dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine)
+                   dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine,
+                   agent=None if config.agent is None else config.agent.model_dump())
     with storage.staging_dir("evaluation_work") as workdir:
         eval_prompts.to_parquet(os.path.join(workdir, "eval_prompts.parquet"), index=False)
         reference.to_parquet(os.path.join(workdir, "reference.parquet"), index=False)

@@ -191,3 +191,15 @@ def test_trajectories_round_trip_through_parquet_into_a_training_batch(tiny, tmp
     bad[1]["loss_mask"] = list(bad[1]["loss_mask"])[:-1]
     with pytest.raises(TrajectoryContractError, match=r"rollouts.parquet: row 1, field loss_mask"):
         check_trajectories(bad, str(out))
+
+
+def test_evaluation_reports_accuracy_with_and_without_tools(tiny):
+    from batchrl.training.agent.evaluate import tool_metrics
+
+    rows = [{"prompt": QUESTION, "answer": "4517277", "category": "mul"},
+            {"prompt": "What is the sum of 1200, 3400, 5600? Answer with a number.", "answer": "10200", "category": "sum"}]
+    engine = ForcedEngine(tiny, script=three_cells, max_new_tokens=160, temperature=0.0)
+    metrics = tool_metrics(engine, rows, {"tool_timeout_s": 2.0})
+    # with tools the answer is read off the sandbox; without, the script's first turn (unrun code) is the answer
+    assert metrics["tool_accuracy"] == 1.0 and metrics["tool_accuracy/sum"] == 1.0
+    assert metrics["no_tool_accuracy"] == 0.0 and metrics["mean_tool_calls"] == 3.0 and metrics["mean_turns"] == 4.0

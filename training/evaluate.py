@@ -86,11 +86,13 @@ def _evaluate(
     encoded: dict[str, list[dict]] | None = None,
     pairs_key: str = "",
     pairs_from_reference: bool = False,
+    agent: dict | None = None,
 ) -> tuple[dict[str, Any], list[dict]]:
     """``evaluate_policy`` without the RM score, with a loaded engine: (results, the greedy samples).
     ``encoded``: the pairs tokenised so far, by ``pairs_key`` (the tokenizer's key: models sharing it share them).
     ``pairs_from_reference``: this model is the reference, and ``reference`` holds its pair log-probs at this
-    ``max_length``: they are taken, not computed again."""
+    ``max_length``: they are taken, not computed again. ``agent``: also answer the held-out prompts with tools
+    (``training/agent``): ``tool_accuracy`` beside the one-turn ``arith_accuracy``, ``mean_tool_calls``, ...)."""
     results: dict[str, Any] = {}
     samples: list[dict] = []
     if arith_eval:
@@ -106,6 +108,13 @@ def _evaluate(
                 shown[category] = shown.get(category, 0) + 1
                 results["examples"].append({"category": category, "prompt": s["prompt"], "response": s["response"],
                                             "answer": str(row.get("answer"))})
+        if agent is not None:  # the greedy answers above are the one-turn, no-tool baseline
+            from batchrl.training.agent.evaluate import tool_metrics
+
+            with phase("agent"):
+                tools = tool_metrics(engine, arith_eval, agent, reward=reward, seed=seed, without_tools=False)
+            tools.pop("tool_examples")
+            results.update(tools)
     if pairs is not None and len(pairs):
         if pairs_from_reference and reference is not None:
             logps = {"chosen_logp": reference["ref_chosen_logp"].to_numpy(np.float64),
