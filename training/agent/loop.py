@@ -25,11 +25,19 @@ from batchrl.training.text import Messages, encode_prompts
 TurnGenerator = Callable[[list[list[int]], int, int], list[tuple[list[int], list[float], bool]]]
 
 
-def turn_generator(engine: Any) -> TurnGenerator:
-    """Generate one turn for many contexts with ``engine``: vLLM's ``generate_ids``, else the transformers/static
-    engines' ``_generate_chunk`` over length-sorted chunks of ``batch_size`` rows (their ``generate`` chunking)."""
+# where a turn that calls a tool can stop early: vLLM stops on these strings. A python block's closing fence is the
+# same text as its opening one, so it has none; there, and in the other engines, a turn runs to its end of turn or
+# token cap and is cut after the call (AgentRollouts._model_turn)
+STOP_STRINGS = {"tool_call_json": ["</tool_call>"]}
+
+
+def turn_generator(engine: Any, stop: list[str] | None = None) -> TurnGenerator:
+    """Generate one turn for many contexts with ``engine``: vLLM's ``generate_ids`` (stopping at ``stop``), else the
+    transformers/static engines' ``_generate_chunk`` over length-sorted chunks of ``batch_size`` rows (their
+    ``generate`` chunking)."""
     if hasattr(engine, "generate_ids"):
-        return lambda contexts, max_new, seed: engine.generate_ids(contexts, max_new_tokens=max_new, seed=seed)
+        return lambda contexts, max_new, seed: engine.generate_ids(contexts, max_new_tokens=max_new, seed=seed,
+                                                                   stop=stop)
 
     def generate(contexts: list[list[int]], max_new: int, seed: int):
         order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
@@ -99,7 +107,7 @@ class AgentRollouts:
         self.engine, self.config, self.tools = engine, config, tools
         self.tokenizer = engine.tokenizer
         self.turn_tokens = int(engine.max_new_tokens)
-        self.generator = generator or turn_generator(engine)
+        self.generator = generator or turn_generator(engine, STOP_STRINGS.get(config.tool_format))
         self.toolbox = ToolBox(config) if tools else None
         self.stats: dict[str, float] = {}
 

@@ -126,6 +126,28 @@ class VLLMRolloutEngine:
                 )
         return samples
 
+    def generate_ids(self, contexts: list[list[int]], *, max_new_tokens: int, seed: int,
+                     stop: list[str] | None = None) -> list[tuple[list[int], list[float], bool]]:
+        """One turn per token-id context (the agent loop, ``training/agent``): ``(new ids, their log-probs or [],
+        stopped)`` per context, ``stopped`` when vLLM ended it (eos or a ``stop`` string, kept in the output). One
+        ``SamplingParams`` per context, seeded ``seed + row``: rows with the same context (a prompt's group) must
+        not draw the same sample, which one shared seed would make them do."""
+        params = [self._sampling_params(n=1, seed=seed * 1_000_003 + row, temperature=self.temperature,
+                                        top_p=self.top_p, max_tokens=max_new_tokens,
+                                        logprobs=0 if self.sampled_logprobs else None, stop=stop or None,
+                                        include_stop_str_in_output=True)
+                  for row in range(len(contexts))]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
+        rows = []
+        for request in outputs:
+            completion = request.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = ([completion.logprobs[i][tok].logprob for i, tok in enumerate(ids)]
+                        if self.sampled_logprobs else [])
+            rows.append((ids, logprobs, completion.finish_reason == "stop"))
+        return rows
+
     def shutdown(self) -> None:
         """Stop vLLM's engine-core process now rather than at interpreter exit."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
