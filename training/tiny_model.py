@@ -317,7 +317,7 @@ def load_checkpoint_in_place(model: Any, path: str, *, dtype: torch.dtype | str,
     files, then kept in the cache for the next load. False, ``model`` untouched, when they do not fit it. A LoRA
     adapter folder: its base's weights copied so, then the adapter merged into them in place (``tensors``: the
     base's, as ``read_weights`` reads an adapter folder)."""
-    from batchrl.training import lora, weight_cache
+    from batchrl.training import lora, resident, weight_cache
     from batchrl.training.weights import load_weights_in_place
 
     if lora.is_adapter_folder(path):
@@ -326,8 +326,11 @@ def load_checkpoint_in_place(model: Any, path: str, *, dtype: torch.dtype | str,
             return False
         lora.merge_in_place(model, path)
         return True
+    copy = lambda m, cached: load_weights_in_place(m, path, tensors=cached)  # noqa: E731
+    if weight_cache.load_into(resident.key_of(path), model, copy):  # a trainer's weights, still on the device
+        return True
     cache_key = _weight_cache_key(path, resolve_dtype(dtype), device)
-    if weight_cache.load_into(cache_key, model, lambda m, cached: load_weights_in_place(m, path, tensors=cached)):
+    if weight_cache.load_into(cache_key, model, copy):
         return True
     if not load_weights_in_place(model, path, tensors):
         return False

@@ -55,7 +55,9 @@ M = TypeVar("M", bound=torch.nn.Module)
 @dataclass
 class Entry:
     tensors: dict[str, torch.Tensor]  # state-dict name -> clone, one per storage (a tied weight under one name)
-    buffers: dict[str, torch.Tensor]  # non-persistent buffers (not in the state dict) -> clone
+    # non-persistent buffers (not in the state dict) -> clone; None: weights only (``training/resident.py``), copied
+    # into a model that keeps its own buffers, cast to its dtype
+    buffers: dict[str, torch.Tensor] | None
     extras: dict[str, Any] = field(default_factory=dict)  # the caller's, e.g. the loaded model's config
     nbytes: int = 0
 
@@ -167,7 +169,7 @@ def _evict_to(limit: int) -> None:
 
 @torch.no_grad()
 def snapshot(model: torch.nn.Module, extras: dict[str, Any] | None = None,
-             max_bytes: int | None = None) -> Entry | None:
+             max_bytes: int | None = None, *, clone: bool = True) -> Entry | None:
     """A clone of ``model``'s weights: its state-dict tensors (a storage shared by several names, as tied
     embeddings, cloned once under the first name) and its non-persistent buffers. None when the state dict
     holds something else than plain tensors (extra state, meta or distributed tensors), or when the weights
@@ -189,8 +191,11 @@ def snapshot(model: torch.nn.Module, extras: dict[str, Any] | None = None,
     nbytes = sum(t.nbytes for t in unique.values()) + sum(b.nbytes for b in buffers.values())
     if max_bytes is not None and nbytes > max_bytes:
         return None
-    clone = lambda tensors: {name: t.detach().clone() for name, t in tensors.items()}
-    return Entry(clone(unique), clone(buffers), dict(extras or {}), nbytes)
+    if not clone:  # weights only, the model's own tensors (a finished job's, never written again)
+        return Entry({name: t.detach() for name, t in unique.items()}, None, dict(extras or {}),
+                     sum(t.nbytes for t in unique.values()))
+    copied = lambda tensors: {name: t.detach().clone() for name, t in tensors.items()}  # noqa: E731
+    return Entry(copied(unique), copied(buffers), dict(extras or {}), nbytes)
 
 
 def put(cache_key: Hashable, entry: Entry) -> bool:
@@ -239,12 +244,18 @@ def restore(model: torch.nn.Module, entry: Entry,
     """Copy ``entry`` into ``model``'s own parameters and buffers. ``copy_state(model, tensors)`` copies the
     state-dict tensors and returns False, the model untouched, when they do not cover the model (names,
     shapes, tied weights: ``weights.load_weights_in_place``). False too when a dtype or device differs (a
-    module the loader keeps in float32, say) or the non-persistent buffers differ in name, shape or dtype."""
+    module the loader keeps in float32, say) or the non-persistent buffers differ in name, shape or dtype.
+    A weights-only entry (``buffers`` None) is copied across dtypes (``copy_`` rounds as a load from the files
+    does) and leaves the model's buffers as they are."""
     state = model.state_dict()
     for name, value in entry.tensors.items():
         mine = state.get(name)
-        if mine is None or mine.dtype != value.dtype or mine.device != value.device:
+        if mine is None or mine.shape != value.shape:
             return False
+        if entry.buffers is not None and (mine.dtype != value.dtype or mine.device != value.device):
+            return False
+    if entry.buffers is None:  # weights only: cast into the model's dtype, its buffers its own
+        return copy_state(model, entry.tensors)
     buffers = {name: b for name, b in model.named_buffers() if name not in state}
     if buffers.keys() != entry.buffers.keys() or any(
             b.shape != entry.buffers[n].shape or b.dtype != entry.buffers[n].dtype for n, b in buffers.items()):

@@ -127,7 +127,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     with ``data_version`` = content hash of ``output_dir`` and the job's ``weight_cache_hits``/``_misses``
     (its model loads built from the job worker's weight cache / read from their files while the cache was on;
     both 0 where it is off)."""
-    from batchrl.training import profiling, weight_cache
+    from batchrl.training import profiling, resident, weight_cache
 
     config = read_job_config(argv if argv is not None else sys.argv[1:])
     choose_attention_kernels()
@@ -147,6 +147,8 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
         version = tree_hash(output) if output and os.path.exists(output) and is_rank0() else None
         if version:
             meta.update(content_hash=version, hash_s=round(time.perf_counter() - started, 3))
+        # the trainer's exported weights stay in the worker under the content they are published as
+        meta["resident_weights"] = resident.settle(output, version)
         rep.materialize(meta, version)
     _close_process_group()
     return 0

@@ -18,11 +18,10 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     ``out_parquet`` and returns timing and length statistics. ``messages``: per prompt its conversation
     (the prompts table's ``prompt_messages``) or None, rendered whole by the engine. ``agent``: an
     ``AgentConfig`` as a dict: multi-turn, tool-using trajectories (``training/agent``) instead of one turn."""
-    from batchrl.training.rollout import make_rollout_engine
+    from batchrl.training.rollout import resident
 
-    options = dict(engine)
     started = time.perf_counter()
-    sampler = make_rollout_engine(options.pop("kind"), **options)
+    sampler, reused = resident.engine_for(engine)  # in the job worker: the last job's engine, these weights copied in
     load_s = time.perf_counter() - started
     started = time.perf_counter()
     agent_stats: dict = {}
@@ -48,9 +47,10 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
     write_s = time.perf_counter() - started
     lengths = samples["response_ids"].map(len)
     shutdown = getattr(sampler, "shutdown", None)
-    if shutdown is not None:
+    if not resident.keep(engine, sampler) and shutdown is not None:
         shutdown()
-    return {"samples": len(samples), "engine_load_s": load_s, "generate_s": generate_s, "write_s": write_s,
+    return {"samples": len(samples), "engine_load_s": load_s, "engine_reused": reused, "generate_s": generate_s,
+            "write_s": write_s,
             "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
             "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
             "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0, **agent_stats}

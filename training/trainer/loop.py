@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from batchrl.training import lora
+from batchrl.training import lora, resident
 from batchrl.training.phases import PhaseClock
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch, world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
@@ -311,7 +311,10 @@ class TrainLoop:
         out, record = os.path.join(self.out_dir, "model"), {"config": self.cfg.model_dump(), **extra_metadata}
         with self.phase("export"):
             if self.lora_base is None:
-                return export_hf_model(self.engine, self.tokenizer, out, record)
+                export_hf_model(self.engine, self.tokenizer, out, record)
+                if self.cfg.zero_stage < 3 and world()[1] == 1:  # whole, plain weights: the next job may copy them
+                    resident.offer(out, self.engine.module)
+                return out
             write_train_record(out, {**record, "adapter_base": lora.base_reference(self.lora_base)})
             return lora.save_adapter(self.engine, out, self.lora_base)  # the adapter only: MBs, not the base
 
