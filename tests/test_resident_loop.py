@@ -90,3 +90,28 @@ def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_
                     os.kill(int(pid), signal.SIGTERM)
                 except (ProcessLookupError, ValueError):
                     pass
+
+
+def test_kept_engine_is_reused_only_for_the_same_settings_and_model_and_within_its_limit(arith_job_inputs,
+                                                                                         monkeypatch):
+    from batchrl.training import weight_cache
+    from batchrl.training.rollout import resident as engines
+
+    options = {"kind": "transformers", "model_path": arith_job_inputs["model_path"], "max_new_tokens": 4,
+               "temperature": 1.0, "top_p": 1.0, "batch_size": 4, "device": "cpu", "dtype": "float32"}
+    engine, reused = engines.engine_for(options)  # the cache off (as in the Dagster process): never kept
+    assert not reused and not engines.keep(options, engine)
+    weight_cache.enable(10**9)
+    try:
+        monkeypatch.setenv(engines.ENV, "0")
+        assert not engines.keep(options, engine)  # over its limit
+        monkeypatch.setenv(engines.ENV, "1")
+        assert engines.keep(options, engine)
+        again, reused = engines.engine_for(options)
+        assert reused and again is engine
+        other, reused = engines.engine_for({**options, "batch_size": 8})  # other settings: a new engine
+        assert not reused and other is not engine
+    finally:
+        engines.release()
+        weight_cache.disable()
+        weight_cache.clear()

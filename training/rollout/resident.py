@@ -10,10 +10,12 @@ else the weight cache, else the files), and the captured graphs stay valid (they
 
 Kept only where the worker's weight cache is on (never in the Dagster process), for the engines that hold a
 transformers model (``static``, ``transformers``; vLLM runs in a fresh process), and when the engine's tensors (its
-weights and static KV caches) fit within the weight cache's limit: the engine holds that memory between jobs.
+weights and static KV caches) fit ``limit_bytes``: the engine holds that memory while the other jobs run
+(SmolLM2-135M at 512 rows x 160 slots: ~2 GB; a 7B shape's bf16 weights alone: ~15 GB).
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -22,6 +24,8 @@ import torch
 from batchrl.training import weight_cache
 
 RESIDENT_KINDS = ("static", "transformers")
+ENV = "BATCHRL_RESIDENT_ENGINE_GB"
+DEVICE_FRACTION = 0.25
 
 _lock = threading.Lock()
 _kept: tuple[dict, Any] | None = None  # (the engine's options, the engine)
@@ -33,6 +37,17 @@ def engine_bytes(engine: Any) -> int:
     for decoder in getattr(engine, "_decoders", {}).values():
         total += sum(t.nbytes for t in vars(decoder).values() if isinstance(t, torch.Tensor))
     return total
+
+
+def limit_bytes() -> int:
+    """What a kept engine may hold: ``BATCHRL_RESIDENT_ENGINE_GB`` (decimal GB; 0: never kept) when set, else a
+    quarter of the GPU's memory (the trainers keep the rest), else, on a host without CUDA, the weight cache's limit."""
+    value = os.environ.get(ENV, "").strip()
+    if value:
+        return max(0, int(float(value) * 10**9))
+    if torch.cuda.is_available():
+        return int(DEVICE_FRACTION * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return weight_cache.limit_bytes()
 
 
 def _reusable(kept: dict, options: dict) -> bool:
@@ -68,7 +83,7 @@ def keep(options: dict[str, Any], engine: Any) -> bool:
     """After a job: keep ``engine`` for the next when it is of a resident kind and fits the weight cache's limit."""
     global _kept
     if options["kind"] not in RESIDENT_KINDS or not weight_cache.enabled() or \
-            engine_bytes(engine) > weight_cache.limit_bytes():
+            engine_bytes(engine) > limit_bytes():
         return False
     with _lock:
         _kept = (dict(options), engine)
