@@ -203,3 +203,18 @@ def test_evaluation_reports_accuracy_with_and_without_tools(tiny):
     # with tools the answer is read off the sandbox; without, the script's first turn (unrun code) is the answer
     assert metrics["tool_accuracy"] == 1.0 and metrics["tool_accuracy/sum"] == 1.0
     assert metrics["no_tool_accuracy"] == 0.0 and metrics["mean_tool_calls"] == 3.0 and metrics["mean_turns"] == 4.0
+
+
+def test_the_static_cache_engine_drives_the_same_turns(tiny):
+    """The loop over the static-cache engine (eager on the CPU, CUDA graphs on a GPU; padded chunks of batch_size):
+    the same greedy turns as over the transformers engine, and each engine's own token cap put back."""
+    from batchrl.training.rollout import make_rollout_engine
+
+    prompts = [QUESTION, "What is the sum of 1200, 3400? Answer with a number."]
+    outs = []
+    for kind in ("transformers", "static"):
+        engine = make_rollout_engine(kind, model_path=tiny, max_new_tokens=24, temperature=0.0, batch_size=4)
+        outs.append(AgentRollouts(engine, AgentConfig(max_total_tokens=40)).generate(prompts, n=2, seed=0))
+        assert engine.max_new_tokens == 24  # the loop's per-turn cap is put back
+    assert [s["response_ids"] for s in outs[0]] == [s["response_ids"] for s in outs[1]]
+    check_trajectories(outs[1])
