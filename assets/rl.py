@@ -184,7 +184,7 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
             "rollouts_parquet": rollouts.file(), "reward_config": reward_config.model_dump(),
             "reward_model_path": reward_model.path if "reward_model" in inputs else None,
             "device": compute.device, "dtype": compute.dtype, "out_parquet": out},
-            workdir=workdir)
+            workdir=workdir, uses_models=reward_config.needs_reward_model)
         scored = pd.read_parquet(out)
         components = [c for c in (RULE, *reward_config.custom, REWARD_MODEL) if c in scored]
         return publish(context, storage, catalog, staging, config=config.model_dump(), inputs=inputs,
@@ -226,7 +226,8 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
     with storage.staging_dir("advantages_work") as workdir, storage.staging_dir("advantages") as staging:
         result = compute.run(context, trainer, "advantages", {
             "rewards_parquet": rewards.file(), "settings": settings.model_dump(), **kl_inputs, **critic_config,
-            "device": compute.device, "out_parquet": output_file(context, staging)}, workdir=workdir)
+            "device": compute.device, "out_parquet": output_file(context, staging)}, workdir=workdir,
+            uses_models=bool(kl_inputs or critic_config))
         metrics = result["metrics"]
         lineage_config = settings.model_dump()
         if settings.use_kl_in_reward:  # the controller's state, read back by the next iteration

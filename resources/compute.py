@@ -22,11 +22,17 @@ class ComputeResource(dg.ConfigurableResource):
                                    "static (static KV cache + CUDA graphs, Llama-family models)")
     in_subprocess: bool = Field(False, description="run the tasks in a Pipes subprocess instead of in process")
 
-    def run(self, context: dg.AssetExecutionContext, launcher, task: str, config: dict, workdir: str) -> dict:
-        """Run an inference task (``batchrl.training.jobs.inference.TASKS``) here or as a job; its result."""
+    def run(self, context: dg.AssetExecutionContext, launcher, task: str, config: dict, workdir: str,
+            uses_models: bool = True) -> dict:
+        """Run an inference task (``batchrl.training.jobs.inference.TASKS``) here or as a job; its result.
+        ``uses_models`` False (rule rewards alone, advantages without a reference or critic): in process on the CPU
+        whatever ``in_subprocess`` says — the job would only add its hand-off (~0.2-0.3 s a stage on the H200, twice
+        an RL iteration) to arithmetic over a table."""
         from batchrl.training.jobs.inference import run_task
 
         config = {**config, "task": task, "result_json": os.path.join(workdir, f"{task}_result.json")}
+        if not uses_models:
+            return run_task({**config, "device": "cpu"})
         if self.in_subprocess:
             reported = launcher.run_job(context, "inference", config, workdir).metadata or {}
             # where the job's time went (load, tokenise, score...) and whether its models came from the worker's

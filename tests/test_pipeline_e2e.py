@@ -243,9 +243,9 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
 
 
 def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
-    """The GPU environment's shape on CPU: rollouts (static-cache engine), reward scoring, advantages (KL in the
-    reward), reference log-probs and evaluation (static-cache greedy decoding) in Pipes subprocesses give the same
-    artifacts (same data versions) as in the Dagster process with plain generate."""
+    """The GPU environment's shape on CPU: rollouts (static-cache engine), advantages (KL in the reward), reference
+    log-probs and evaluation (static-cache greedy decoding) in Pipes subprocesses give the same artifacts (same data
+    versions) as in the Dagster process with plain generate; rule rewards (no model) stay in process."""
     from batchrl.resources import ComputeResource, RolloutEngineResource
 
     _, instance, root = pipeline
@@ -265,8 +265,7 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         versions.append([latest_metadata(instance, asset)["data_version"] for asset in selection])
     assert versions[0] == versions[1]
     # the jobs say where their time went (a GPU stage's idle parts), on the asset's materialisation
-    for asset, parts in (("rewards", {"rule_rewards"}),  # the reward model at weight 0: not loaded
-                         ("reference_logprobs", {"load_model", "tokenise", "logprobs"}),
+    for asset, parts in (("reference_logprobs", {"load_model", "tokenise", "logprobs"}),
                          # the DPO and policy checkpoints (one model, their own records): one engine, weights copied
                          ("evaluation", {"load_model", "load_weights", "generate", "tokenise", "logprobs",
                                          "rm_score"})):
@@ -279,9 +278,12 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
         assert 0 < sum(timings.values()) <= _step_seconds(instance, result.run_id, asset) + 1e-3 * len(timings)
     messages = [e.user_message or "" for e in instance.all_logs(result.run_id)]
     assert latest_metadata(instance, "advantages")["kl_coef_applied"] == 0.05
-    for reported in ("sampling 6 prompts x 2 with static", "inference task rewards", "inference task advantages",
+    for reported in ("sampling 6 prompts x 2 with static", "inference task advantages",
                      "inference task reference_logprobs", "inference task evaluation"):
         assert any(reported in m for m in messages), f"no Pipes report {reported!r}"
+    # the rule reward alone (the reward model at weight 0) uses no model: scored in process, no job's hand-off
+    assert not any("inference task rewards" in m for m in messages)
+    assert not any(k.startswith("phase_s/") for k in latest_metadata(instance, "rewards"))
 
 
 @pytest.mark.slow
