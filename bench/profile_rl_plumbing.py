@@ -6,7 +6,7 @@ worker started, the caches warm), ``--iterations`` RL iterations run in this pro
 (``batchrl.cli.main.main``, the warm server off). Writes to ``--out``: ``plumbing.json`` (each step's wall per
 iteration, the jobs' reported phases) and ``plumbing.txt`` (the top functions by cumulative and by own time, of the
 Dagster process and of each job kind, summed over the iterations) and the profiles themselves (``dagster.prof``,
-``<job>.prof``).
+``<job>.prof``); ``timeline.txt``: every event of one more iteration, unprofiled, timed from its run's start.
 
     python3 bench/profile_rl_plumbing.py --iterations 4 --state /tmp/plumb --out $OUT   # on the device (gpu env)
     BENCH_SMOKE=1 python3 bench/profile_rl_plumbing.py --iterations 1 --state /tmp/plumb --out /tmp/plumb-out  # CPU
@@ -20,6 +20,7 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +32,27 @@ def _top(stats: pstats.Stats, sort: str, limit: int) -> str:
     stats.stream = text
     stats.sort_stats(sort).print_stats(limit)
     return "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+
+
+TIMELINE = r"""
+import dagster as dg
+with dg.DagsterInstance.get() as inst:
+    run = inst.get_runs(limit=1)[0]
+    events = inst.all_logs(run.run_id)
+    t0 = events[0].timestamp
+    for e in events:
+        kind = e.dagster_event.event_type_value if e.is_dagster_event else "LOG"
+        print(f"{e.timestamp - t0:8.3f} {kind:30s} {e.step_key or '':18s} {(e.user_message or '')[:110]!r}")
+"""
+
+
+def timeline(env: dict[str, str], log: str) -> str:
+    """Every event of one more RL iteration, unprofiled, with its time from the run's start: where a step's wall
+    goes between its job's messages."""
+    code, _ = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1"], log)
+    if code:
+        raise SystemExit(f"the timeline's iteration failed ({code}); see {log}")
+    return subprocess.run([sys.executable, "-c", TIMELINE], env=env, capture_output=True, text=True, check=True).stdout
 
 
 def main() -> int:
@@ -79,6 +101,8 @@ def main() -> int:
     profile.dump_stats(os.path.join(args.out, "dagster.prof"))
     for job, paths in by_job.items():  # pstats.Stats(file) reads them back, summed over the job's runs
         pstats.Stats(*paths).dump_stats(os.path.join(args.out, f"{job}.prof"))
+    with open(os.path.join(args.out, "timeline.txt"), "w") as f:
+        f.write(timeline(env, log))
     with open(os.path.join(args.out, "plumbing.txt"), "w") as f:
         for title, stats in sections:
             f.write(f"===== {title}: cumulative\n{_top(stats, 'cumulative', args.top)}\n\n")
