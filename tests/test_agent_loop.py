@@ -114,6 +114,15 @@ def test_a_flooding_tool_is_cut_and_its_observation_truncated(tiny):
     assert observation["wall_s"] < 1.5  # cut at the cap, not at the 2 s timeout
 
 
+def test_a_memory_bomb_hits_the_per_call_limit_and_later_cells_still_run(tiny):
+    bomb = "```python\nblob = bytearray(400 * 2**20)\n```"
+    script = lambda context: bomb if "```python\nblob" not in context else "```python\nprint('still here')\n```"
+    (sample,), _ = rollouts(tiny, script, max_turns=3, tool_memory_mb=128)
+    first, second = (t for t in sample["turns"] if t["role"] == "user")
+    assert first["status"] == "error" and "MemoryError" in first["content"]
+    assert (second["status"], second["content"]) == ("ok", "still here")  # the failed cell replays harmlessly
+
+
 def test_the_token_budget_ends_a_rollout_with_length(tiny):
     (sample,), _ = rollouts(tiny, always_calls("print(1)"), max_turns=10, max_total_tokens=60)
     assert sample["finish_reason"] == "length" and len(sample["response_ids"]) <= 60
