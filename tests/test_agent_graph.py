@@ -41,7 +41,8 @@ def tool_run(tmp_path_factory):
         with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
             result = run_assets(resources, instance, UPSTREAM + RL_LOOP, {"ops": TOOL_TASK})
             assert result.success
-            yield {asset: latest_metadata(instance, asset) for asset in RL_LOOP}
+            yield {**{asset: latest_metadata(instance, asset) for asset in RL_LOOP},
+                   "instance": instance, "resources": resources}
     finally:
         ROLLOUT_ENGINES.pop("forced", None)
 
@@ -64,3 +65,23 @@ def test_the_published_rollouts_keep_every_turn_and_the_advantages_skip_observat
     batch = pd.read_parquet(os.path.join(tool_run["advantages"]["uri"], "advantages.parquet"))
     for adv, mask in zip(batch["advantages"], batch["loss_mask"]):
         assert len(adv) == len(mask) and all(a == 0.0 for a, m in zip(adv, mask) if not m)
+
+
+def test_the_rollouts_job_in_its_own_process_runs_the_agent_too(tool_run):
+    """The GPU environments sample in a Pipes job (in_subprocess): the agent config travels with it. The real tiny
+    model there (no forced tokens in another process): it writes no tool call, so one-turn trajectories."""
+    resources = {**tool_run["resources"],
+                 "rollout_engine": RolloutEngineResource(kind="transformers", max_new_tokens=16, in_subprocess=True)}
+    assert run_assets(resources, tool_run["instance"], ["rollouts"], {"ops": TOOL_TASK}).success
+    rollouts = latest_metadata(tool_run["instance"], "rollouts")
+    assert rollouts["mean_turns"] == 1.0 and rollouts["finish/length"] + rollouts["finish/stop"] == 1.0
+    table = pd.read_parquet(os.path.join(rollouts["uri"], "rollouts.parquet"))
+    assert check_trajectories(table.to_dict("records")) == 4
+    system = table["prompt_ids"][0]  # the tool instructions went in as the system turn
+    assert "You can run Python" in _decode(tool_run, system)
+
+
+def _decode(tool_run, ids) -> str:
+    from batchrl.training.tiny_model import load_tokenizer
+
+    return load_tokenizer(tool_run["rollouts"]["policy"]).decode(list(ids))
