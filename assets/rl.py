@@ -119,7 +119,8 @@ def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
     return [key.to_user_string() for key in keys] if keys else None
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rollout", "batchrl.training.agent", config=RolloutConfig),
+@dg.asset(group_name="rl",
+          code_version=code_version("batchrl.training.rollout", "batchrl.training.agent", config=RolloutConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN}, metadata=declared_files(table="rollouts.parquet"))
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: Artifact, base_model: Artifact,
              promoted_policy: Optional[Artifact], rollout_engine: RolloutEngineResource,

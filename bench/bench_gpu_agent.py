@@ -68,8 +68,8 @@ def sandbox_check() -> dict:
         return {"levels": levels, "error": "no sandbox level works here: tool calls cannot run"}
     level = sandbox.isolation_level()
     result = sandbox.run_python("print(6 * 7)")
-    note = ("bubblewrap works" if level == "bwrap" else f"bubblewrap does NOT work here: tool calls run with the weaker "
-            f"{level!r} isolation (training/sandbox.py: an audit hook, not a security boundary)")
+    note = ("bubblewrap works" if level == "bwrap" else "bubblewrap does NOT work here: tool calls run with the "
+            f"weaker {level!r} isolation (training/sandbox.py: an audit hook, not a security boundary)")
     return {"levels": levels, "level": level, "note": note, "probe_ok": result.stdout.strip() == "42",
             "probe_wall_s": result.wall_s, "probe_stderr": result.stderr[-300:]}
 
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         args.turn_tokens, args.max_total_tokens, args.minutes = 24, 96, min(args.minutes, 0.2)
     work = args.work or os.path.join(args.out, "work")
     report = Report(args.out, {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-                               "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+                               "torch": torch.__version__,
+                               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
     box = sandbox_check()
     report.put("sandbox", box)
     if "error" in box:

@@ -34,7 +34,8 @@ def tool_run(tmp_path_factory):
     (root / "home").mkdir()
     ROLLOUT_ENGINES["forced"] = ForcedEngine
     tools = os.path.join(REPO, "sample_data", "tools")
-    landing = LandingResource(prompts=os.path.join(tools, "train.jsonl"), eval_prompts=os.path.join(tools, "heldout.jsonl"))
+    landing = LandingResource(prompts=os.path.join(tools, "train.jsonl"),
+                              eval_prompts=os.path.join(tools, "heldout.jsonl"))
     resources = local_resources(str(root / "storage"), landing=landing,
                                 rollout_engine=RolloutEngineResource(kind="forced", max_new_tokens=160))
     try:

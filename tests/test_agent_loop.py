@@ -110,7 +110,8 @@ def test_a_flooding_tool_is_cut_and_its_observation_truncated(tiny):
                             tool_output_bytes=4096, max_observation_chars=200)
     observation = sample["turns"][1]
     assert observation["status"] == "output_limit" and observation["exit_code"] == -9
-    assert observation["truncated"] and len(observation["content"]) <= 200 and "characters cut" in observation["content"]
+    assert observation["truncated"] and len(observation["content"]) <= 200
+    assert "characters cut" in observation["content"]
     assert observation["wall_s"] < 1.5  # cut at the cap, not at the 2 s timeout
 
 
@@ -206,7 +207,8 @@ def test_evaluation_reports_accuracy_with_and_without_tools(tiny):
     from batchrl.training.agent.evaluate import tool_metrics
 
     rows = [{"prompt": QUESTION, "answer": "4517277", "category": "mul"},
-            {"prompt": "What is the sum of 1200, 3400, 5600? Answer with a number.", "answer": "10200", "category": "sum"}]
+            {"prompt": "What is the sum of 1200, 3400, 5600? Answer with a number.", "answer": "10200",
+             "category": "sum"}]
     engine = ForcedEngine(tiny, script=three_cells, max_new_tokens=160, temperature=0.0)
     metrics = tool_metrics(engine, rows, {"tool_timeout_s": 2.0})
     # with tools the answer is read off the sandbox; without, the script's first turn (unrun code) is the answer

@@ -16,7 +16,8 @@ def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, float
            "tool_error_rate": sum(int(r["tool_errors"]) for r in rows) / max(1, calls),
            "model_tokens_per_s": own / loop_stats["generate_s"] if loop_stats.get("generate_s") else 0.0,
            "mean_model_tokens": own / n,
-           "tool_s": float(loop_stats.get("tool_s", 0.0)), "tool_call_s_sum": float(loop_stats.get("tool_call_wall_sum_s", 0.0)),
+           "tool_s": float(loop_stats.get("tool_s", 0.0)),
+           "tool_call_s_sum": float(loop_stats.get("tool_call_wall_sum_s", 0.0)),
            "tool_share": float(loop_stats.get("tool_s", 0.0)) / wall_s if wall_s > 0 else 0.0}
     for reason in ("stop", "length", "max_turns"):
         out[f"finish/{reason}"] = sum(r["finish_reason"] == reason for r in rows) / n
