@@ -44,19 +44,26 @@ def graphql(port: int, query: str, variables: dict | None = None) -> dict:
     return payload["data"]
 
 
-@pytest.fixture(scope="module")
-def dagster_dev(tmp_path_factory):
+def serve(tmp_path_factory, meanwhile=None):
+    """``dagster dev`` on a fresh DAGSTER_HOME and storage root, yielding its Port once it answers; stopped (its
+    process group) after. ``meanwhile(port)`` runs while the webserver loads its code location (~20 s of a loaded
+    box's time that a `batchrl run` into the same instance can use instead of waiting for it)."""
     home = tmp_path_factory.mktemp("home")
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
-    port = free_port()
-    storage = str(tmp_path_factory.mktemp("storage"))
-    env = {**os.environ, "DAGSTER_HOME": str(home), "BATCHRL_STORAGE": storage}
+    port = Port(free_port(), str(home), str(tmp_path_factory.mktemp("storage")))
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:  # the instance's databases created once, before
+        instance.get_runs(limit=1)  # two processes (webserver, meanwhile's) race to create them
+    env = {**os.environ, "DAGSTER_HOME": port.home, "BATCHRL_STORAGE": port.storage}
     dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
     log = open(home / "dagster_dev.log", "w")
     # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)
     proc = subprocess.Popen([dagster, "dev", "-p", str(port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        if meanwhile is not None:
+            meanwhile(port)
         deadline = time.time() + 180
         while True:
             try:
@@ -66,7 +73,7 @@ def dagster_dev(tmp_path_factory):
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"dagster dev did not start: {(home / 'dagster_dev.log').read_text()[-3000:]}")
                 time.sleep(1)
-        yield Port(port, str(home), storage)
+        yield port
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -74,3 +81,8 @@ def dagster_dev(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def dagster_dev(tmp_path_factory):
+    yield from serve(tmp_path_factory)
