@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-total-tokens", type=int, default=448)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--work", default=None, help="scratch folder (default: OUT/work)")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench_agent_work"),
+                    help="scratch folder (models, checkpoints; not under --out, whose files come back)")
     args = ap.parse_args(argv)
     started = time.monotonic()
     import torch
@@ -169,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.tiny:
         args.prompts_per_round, args.samples, args.eval_prompts = 4, 2, 8
         args.turn_tokens, args.max_total_tokens, args.minutes = 24, 96, min(args.minutes, 0.2)
-    work = args.work or os.path.join(args.out, "work")
+    work = args.work
+    for old in os.listdir(work) if os.path.isdir(work) else []:  # an earlier run's rounds would count as done
+        if old.startswith("round"):
+            shutil.rmtree(os.path.join(work, old), ignore_errors=True)
     report = Report(args.out, {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(0) if cuda else "cpu",
                                "torch": torch.__version__,
                                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
@@ -225,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             engine = make_rollout_engine(kind, model_path=current, max_new_tokens=args.turn_tokens, temperature=1.0,
                                          batch_size=engine.batch_size, device=device, dtype=dtype)
         numbers["load_s"] = time.perf_counter() - t
+        if index:  # the last round's folder (model, optimiser state: ~2 GB at 135M) is no longer needed
+            shutil.rmtree(os.path.join(work, f"round{index - 1:03d}"), ignore_errors=True)
         rounds.append(numbers)
         report.put("train", {"rounds": rounds, "policy": current, "minutes": (time.monotonic() - started) / 60})
     evaluate("after")
