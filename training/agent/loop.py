@@ -25,10 +25,12 @@ from batchrl.training.text import Messages, encode_prompts
 TurnGenerator = Callable[[list[list[int]], int, int], list[tuple[list[int], list[float], bool]]]
 
 
-# where a turn that calls a tool can stop early: vLLM stops on these strings. A python block's closing fence is the
-# same text as its opening one, so it has none; there, and in the other engines, a turn runs to its end of turn or
-# token cap and is cut after the call (AgentRollouts._model_turn)
-STOP_STRINGS = {"tool_call_json": ["</tool_call>"]}
+# where a turn that calls a tool can stop early: vLLM stops on these strings (kept in the output). A python block's
+# closing fence is a line of its own ("\n```\n"), its opening one is not ("```python"); a bare opening fence line
+# would stop the turn too (then it has no call and ends the rollout, as it would in the other engines). The
+# transformers and static engines have no stop strings: a turn runs to its end-of-turn token or cap and is cut after
+# the call (AgentRollouts._model_turn), the tail's tokens generated for nothing.
+STOP_STRINGS = {"python_block": ["\n```\n"], "tool_call_json": ["</tool_call>"]}
 
 
 def turn_generator(engine: Any, stop: list[str] | None = None) -> TurnGenerator:
