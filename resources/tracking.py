@@ -85,6 +85,8 @@ class TrackingResource(dg.ConfigurableResource):
 
     def _log_wandb(self, context, asset, params, series, summary, uri, data_version) -> str:
         """One W&B offline run for this materialisation, grouped under the Dagster run id."""
+        # W&B's core service exports its own error reports and telemetry unless told not to: offline means offline
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
 
         settings = wandb.Settings(mode="offline", silent=True, console="off", save_code=False, disable_git=True,
