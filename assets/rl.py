@@ -152,6 +152,11 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
             samples = add_greedy_baselines(samples, greedy)
     meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, prompt_messages ...
     samples = samples.join(meta, on="prompt_index")
+    shown = {}
+    if config.agent is not None and len(samples):  # one trajectory, every turn, in the UI (all are in the Parquet)
+        from batchrl.training.agent.stats import trajectory_markdown
+
+        shown["example_trajectory"] = dg.MetadataValue.md(trajectory_markdown(samples.iloc[0].to_dict()))
     with storage.staging_dir("rollouts") as staging:
         samples.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, seed=config.seed,
@@ -159,7 +164,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                                "chain_base": chain_base(policy)},
                        inputs={"prompts": prompts, "policy": policy},
                        metadata={"policy": policy.uri, **next_iteration(context.instance, policy),
-                                 **{k: v for k, v in stats.items() if k != "content_hash"}})
+                                 **{k: v for k, v in stats.items() if k != "content_hash"}, **shown})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"},

@@ -52,6 +52,8 @@ def test_the_rl_chain_trains_on_tool_trajectories(tool_run):
     rollouts, rewards, advantages, checkpoint = (tool_run[a] for a in RL_LOOP)
     assert rollouts["mean_tool_calls"] == 3.0 and rollouts["finish/stop"] == 1.0 and rollouts["tool_error_rate"] == 0.0
     assert 0.0 < rollouts["tool_share"] < 1.0
+    shown = rollouts["example_trajectory"]  # one trajectory in the UI (Markdown), turn by turn
+    assert shown.count("status ok, exit_code 0") == 3 and "finish_reason **stop**, 3 tool calls" in shown
     assert rewards["mean_reward"] == 1.0  # every forced trajectory reads its answer off the sandbox
     assert advantages["samples"] == 4 and checkpoint["iteration"] == 1
     assert isinstance(checkpoint["global_step"], int) and checkpoint["global_step"] >= 1

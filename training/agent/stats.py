@@ -22,3 +22,18 @@ def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, float
     for reason in ("stop", "length", "max_turns"):
         out[f"finish/{reason}"] = sum(r["finish_reason"] == reason for r in rows) / n
     return out
+
+
+def trajectory_markdown(row: dict[str, Any], max_chars: int = 400) -> str:
+    """One trajectory as Markdown for the UI: a line per turn (role, tool, status, exit code, wall) and its text in a
+    fenced block, each cut to ``max_chars``; the finish reason last."""
+    lines = [f"**prompt** {row['prompt'][:max_chars]}", ""]
+    for i, turn in enumerate(row["turns"], 1):
+        facts = [turn["role"]] + [f"{key} {turn[key]}" for key in ("tool", "status", "exit_code")
+                                  if turn.get(key) is not None]
+        if turn["role"] != "assistant":
+            facts.append(f"{turn['wall_s']:.2f} s" + (", cut" if turn["truncated"] else ""))
+        text = str(turn["content"]).replace("```", "'''")[:max_chars]  # a fence inside would close the block
+        lines += [f"{i}. {', '.join(map(str, facts))}", "", "```", text, "```", ""]
+    lines.append(f"finish_reason **{row['finish_reason']}**, {row['tool_calls']} tool calls")
+    return "\n".join(lines)
