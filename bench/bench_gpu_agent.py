@@ -27,6 +27,7 @@ package as ``profiles/real.yaml``'s ``base_model`` gets it, or pass ``--model`` 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -231,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
             engine = make_rollout_engine(kind, model_path=current, max_new_tokens=args.turn_tokens, temperature=1.0,
                                          batch_size=engine.batch_size, device=device, dtype=dtype)
         numbers["load_s"] = time.perf_counter() - t
+        gc.collect()  # the round's DeepSpeed engine and optimiser state are garbage now: free their GPU memory
+        if cuda:
+            torch.cuda.empty_cache()
         if index:  # the last round's folder (model, optimiser state: ~2 GB at 135M) is no longer needed
             shutil.rmtree(os.path.join(work, f"round{index - 1:03d}"), ignore_errors=True)
         rounds.append(numbers)
