@@ -181,6 +181,8 @@ def test_trajectories_round_trip_through_parquet_into_a_training_batch(tiny, tmp
                               [QUESTION, "What is the sum of 1200, 3400, 5600? Answer with a number."], n=2, seed=0,
                               out_parquet=str(out), agent={"tool_timeout_s": 2.0})
     assert stats["mean_tool_calls"] == 3.0 and 0.0 < stats["tool_share"] < 1.0 and stats["finish/stop"] == 1.0
+    # the forced turns end with an end-of-turn token after each call: generated, cut off, not kept
+    assert 0.9 < stats["kept_token_share"] < 1.0 and stats["engine_tokens_per_s"] > stats["model_tokens_per_s"]
     table = pd.read_parquet(out)
     assert check_trajectories(table.to_dict("records"), str(out)) == 4
     assert list(table["turns"][0][-1].keys())[:3] == ["role", "content", "tokens"]

@@ -169,6 +169,7 @@ class AgentRollouts:
         """``n`` trajectories per prompt, in ``(prompt, sample)`` order; ``self.stats`` gets the timings."""
         trajs = self._start(prompts, n, messages)
         generate_s = tool_s = tool_wall_sum = 0.0
+        generated = 0  # tokens the engine produced, the tails after tool calls (cut off) included
         active = list(trajs)
         for turn in range(self.config.max_turns):
             if not active:
@@ -178,6 +179,7 @@ class AgentRollouts:
             outs = self.generator([t.prompt_ids + t.ids for t in active], max(1, min(self.turn_tokens, room)),
                                   seed * 7919 + turn)
             generate_s += time.perf_counter() - started
+            generated += sum(len(ids) for ids, _, _ in outs)
             calls = [(t, call) for t, (ids, lps, stopped) in zip(active, outs)
                      if (call := self._model_turn(t, list(ids), list(lps), stopped, turn))]
             started = time.perf_counter()
@@ -187,7 +189,8 @@ class AgentRollouts:
                 tool_wall_sum += result.wall_s
                 self._observe(traj, result)
             active = [t for t in trajs if t.finish_reason is None]
-        self.stats = {"generate_s": generate_s, "tool_s": tool_s, "tool_call_wall_sum_s": tool_wall_sum}
+        self.stats = {"generate_s": generate_s, "tool_s": tool_s, "tool_call_wall_sum_s": tool_wall_sum,
+                      "generated_tokens": generated}
         return [self._sample(t, prompts) for t in trajs]
 
     def _sample(self, traj: Trajectory, prompts: list[str]) -> dict[str, Any]:

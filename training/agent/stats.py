@@ -6,7 +6,9 @@ from typing import Any, Sequence
 
 def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, float], wall_s: float) -> dict[str, float]:
     """Mean tool calls / turns per rollout, tool error rate, finish-reason shares, the model's own tokens per
-    second of generation (observations excluded), and the share of the rollout wall spent running tools
+    second of generation (observations excluded; ``engine_tokens_per_s`` counts every token the engine made, the
+    tails generated after a tool call and cut off included, ``kept_token_share`` the share kept), and the share of
+    the rollout wall spent running tools
     (``tool_share``: the loop's wall in the tool phase over the whole; calls run side by side, so the sum of the
     calls' own wall times, ``tool_call_s_sum``, can exceed it)."""
     n = max(1, len(rows))
@@ -16,6 +18,9 @@ def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, float
            "tool_error_rate": sum(int(r["tool_errors"]) for r in rows) / max(1, calls),
            "model_tokens_per_s": own / loop_stats["generate_s"] if loop_stats.get("generate_s") else 0.0,
            "mean_model_tokens": own / n,
+           "engine_tokens_per_s": (loop_stats.get("generated_tokens", 0) / loop_stats["generate_s"]
+                                   if loop_stats.get("generate_s") else 0.0),
+           "kept_token_share": own / loop_stats["generated_tokens"] if loop_stats.get("generated_tokens") else 1.0,
            "tool_s": float(loop_stats.get("tool_s", 0.0)),
            "tool_call_s_sum": float(loop_stats.get("tool_call_wall_sum_s", 0.0)),
            "tool_share": float(loop_stats.get("tool_s", 0.0)) / wall_s if wall_s > 0 else 0.0}
