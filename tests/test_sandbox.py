@@ -150,3 +150,13 @@ def test_isolation_level_prefers_bwrap_and_honours_override(monkeypatch):
     monkeypatch.setenv("BATCHRL_SANDBOX", "nonsense")
     with pytest.raises(RuntimeError, match="BATCHRL_SANDBOX"):
         sandbox.isolation_level()
+
+
+def test_an_output_flood_is_killed_at_the_cap_not_read_until_the_timeout(level):
+    limits = sandbox.SandboxLimits(timeout_s=5.0, max_output_bytes=4096)
+    flood = sandbox.run_python("import sys\nwhile True:\n    sys.stderr.write('e' * 100)\n    print('x' * 100)",
+                               limits=limits, isolation=level)
+    assert flood.output_truncated and not flood.timed_out and flood.returncode == -9
+    assert len(flood.stdout) <= 4096 and len(flood.stderr) <= 4096 and flood.wall_s < 2.0
+    quiet = sandbox.run_python("print('x' * 4000)", limits=limits, isolation=level)
+    assert not quiet.output_truncated and quiet.returncode == 0 and len(quiet.stdout) == 4001
