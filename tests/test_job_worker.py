@@ -6,6 +6,7 @@ import signal
 
 import dagster as dg
 import pandas as pd
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -51,21 +52,37 @@ def _metadata(result, node):
     return {k: v.value for k, v in result.asset_materializations_for_node(node)[-1].metadata.items()}
 
 
-def test_jobs_in_a_warm_worker_match_fresh_subprocesses(arith_job_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def fresh(arith_job_inputs, tmp_path_factory):
+    """The graph's jobs in fresh subprocesses (the default launcher), once for the module: what the warm worker's
+    runs must equal. ``.folder``: where its outputs lie."""
+    folder = tmp_path_factory.mktemp("fresh")
+    result = dg.materialize(_graph(arith_job_inputs, folder), resources={"trainer": TrainerLauncherResource()})
+    assert result.success
+    result.folder = folder
+    return result
+
+
+def _reference_logprobs(folder) -> pd.DataFrame:
+    return pd.read_parquet(folder / "ref" / "reference_logprobs.parquet")
+
+
+def _dpo_weights(folder) -> dict:
+    return load_file(folder / "dpo" / "model" / "model.safetensors")
+
+
+def test_jobs_in_a_warm_worker_match_fresh_subprocesses(arith_job_inputs, fresh, tmp_path):
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": str(tmp_path)})
     warm = dg.materialize(_graph(arith_job_inputs, tmp_path / "warm"), resources={"trainer": worker})
-    fresh = dg.materialize(_graph(arith_job_inputs, tmp_path / "fresh"),
-                           resources={"trainer": TrainerLauncherResource()})
-    assert warm.success and fresh.success
+    assert warm.success
     pids = set()
     for node in ("reference_logprobs", "dpo_checkpoint"):
         got, want = _metadata(warm, node), _metadata(fresh, node)
         pids.add(got["worker_pid"])
         assert "worker_pid" not in want and got.keys() - {"worker_pid"} == want.keys()
     # the same numbers out (the folders differ only in the paths their records name)
-    read = lambda run: pd.read_parquet(tmp_path / run / "ref" / "reference_logprobs.parquet")
-    pd.testing.assert_frame_equal(read("warm"), read("fresh"))
-    weights = [load_file(tmp_path / run / "dpo" / "model" / "model.safetensors") for run in ("warm", "fresh")]
+    pd.testing.assert_frame_equal(_reference_logprobs(tmp_path / "warm"), _reference_logprobs(fresh.folder))
+    weights = [_dpo_weights(tmp_path / "warm"), _dpo_weights(fresh.folder)]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
     assert len(pids) == 1  # both jobs in one process
     pid = pids.pop()
@@ -94,7 +111,7 @@ def test_jobs_in_a_warm_worker_match_fresh_subprocesses(arith_job_inputs, tmp_pa
     os.kill(new_pid, signal.SIGTERM)
 
 
-def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(arith_job_inputs, tmp_path):
+def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(arith_job_inputs, fresh, tmp_path):
     """With the weight cache on (``BATCHRL_WEIGHT_CACHE_GB``; off by default on a host without CUDA): reference
     log-probs load the base model and keep its weights; DPO, the next job in the same worker, builds its model
     from them (a hit) and trains it in place; a third job still finds the base model's weights. Every output is
@@ -103,9 +120,7 @@ def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(arith
                                      env={"BATCHRL_STORAGE": str(tmp_path), "BATCHRL_WEIGHT_CACHE_GB": "1"})
     warm = dg.materialize(_graph(arith_job_inputs, tmp_path / "warm"), resources={"trainer": worker})
     again = dg.materialize(_graph(arith_job_inputs, tmp_path / "again")[:1], resources={"trainer": worker})
-    fresh = dg.materialize(_graph(arith_job_inputs, tmp_path / "fresh"),
-                           resources={"trainer": TrainerLauncherResource()})
-    assert warm.success and again.success and fresh.success
+    assert warm.success and again.success
     cache = lambda result, node: tuple(_metadata(result, node)[f"weight_cache_{k}"] for k in ("hits", "misses"))
     assert cache(warm, "reference_logprobs") == (0, 1)  # loaded from the files, kept
     assert cache(warm, "dpo_checkpoint") == (1, 0)  # the same folder, dtype and device: built from the cache
@@ -113,10 +128,9 @@ def test_the_next_job_in_the_worker_builds_its_model_from_the_weight_cache(arith
     assert cache(fresh, "reference_logprobs") == cache(fresh, "dpo_checkpoint") == (0, 0)  # off outside the worker
     pids = {_metadata(warm, node)["worker_pid"] for node in ("reference_logprobs", "dpo_checkpoint")}
     assert pids == {_metadata(again, "reference_logprobs")["worker_pid"]}
-    read = lambda run: pd.read_parquet(tmp_path / run / "ref" / "reference_logprobs.parquet")
-    pd.testing.assert_frame_equal(read("warm"), read("fresh"))
-    pd.testing.assert_frame_equal(read("again"), read("fresh"))
-    weights = [load_file(tmp_path / run / "dpo" / "model" / "model.safetensors") for run in ("warm", "fresh")]
+    for run in ("warm", "again"):
+        pd.testing.assert_frame_equal(_reference_logprobs(tmp_path / run), _reference_logprobs(fresh.folder))
+    weights = [_dpo_weights(tmp_path / "warm"), _dpo_weights(fresh.folder)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
     os.kill(pids.pop(), signal.SIGTERM)
 
