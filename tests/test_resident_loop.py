@@ -5,73 +5,46 @@ loss curves as the loop that loads every stage's model from the published files 
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import signal
-import subprocess
 
 import dagster as dg
-from helpers_batchrl_run import BATCHRL
+from pipeline_helpers import local_resources, run_assets
 
-RL_LOOP = "rollouts,rewards,advantages,policy_checkpoint"
-UPSTREAM = "raw_logs,cleaned_logs,validated_preferences,preference_window,prompts,base_model"
+from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
+
+RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
+UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
 SMALL = {"ops": {
     "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4}},  # 4 optimiser steps an iteration
 }}
-STAGES = ("rollouts", "rewards", "advantages", "policy_checkpoint")
 
 
-def _profile(tmp_path, cache_gb: str):
-    """Every model stage a job in the warm worker (as on a GPU host), its weight cache at ``cache_gb``."""
-    path = tmp_path / f"worker-{cache_gb}.yaml"
-    path.write_text(json.dumps({"description": "the RL loop in the job worker", "resources": {
-        "rollout_engine": {"in_subprocess": True},
-        "trainer": {"backend": "worker", "worker_idle_s": 60, "env": {"BATCHRL_WEIGHT_CACHE_GB": cache_gb}}}}))
-    return str(path)
-
-
-def _env(root) -> dict[str, str]:
-    return {**os.environ, "DAGSTER_HOME": str(root / "home"), "BATCHRL_STORAGE": str(root / "storage"),
-            "BATCHRL_SERVER": "off"}
-
-
-def _run(env, *args) -> None:
-    done = subprocess.run([BATCHRL, "run", *args], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-
-def _history(env) -> dict[str, list[dict]]:
-    """Per RL stage, each materialisation's metadata (oldest first)."""
-    os.environ["DAGSTER_HOME"], saved = env["DAGSTER_HOME"], os.environ.get("DAGSTER_HOME")
-    try:
-        with dg.DagsterInstance.get() as instance:
-            return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
-                            for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
-                    for stage in STAGES}
-    finally:
-        os.environ.pop("DAGSTER_HOME") if saved is None else os.environ.__setitem__("DAGSTER_HOME", saved)
+def _loop(root: str, home: str, cache_gb: str) -> dict[str, list[dict]]:
+    """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
+    ``cache_gb``: per RL stage, each materialisation's metadata (oldest first)."""
+    resources = local_resources(
+        root, rollout_engine=RolloutEngineResource(in_subprocess=True),
+        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60,
+                                        env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb}))
+    os.makedirs(home, exist_ok=True)
+    with dg.DagsterInstance.local_temp(home) as instance:
+        assert run_assets(resources, instance, UPSTREAM, SMALL).success
+        for _ in range(2):  # each update promotes its checkpoint: the next rollouts sample from it
+            assert run_assets(resources, instance, RL_LOOP, SMALL).success
+        return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
+                        for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
+                for stage in RL_LOOP}
 
 
 def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_loads_from_files(tmp_path):
-    config = tmp_path / "small.yaml"
-    config.write_text(json.dumps(SMALL))
-    first = tmp_path / "resident"
-    (first / "home").mkdir(parents=True)
-    _run(_env(first), "--select", UPSTREAM, "-c", str(config))
-    second = tmp_path / "from_files"
-    shutil.copytree(first, second)  # the same base model and prompts (a copied root keeps working)
-    histories = {}
-    for root, cache_gb in ((first, "1"), (second, "0")):
-        _run(_env(root), "--profile", _profile(tmp_path, cache_gb), "--select", RL_LOOP, "--rl-iterations", "2",
-             "-c", str(config))
-        histories[cache_gb] = _history(_env(root))
+    histories = {gb: _loop(str(tmp_path / f"root{gb}"), str(tmp_path / f"home{gb}"), gb) for gb in ("1", "0")}
     resident, from_files = histories["1"], histories["0"]
     try:
-        for stage in STAGES:
+        for stage in RL_LOOP:
             assert [m["data_version"] for m in resident[stage]] == [m["data_version"] for m in from_files[stage]], stage
             assert len(resident[stage]) == 2
         for got, want in zip(resident["policy_checkpoint"], from_files["policy_checkpoint"]):
@@ -85,7 +58,7 @@ def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_
         assert not any(m["resident_weights"] for m in from_files["policy_checkpoint"])
     finally:
         for history in histories.values():
-            for pid in {m.get("worker_pid") for stage in STAGES for m in history[stage]} - {None}:
+            for pid in {m.get("worker_pid") for stage in RL_LOOP for m in history[stage]} - {None}:
                 try:
                     os.kill(int(pid), signal.SIGTERM)
                 except (ProcessLookupError, ValueError):
