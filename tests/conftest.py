@@ -43,6 +43,8 @@ MODULE_SECONDS = {
     "test_ui_browser.py": 130, "test_launched_runs.py": 40,
     # alone with -n 0 on the loaded dev box (2026-12-04): 233 s (load ~7 on 2 cores) and 82 s
     "test_tracking.py": 150, "test_rl_metadata.py": 80,
+    # alone with -n 0 on the loaded dev box (2026-12-04)
+    "test_resident_loop.py": 120, "test_agent_graph.py": 75, "test_agent_loop.py": 35,
 }
 
 
