@@ -119,8 +119,10 @@ def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
     return [key.to_user_string() for key in keys] if keys else None
 
 
+# the agent loop's modules, not the package: its evaluate scores sequences, which sampling never does
 @dg.asset(group_name="rl",
-          code_version=code_version("batchrl.training.rollout", "batchrl.training.agent", config=RolloutConfig),
+          code_version=code_version("batchrl.training.rollout", "batchrl.training.agent.loop",
+                                     "batchrl.training.agent.stats", config=RolloutConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN}, metadata=declared_files(table="rollouts.parquet"))
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: Artifact, base_model: Artifact,
              promoted_policy: Optional[Artifact], rollout_engine: RolloutEngineResource,

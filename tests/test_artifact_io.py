@@ -91,7 +91,8 @@ def _config_models() -> list[type]:
     found: dict[type, None] = {}
 
     def add(model: type) -> None:
-        model = getattr(model, "library_model", model)
+        library = getattr(model, "library_model", None)  # a model, or a function that checks combinations
+        model = library if isinstance(library, type) else model
         if model in found or model in bases:
             return
         found[model] = None
