@@ -21,6 +21,8 @@ from batchrl.resources.artifacts import OPTIONAL_KEY, Artifact
 
 PROMOTED = "promoted_policy"
 DATA_VERSION_TAG = "dagster/data_version"  # the tag Dagster reads an event's data version from
+ITERATION = "iteration"  # numeric metadata of each RL stage: the chain's iteration it belongs to (1 = first)
+CHAIN = "chain_base"  # text metadata of each RL stage: the chain it belongs to, "base_model@<data version>"
 
 promoted_policy = dg.AssetSpec(
     PROMOTED, group_name="rl", kinds={"pytorch"},
@@ -73,9 +75,10 @@ def parent_policy(rollouts: Artifact, promoted: Optional[Artifact], base_model: 
                      "trains the policy its samples came from")
 
 
-def promote(context: dg.AssetExecutionContext, output: dg.Output, parent: Artifact, base_model: Artifact) -> None:
+def promote(context: dg.AssetExecutionContext, output: dg.Output, parent: Artifact, base_model: Artifact,
+            extra: dict | None = None) -> None:
     """Materialise ``promoted_policy`` as the checkpoint just published (its data version, its parent, its
-    iteration in the chain when known)."""
+    iteration in the chain when known; ``extra``: more metadata, e.g. the chain's chart)."""
     ref = output.value
     iteration = output.metadata.get(ITERATION)
     context.log_event(dg.AssetMaterialization(
@@ -83,22 +86,27 @@ def promote(context: dg.AssetExecutionContext, output: dg.Output, parent: Artifa
                               f"{parent.data_version})",
         metadata={"uri": dg.MetadataValue.path(ref["uri"]), "data_version": ref["data_version"],
                   "artifact_asset": "policy_checkpoint", "parent": f"{parent.asset}@{parent.data_version}",
-                  "chain_base": f"base_model@{base_model.data_version}",
+                  CHAIN: f"base_model@{base_model.data_version}", **(extra or {}),
                   **({ITERATION: iteration} if iteration is not None else {})},
         tags={DATA_VERSION_TAG: ref["data_version"]}))
 
 
-ITERATION = "iteration"  # numeric metadata of each RL stage: the chain's iteration it belongs to (1 = first)
+def chain_of(policy: Artifact) -> str:
+    return f"base_model@{chain_base(policy)}"
 
 
-def _iteration_in(instance: dg.DagsterInstance, asset: str, data_version: str, limit: int = 50) -> int | None:
-    """The ``iteration`` that ``asset``'s materialisation of ``data_version`` (among its latest ``limit``) carries."""
+def _position_in(instance: dg.DagsterInstance, asset: str, data_version: str, limit: int = 50) -> dict:
+    """``{"iteration": n, "chain_base": ...}`` (what of it is known) that ``asset``'s materialisation of
+    ``data_version`` (among its latest ``limit``) carries."""
     for record in instance.fetch_materializations(dg.AssetKey(asset), limit=limit).records:
         metadata = record.asset_materialization.metadata
         recorded = metadata.get("data_version")
         if recorded is not None and recorded.value == data_version and ITERATION in metadata:
-            return int(metadata[ITERATION].value)
-    return None
+            position = {ITERATION: int(metadata[ITERATION].value)}
+            if CHAIN in metadata:
+                position[CHAIN] = str(metadata[CHAIN].value)
+            return position
+    return {}
 
 
 def policy_iteration(instance: dg.DagsterInstance, policy: Artifact) -> int | None:
@@ -106,16 +114,16 @@ def policy_iteration(instance: dg.DagsterInstance, policy: Artifact) -> int | No
     for a checkpoint promoted before iterations were counted)."""
     if policy.asset == "base_model":
         return 0
-    return _iteration_in(instance, PROMOTED, policy.data_version)
+    return _position_in(instance, PROMOTED, policy.data_version).get(ITERATION)
 
 
-def input_iteration(instance: dg.DagsterInstance, upstream: Artifact) -> dict[str, int]:
-    """``{"iteration": n}`` of the RL stage whose output ``upstream`` is, {} when not known."""
-    found = _iteration_in(instance, upstream.asset, upstream.data_version)
-    return {} if found is None else {ITERATION: found}
+def input_iteration(instance: dg.DagsterInstance, upstream: Artifact) -> dict:
+    """``{"iteration": n, "chain_base": ...}`` of the RL stage whose output ``upstream`` is, {} when not known."""
+    return _position_in(instance, upstream.asset, upstream.data_version)
 
 
-def next_iteration(instance: dg.DagsterInstance, policy: Artifact) -> dict[str, int]:
-    """``{"iteration": n}`` of the iteration that starts from ``policy`` ({} when its own is not known)."""
+def next_iteration(instance: dg.DagsterInstance, policy: Artifact) -> dict:
+    """``{"iteration": n, "chain_base": ...}`` of the iteration that starts from ``policy`` (no iteration when its
+    own is not known)."""
     done = policy_iteration(instance, policy)
-    return {} if done is None else {ITERATION: done + 1}
+    return {CHAIN: chain_of(policy), **({} if done is None else {ITERATION: done + 1})}

@@ -10,8 +10,10 @@ from pydantic import Field, model_validator
 from batchrl.assets.common import (
     code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
 )
+from batchrl.assets.iteration_chart import ChainChart
 from batchrl.assets.policy_chain import (
-    PROMOTED_POLICY_IN, chain_base, current_policy, input_iteration, next_iteration, parent_policy, promote,
+    CHAIN, ITERATION, PROMOTED_POLICY_IN, chain_base, current_policy, input_iteration, next_iteration, parent_policy,
+    promote,
 )
 from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
 from batchrl.assets.run_rules import check_run_config, kl_placement
@@ -270,10 +272,13 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
         "reference_model_path": base_model.path,
         **critic_config,
     }
-    output = train_and_publish(context, "train_policy", job_config,
-                               {"advantages": advantages, "policy": parent, "reference": base_model},
-                               config.seed, storage, catalog, trainer, companions=companions, tracking=tracking,
-                               metadata={**next_iteration(context.instance, parent),
-                                         "kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef})
-    promote(context, output, parent, base_model)
+    position = next_iteration(context.instance, parent)
+    own = {"kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef}
+    # the chain so far against its iteration, drawn while the update runs
+    with ChainChart(context, position[CHAIN], position.get(ITERATION), {"policy_checkpoint": own}) as chart:
+        output = train_and_publish(context, "train_policy", job_config,
+                                   {"advantages": advantages, "policy": parent, "reference": base_model},
+                                   config.seed, storage, catalog, trainer, companions=companions, tracking=tracking,
+                                   metadata={**position, **own})
+    promote(context, output, parent, base_model, extra=chart.metadata())
     return output

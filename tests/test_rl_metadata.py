@@ -4,6 +4,8 @@ the advantages and the update their KL coefficients; run details that are number
 world size, hashing time, weight-cache counts) are text, not plots. Two iterations on the tiny model (~2 min)."""
 from __future__ import annotations
 
+import base64
+
 import dagster as dg
 import pytest
 from pipeline_helpers import latest_metadata, local_resources, run_assets
@@ -26,11 +28,11 @@ def two_iterations(tmp_path_factory):
         second_config = {"rollouts": {"config": {**TINY["rollouts"]["config"], "seed": 1}}}
         assert run_assets(resources, instance, RL_LOOP, {"ops": second_config}).success
         second = {asset: latest_metadata(instance, asset) for asset in [*RL_LOOP, "promoted_policy"]}
-        yield first, second
+        yield first, second, instance
 
 
 def test_every_rl_stage_carries_its_iteration_as_a_number(two_iterations):
-    first, second = two_iterations
+    first, second, _ = two_iterations
     for asset in [*RL_LOOP, "promoted_policy"]:
         assert first[asset]["iteration"] == 1 and second[asset]["iteration"] == 2, asset
     assert second["policy_checkpoint"]["data_version"] != first["policy_checkpoint"]["data_version"]
@@ -60,3 +62,29 @@ def test_run_details_are_text_not_plots(two_iterations):
         assert isinstance(checkpoint[key], str), key
     assert checkpoint["world_size"] == "1" and checkpoint["seed"] == "0"
     assert isinstance(checkpoint["global_step"], int) and isinstance(checkpoint["job_wall_s"], float)
+
+
+def test_each_promotion_draws_the_chain_against_its_iteration(two_iterations):
+    """Dagster plots numbers against time: each promotion carries a chart of the chain so far whose x-axis is the
+    iteration, from the stages' numbers that name their chain (another base model's chain is not mixed in)."""
+    from batchrl.assets.charts import png_size
+    from batchrl.assets.iteration_chart import STAGES, chain_history, iteration_panels
+
+    first, second, instance = two_iterations
+    chain = second["promoted_policy"]["chain_base"]
+    assert chain == f"base_model@{latest_metadata(instance, 'base_model')['data_version']}"
+    assert all(meta[asset]["chain_base"] == chain for meta in (first, second) for asset in RL_LOOP)
+    history = chain_history(instance, chain)
+    assert {asset: sorted(history[asset]) for asset in STAGES} == {asset: [1, 2] for asset in STAGES}
+    assert [history["rewards"][i]["mean_reward"] for i in (1, 2)] == \
+        [first["rewards"]["mean_reward"], second["rewards"]["mean_reward"]]
+    panels = iteration_panels(history)
+    assert panels["reward"]["mean_reward"] == ([1, 2], [history["rewards"][i]["mean_reward"] for i in (1, 2)])
+    assert set(panels["KL coefficient"]) == {"kl_in_reward_coef", "kl_loss_coef"}
+    assert "mean_reward_by_category/arith" in panels["reward by category"]
+    assert iteration_panels(history, upto=1)["reward"]["mean_reward"][0] == [1]
+    assert chain_history(instance, "base_model@another") == {asset: {} for asset in STAGES}
+    for meta in (first, second):  # a PNG in Markdown, at the charts' width (3 panels of 3 inches at 72 dpi)
+        markdown = meta["promoted_policy"]["iterations_chart"]
+        assert markdown.startswith("![the RL chain per iteration](data:image/png;base64,")
+        assert png_size(base64.b64decode(markdown.split("base64,", 1)[1].rstrip(")")))[0] == 648
