@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 COLUMNS = 3
 PANEL_INCHES = (3.0, 1.9)
@@ -74,6 +75,7 @@ def line_panels(panels: dict[str, dict[str, tuple[list[int], list[float]]]], xla
                     marker="o" if len(xs) < 12 else None, markersize=3, label=name.removeprefix(f"{title}/"))
         ax.set_title(title, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and iterations are whole numbers
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         if len(series) > 1:
