@@ -33,10 +33,12 @@ PAGES = [
     Page("timeline.png", "/overview/activity/timeline", "batchrl.definitions"),
     Page("automation.png", "/automation", "new_logs_sensor"),
     # the latest policy update's per-step curves; the RL iterations' numbers across materialisations (Plots: one
-    # chart per key against the materialisation time, iteration a chart of its own); the evaluation's overlay
+    # chart per key against the materialisation time, iteration a chart of its own); the chain against its
+    # iteration (each promotion's chart); the evaluation's overlay
     Page("policy_curves.png", "/assets/policy_checkpoint?view=events", "curves", row_link="[Show Markdown]"),
     Page("rewards_plots.png", "/assets/rewards", "Metadata", to_top=True, button="Plots"),
     Page("advantages_plots.png", "/assets/advantages", "Metadata", to_top=True, button="Plots"),
+    Page("rl_chain_chart.png", "/assets/promoted_policy?view=events", "iterations_chart", row_link="[Show Markdown]"),
     Page("evaluation_overlay.png", "/assets/evaluation?view=events", "comparison_chart", row_link="[Show Markdown]"),
 ]
 
@@ -76,6 +78,7 @@ def main() -> None:
             if shot.row_link:
                 shown.locator("xpath=ancestor::tr").get_by_text(shot.row_link).first.click()
                 page.get_by_role("dialog").locator("img[src^='data:image/png']").first.wait_for(timeout=30_000)
+                page.wait_for_timeout(1000)  # the dialog's fade-in
             path = os.path.join(args.out, shot.file)
             page.screenshot(path=path)
             shrink(path)
