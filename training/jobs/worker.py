@@ -130,7 +130,9 @@ def preload() -> None:
         with contextlib.suppress(ImportError):  # a model family this transformers lacks: loaded on use
             importlib.import_module(name)
     with contextlib.suppress(ImportError):
-        import deepspeed  # noqa: F401
+        from batchrl.training.trainer.engine import import_deepspeed
+
+        import_deepspeed()
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")  # creates the context
     from batchrl.training import weight_cache
