@@ -30,21 +30,18 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
-# Seconds per module in a full run with -n 2 on the 2-core dev box (2026-12-04; the data-parallel trainer jobs
-# split out of test_trainer_jobs): the heaviest go first. Under loadscope a module runs whole on one worker, and
-# xdist's own order (most tests first) started test_real_profile (3 tests, ~600 s) last: ~10 min alone at the end.
+# Seconds per module (junit, setup included) in a full CI run from a clean clone with -n 2 on the idle 2-core dev box
+# (2026-12-04, 868 s of pytest; test_real_profile as measured alone after its jobs moved into a warm worker): the
+# heaviest go first. Under loadscope a module runs whole on one worker, and xdist's own order (most tests first)
+# started test_real_profile (then ~600 s) last: ~10 min alone at the end.
 MODULE_SECONDS = {
-    "test_real_profile.py": 620, "test_pipeline_e2e.py": 420, "test_trainer_jobs_global_batch.py": 215,
-    "test_rl_choices.py": 160, "test_job_worker.py": 155, "test_ui.py": 150, "test_trainer_jobs_data_parallel.py": 105,
-    "test_copied_root.py": 85, "test_faults_pipeline.py": 75, "test_faults_rl.py": 65, "test_lora_graph.py": 60,
-    "test_warm_server.py": 60, "test_trainer_jobs.py": 50, "test_mixed_sources.py": 40, "test_pipeline_data.py": 40,
-    "test_gguf_source.py": 40,
-    # not from a full run: alone with -n 0 on the loaded dev box (2026-12-04), 128 s and 73 s
-    "test_ui_browser.py": 130, "test_launched_runs.py": 40,
-    # alone with -n 0 on the loaded dev box (2026-12-04): 233 s (load ~7 on 2 cores) and 82 s
-    "test_tracking.py": 150, "test_rl_metadata.py": 80,
-    # alone with -n 0 on the loaded dev box (2026-12-04)
-    "test_resident_loop.py": 120, "test_agent_graph.py": 75, "test_agent_loop.py": 35,
+    "test_pipeline_e2e.py": 270, "test_rl_choices.py": 140, "test_real_profile.py": 130, "test_job_worker.py": 90,
+    "test_ui.py": 75, "test_trainer_jobs_global_batch.py": 70, "test_trainer_jobs_data_parallel.py": 60,
+    "test_loop_kill.py": 60, "test_faults_pipeline.py": 60, "test_faults_rl.py": 45, "test_warm_server.py": 40,
+    "test_trainer_jobs.py": 40, "test_ui_browser.py": 40, "test_copied_root.py": 40, "test_tracking.py": 35,
+    "test_resident_loop.py": 35, "test_lora_graph.py": 35, "test_mixed_sources.py": 30, "test_rl_metadata.py": 25,
+    "test_pipeline_data.py": 25, "test_lineage_audit.py": 20, "test_sandbox.py": 20, "test_lora.py": 20,
+    "test_agent_graph.py": 20,
 }
 
 
