@@ -107,6 +107,21 @@ def default_concurrent_steps() -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``batchrl run``; the environment it sets for its own runs is restored when it returns (a caller in the
+    same process, e.g. a test, then starts other programs with its own environment)."""
+    from batchrl.common.log_file import OUTPUT_ROUTED_ENV
+
+    saved = os.environ.get(OUTPUT_ROUTED_ENV)
+    try:
+        return _run(args)
+    finally:
+        if saved is None:
+            os.environ.pop(OUTPUT_ROUTED_ENV, None)
+        else:
+            os.environ[OUTPUT_ROUTED_ENV] = saved
+
+
+def _run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     run_config, iterations = _run_config(args)
     from batchrl.cli.console import RunProgress, print_run_summary, quiet_libraries, run_log_path

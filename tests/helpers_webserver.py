@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from batchrl.cli.instance import DAGSTER_YAML
+from batchrl.common.log_file import OUTPUT_ROUTED_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,7 +56,10 @@ def serve(tmp_path_factory, meanwhile=None):
 
     with dg.DagsterInstance.from_config(str(home)) as instance:  # the instance's databases created once, before
         instance.get_runs(limit=1)  # two processes (webserver, meanwhile's) race to create them
-    env = {**os.environ, "DAGSTER_HOME": port.home, "BATCHRL_STORAGE": port.storage}
+    # a user's shell, not this test process: an in-process `batchrl run` of an earlier test set
+    # BATCHRL_OUTPUT_ROUTED, which would keep the server's runs from writing their own log files
+    env = {**{k: v for k, v in os.environ.items() if k != OUTPUT_ROUTED_ENV},
+           "DAGSTER_HOME": port.home, "BATCHRL_STORAGE": port.storage}
     dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
     log = open(home / "dagster_dev.log", "w")
     # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)

@@ -31,8 +31,17 @@ def level(request, monkeypatch):
     return request.param
 
 
-def _leftovers() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "batchrl-sandbox-*")))
+def _record_scratch_dirs(monkeypatch) -> list[str]:
+    """The scratch directories the sandbox makes in this process from now on (this test's own: another xdist
+    worker's sandboxes, e.g. the agent tests', make theirs in the same temp folder at the same time)."""
+    made, make = [], tempfile.mkdtemp
+
+    def recording(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", recording)
+    return made
 
 
 def _sandboxed_processes() -> set[int]:
@@ -107,7 +116,7 @@ def test_escape_attempts_score_zero_and_leave_nothing(level, attempt, tmp_path, 
 
     listener = threading.Thread(target=accept)
     listener.start()
-    before = _leftovers()
+    scratch_dirs = _record_scratch_dirs(monkeypatch)
     code = ESCAPES[attempt].format(secret=secret_dir / "secret.txt", secret_dir=secret_dir, marker=marker,
                                    port=server.getsockname()[1])
     runs, run_python = [], sandbox.run_python
@@ -123,7 +132,8 @@ def test_escape_attempts_score_zero_and_leave_nothing(level, attempt, tmp_path, 
         assert all(run.timed_out and run.returncode is None for run in runs), runs
     assert connections == [], "the sandboxed code reached a host socket"
     assert not marker.exists()
-    assert _leftovers() <= before, "a scratch directory was left behind"
+    assert len(scratch_dirs) == len(ADD_TESTS)  # one scratch directory per sandbox
+    assert not [d for d in scratch_dirs if os.path.exists(d)], "a scratch directory was left behind"
     assert not _sandboxed_processes(), "a sandboxed process outlived its run"
 
 
