@@ -44,8 +44,29 @@ def _record_scratch_dirs(monkeypatch) -> list[str]:
     return made
 
 
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def _ours(pid: int) -> bool:
+    """A process this test process started, or an orphan (what escapes by outliving its parent becomes), not one
+    of another xdist worker's sandboxes (e.g. the agent tests'): those descend from a sibling of this process,
+    reached through the parent that started both before reaching this one."""
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == os.getpid():
+            return True
+        if pid == os.getppid():
+            return False
+    return True
+
+
 def _sandboxed_processes() -> set[int]:
-    """PIDs of sandboxed interpreters (their command line is the sandbox's) still alive."""
+    """PIDs of sandboxed interpreters (their command line is the sandbox's) still alive, this test's own."""
     pids = set()
     for entry in glob.glob("/proc/[0-9]*/cmdline"):
         try:
@@ -55,7 +76,7 @@ def _sandboxed_processes() -> set[int]:
             continue
         if argv[1:5] == [b"-I", b"-S", b"-B", b"main.py"]:
             pids.add(int(entry.split("/")[2]))
-    return pids
+    return {pid for pid in pids if _ours(pid)}
 
 
 def test_extract_code_prefers_the_last_python_block():
