@@ -308,3 +308,21 @@ def test_a_checkpoint_copied_into_a_loaded_model_comes_from_the_cache_once_kept(
     assert load_checkpoint_in_place(load_model_and_tokenizer(untied)[0], str(other), dtype="float32", device="cpu")
     cached = load_model_and_tokenizer(str(other))[0]
     _assert_same_model(cached, want)
+
+
+def test_a_load_not_worth_keeping_evicts_nothing(untied):
+    """The 7B-shape RL iteration (LoRA reward model on the base's folder): the reward model's load (a head the
+    base's files lack) must not push the policy's base out of a cache that holds one model (measured: the base
+    reloaded by every policy update, 2.5 s an iteration)."""
+    from batchrl.training.reward_model import load_reward_model
+
+    base = _uncached(untied)
+    nbytes = weight_cache.snapshot(base).nbytes
+    weight_cache.enable(nbytes + nbytes // 2, host=True)  # room for the base, not for the base and a classifier
+    load_model_and_tokenizer(untied)
+    assert weight_cache.stats()["entries"] == 1
+    load_reward_model(untied)  # from the same folder: its head initialised at load, not kept
+    stats = weight_cache.stats()
+    assert stats["entries"] == 1 and stats["evictions"] == 0 and stats["not_kept"] == 1
+    _assert_same_model(load_model_and_tokenizer(untied)[0], base)
+    assert weight_cache.stats()["hits"] == 1

@@ -289,7 +289,7 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
     """``auto_class.from_pretrained(path, ...)`` on ``device`` in eval mode; where the weight cache is on (the job
     worker), a folder loaded before with the same files, dtype, device and ``kind`` is built from the cached
     weights instead of read again (``weight_cache.load``). A load that initialised tensors the files do not hold
-    is not kept. A LoRA adapter folder: its base loaded so, the adapter merged in memory (``lora.load_merged``)."""
+    is not kept (and evicts nothing). A LoRA adapter folder: its base loaded so, the adapter merged in memory (``lora.load_merged``)."""
     from batchrl.training import lora, weight_cache
     from batchrl.training.weights import load_weights_in_place
 
@@ -302,11 +302,10 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
     def from_files():
         return auto_class.from_pretrained(path, dtype=dtype, **load_kwargs, **placed_on(device)).to(device).eval()
 
-    model, hit = weight_cache.load(
+    model, _ = weight_cache.load(
         cache_key, load=from_files, build=lambda entry: _empty_model(entry, auto_class, dtype, device),
-        copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors), extras=_model_extras)
-    if cache_key is not None and not hit and not _files_cover(model, path):
-        weight_cache.discard(cache_key)
+        copy_state=lambda empty, tensors: load_weights_in_place(empty, path, tensors=tensors), extras=_model_extras,
+        keep_if=lambda loaded: _files_cover(loaded, path))
     return model
 
 
