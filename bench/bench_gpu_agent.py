@@ -113,7 +113,7 @@ def throughput(engine, agent, prompts: list[str], n: int, seed: int) -> dict:
 
 
 def grpo_round(engine, agent, policy_cfg, prompts: list[dict], *, n: int, seed: int, model_path: str,
-               base_path: str, work: str) -> tuple[dict, str]:
+               base_path: str, work: str, unfinished_reward: float | None = None) -> tuple[dict, str]:
     """Rollouts with tools -> rewards -> GRPO advantages -> one policy update; returns (numbers, new model folder)."""
     import pandas as pd
 
@@ -131,7 +131,8 @@ def grpo_round(engine, agent, policy_cfg, prompts: list[dict], *, n: int, seed: 
     stats = trajectory_stats(rows, loop.stats, clock["rollout_s"])
     table = pd.DataFrame(rows).join(pd.DataFrame(prompts).drop(columns=["prompt"]), on="prompt_index")
     started = time.perf_counter()
-    scored = compute_rewards(table, RewardConfig(rule="final_answer", weights={"rule": 1.0, "reward_model": 0.0}))
+    scored = compute_rewards(table, RewardConfig(rule="final_answer", weights={"rule": 1.0, "reward_model": 0.0},
+                                                 unfinished_reward=unfinished_reward))
     batch = compute_advantages(scored, "grpo").drop(columns=["turns"])
     os.makedirs(work, exist_ok=True)
     batch.to_parquet(os.path.join(work, "batch.parquet"), index=False)
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-total-tokens", type=int, default=448)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--unfinished-reward", type=float, default=None, help="reward of a trajectory cut at max_turns "
+                    "or the token budget (RewardConfig.unfinished_reward; default: its answer's)")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench_agent_work"),
                     help="scratch folder (models, checkpoints; not under --out, whose files come back)")
     args = ap.parse_args(argv)
@@ -226,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         prompts = (train + train)[start:start + args.prompts_per_round]
         engine.temperature = 1.0
         numbers, current = grpo_round(engine, agent, policy_cfg, prompts, n=args.samples, seed=100 + index,
-                                      model_path=current, base_path=base, work=os.path.join(work, f"round{index:03d}"))
+                                      model_path=current, base_path=base, work=os.path.join(work, f"round{index:03d}"),
+                                      unfinished_reward=args.unfinished_reward)
         t = time.perf_counter()
         if not load_checkpoint_in_place(engine.model, current, dtype=dtype, device=device):
             engine = make_rollout_engine(kind, model_path=current, max_new_tokens=args.turn_tokens, temperature=1.0,

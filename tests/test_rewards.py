@@ -98,3 +98,18 @@ def test_compute_rewards_on_arith_rows():
     assert "reward_model" not in out
     with pytest.raises(ValueError, match="reward_model_path"):
         compute_rewards(frame, RewardConfig(weights={"rule": 1.0, "reward_model": 0.5}))
+
+
+def test_unfinished_trajectories_get_the_configured_reward_whatever_their_answer():
+    """The tool task on the H200: a trained policy echoed its result in tool calls until the turn budget (65% of
+    held-out trajectories ended at max_turns) and was paid for the number in its last turn. ``unfinished_reward``
+    pays a trajectory that did not end on its own that reward; stop-finished ones and single-turn rows keep theirs."""
+    rows = [{"prompt": "What is 12 * 34?", "response": r, "answer": "408", "finish_reason": f}
+            for r, f in (("408", "stop"), ("```python\n408\n```", "max_turns"), ("The answer is 408", "length"),
+                         ("407", "stop"))]
+    cfg = RewardConfig(rule="final_answer")
+    assert compute_rewards(rows, cfg)["reward"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    gated = RewardConfig(rule="final_answer", unfinished_reward=-0.5)
+    assert compute_rewards(rows, gated)["reward"].tolist() == [1.0, -0.5, -0.5, 0.0]
+    one_turn = [{k: v for k, v in r.items() if k != "finish_reason"} for r in rows]
+    assert compute_rewards(one_turn, gated)["reward"].tolist() == [1.0, 1.0, 1.0, 0.0]

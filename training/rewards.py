@@ -213,6 +213,9 @@ def mix_rewards(
     return (matrix * row_weights).sum(axis=1)
 
 
+UNFINISHED = ("max_turns", "length")  # a trajectory's finish reasons that are not its own end (training/agent)
+
+
 class RewardConfig(BaseModel):
     """Reward mix of the ``rewards`` stage.
 
@@ -241,6 +244,11 @@ class RewardConfig(BaseModel):
     reward_model_path: str | None = Field(None, description=(
         "HF reward-model folder scored with when the mix weighs reward_model (library use: the rewards asset "
         "always takes the reward_model asset's folder)"))
+    unfinished_reward: float | None = Field(None, description=(
+        "the reward of a multi-turn trajectory that did not end on its own (finish_reason max_turns: its last "
+        "allowed turn still called a tool; length: the token budget), whatever its answer, e.g. 0: a policy is not "
+        "paid for echoing results in tool calls until the turn budget (seen on the tool task, bench/RESULTS.md). "
+        "None: the mix, as for every row. Single-turn rollouts carry no finish_reason and are never affected"))
     rm_batch_size: int = Field(32, description="sequences per reward-model forward pass")
     rm_max_length: int = Field(256, description="tokens of prompt + response the reward model reads; longer "
                                "ones are truncated")
@@ -284,6 +292,8 @@ def compute_rewards(
     key = cfg.route_by
     categories = [c if isinstance(c, str) else None for c in frame[key]] if key in frame else None
     reward = mix_rewards(components, cfg.weights, category=categories, routing=cfg.routing)
+    if cfg.unfinished_reward is not None and "finish_reason" in frame:
+        reward = np.where(frame["finish_reason"].isin(UNFINISHED).to_numpy(), cfg.unfinished_reward, reward)
     out = frame.copy()
     for name, values in components.items():
         out[name] = values
