@@ -74,11 +74,12 @@ def artifact_sizes(storage: str) -> dict[str, list[int]]:
 
 
 def iteration_splits(per_asset: list[dict]) -> list[dict]:
-    """``iteration_split`` of each RL iteration in start order (an iteration ends with its promoted_policy)."""
+    """``iteration_split`` of each RL iteration in start order (an iteration's last step is its policy update:
+    promoted_policy is no step of the run's report)."""
     iterations, current = [], []
     for p in sorted((p for p in per_asset if p["asset"] in RL_ITERATION), key=lambda p: p.get("start_s", 0.0)):
         current.append(p)
-        if p["asset"] == "promoted_policy":
+        if p["asset"] == "policy_checkpoint":
             iterations.append(iteration_split(current))
             current = []
     return iterations + ([iteration_split(current)] if current else [])
