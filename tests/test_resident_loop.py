@@ -23,7 +23,7 @@ SMALL = {"ops": {
 }}
 
 
-def _loop(root: str, home: str, cache_gb: str) -> dict[str, list[dict]]:
+def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL) -> dict[str, list[dict]]:
     """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
     ``cache_gb``: per RL stage, each materialisation's metadata (oldest first)."""
     resources = local_resources(
@@ -32,9 +32,9 @@ def _loop(root: str, home: str, cache_gb: str) -> dict[str, list[dict]]:
                                         env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb}))
     os.makedirs(home, exist_ok=True)
     with dg.DagsterInstance.local_temp(home) as instance:
-        assert run_assets(resources, instance, UPSTREAM, SMALL).success
+        assert run_assets(resources, instance, UPSTREAM, run_config).success
         for _ in range(2):  # each update promotes its checkpoint: the next rollouts sample from it
-            assert run_assets(resources, instance, RL_LOOP, SMALL).success
+            assert run_assets(resources, instance, RL_LOOP, run_config).success
         return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
                         for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
                 for stage in RL_LOOP}
@@ -54,15 +54,41 @@ def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_
         assert [m["engine_reused"] for m in resident["rollouts"]] == [False, True]
         assert int(resident["rollouts"][1]["weight_cache_hits"]) >= 1  # recorded as text
         assert [m["resident_weights"] for m in resident["policy_checkpoint"]] == [True, True]
+        # the second update trains the first one's engine, kept in the worker (resident_trainer), same results
+        assert [m["trainer_reused"] for m in resident["policy_checkpoint"]] == [False, True]
+        assert not any(m["trainer_reused"] for m in from_files["policy_checkpoint"])
         assert not any(m["engine_reused"] for m in from_files["rollouts"])
         assert not any(m["resident_weights"] for m in from_files["policy_checkpoint"])
     finally:
-        for history in histories.values():
-            for pid in {m.get("worker_pid") for stage in RL_LOOP for m in history[stage]} - {None}:
-                try:
-                    os.kill(int(pid), signal.SIGTERM)
-                except (ProcessLookupError, ValueError):
-                    pass
+        _stop_workers(histories)
+
+
+def _stop_workers(histories: dict) -> None:
+    for history in histories.values():
+        for pid in {m.get("worker_pid") for stage in RL_LOOP for m in history[stage]} - {None}:
+            try:
+                os.kill(int(pid), signal.SIGTERM)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jobs(tmp_path):
+    """LoRA (adapter artifacts, the reference = the base with the adapter off): the second update takes over the
+    first one's PEFT model and engine and publishes the adapter a fresh job would (same data versions, curves)."""
+    # dropout on the adapters: the kept trainer's steps draw the random stream a fresh job's do
+    adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3}
+    lora = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
+    histories = {gb: _loop(str(tmp_path / f"root{gb}"), str(tmp_path / f"home{gb}"), gb, lora) for gb in ("1", "0")}
+    resident, from_files = histories["1"], histories["0"]
+    try:
+        for stage in RL_LOOP:
+            assert [m["data_version"] for m in resident[stage]] == [m["data_version"] for m in from_files[stage]], stage
+        assert [m["loss_curve"] for m in resident["policy_checkpoint"]] == \
+            [m["loss_curve"] for m in from_files["policy_checkpoint"]]
+        assert [m["trainer_reused"] for m in resident["policy_checkpoint"]] == [False, True]
+        assert not any(m["trainer_reused"] for m in from_files["policy_checkpoint"])
+    finally:
+        _stop_workers(histories)
 
 
 def test_kept_engine_is_reused_only_for_the_same_settings_and_model_and_within_its_limit(arith_job_inputs,

@@ -314,7 +314,8 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
     """``auto_class.from_pretrained(path, ...)`` on ``device`` in eval mode; where the weight cache is on (the job
     worker), a folder loaded before with the same files, dtype, device and ``kind`` is built from the cached
     weights instead of read again (``weight_cache.load``). A load that initialised tensors the files do not hold
-    is not kept (and evicts nothing). A LoRA adapter folder: its base loaded so, the adapter merged in memory (``lora.load_merged``)."""
+    is not kept (and evicts nothing). A LoRA adapter folder: its base loaded so, the adapter merged in memory
+    (``lora.load_merged``); kept merged where the adapter replaces modules (``_merged_cache_key``)."""
     from batchrl.training import lora, weight_cache
     from batchrl.training.weights import load_weights_in_place
 

@@ -231,6 +231,13 @@ def reject(cache_key: Hashable) -> None:
         _counts["fallbacks"] += 1
 
 
+def forget(cache_key: Hashable) -> None:
+    """Drop ``cache_key``'s entry, if any (its tensors are about to change: a kept trainer's weights); a later load
+    may store it again."""
+    with _lock:
+        _entries.pop(cache_key, None)
+
+
 @torch.no_grad()
 def restore(model: torch.nn.Module, entry: Entry,
             copy_state: Callable[[torch.nn.Module, dict[str, torch.Tensor]], bool]) -> bool:

@@ -128,6 +128,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     (its model loads built from the job worker's weight cache / read from their files while the cache was on;
     both 0 where it is off)."""
     from batchrl.training import profiling, resident, weight_cache
+    from batchrl.training.trainer import resident_trainer
 
     config = read_job_config(argv if argv is not None else sys.argv[1:])
     choose_attention_kernels()
@@ -149,6 +150,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
             meta.update(content_hash=version, hash_s=round(time.perf_counter() - started, 3))
         # the trainer's exported weights stay in the worker under the content they are published as
         meta["resident_weights"] = resident.settle(output, version)
+        resident_trainer.settle(output, version)  # the kept policy trainer stands for this artifact
         rep.materialize(meta, version)
     _close_process_group()
     return 0

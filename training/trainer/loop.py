@@ -17,6 +17,7 @@ from batchrl.training.trainer.batching import epoch_order, step_micro_batches, s
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
                                                  save_checkpoint, seed_everything, write_completion,
                                                  write_train_record)
+from batchrl.training.trainer import resident_trainer
 from batchrl.training.trainer.config import TrainerConfig
 from batchrl.training.trainer.engine import (frozen_base_placement, init_deepspeed, make_optimizer, make_scheduler,
                                             trainer_clips)
@@ -123,11 +124,15 @@ class TrainLoop:
     With ``cfg.lora_rank > 0`` the model is the base (``lora_base``, frozen) with LoRA adapters of
     ``task_type`` (a new adapter, or the one ``model_path`` holds, trained further); only the adapters are
     optimised, checkpointed and exported (``training/lora.py``).
+
+    ``resident_trainer_ok`` (the policy update): the job worker's last policy engine is taken over when this job
+    trains the checkpoint it exported (``resident_trainer``); any other trainer releases that engine first.
     """
 
     def __init__(self, cfg: TrainerConfig, *, model_path: str, out_dir: str, total_steps: int,
                  inputs: dict[str, str] | None = None, report: Report | None = None,
-                 load_model: Callable[..., tuple[Any, Any]] = load_trainable, task_type: str = lora.CAUSAL_LM):
+                 load_model: Callable[..., tuple[Any, Any]] = load_trainable, task_type: str = lora.CAUSAL_LM,
+                 resident_trainer_ok: bool = False):
         self.cfg, self.out_dir, self.total_steps, self.model_path = cfg, out_dir, total_steps, model_path
         self._clock = PhaseClock()  # where the job's wall time went (metadata: a GPU's idle parts)
         self._steps_from: float | None = None
@@ -137,19 +142,17 @@ class TrainLoop:
         os.makedirs(self.ckpt_dir, exist_ok=True)
         seed_everything(cfg.seed)
         self.lora_base: str | None = None  # the frozen base folder of a LoRA run
-        if lora.enabled(cfg):
-            model, self.tokenizer, self.lora_base = lora.trainable(load_model, model_path, cfg, task_type,
-                                                                   frozen_base_placement(cfg))
+        # the last policy job's engine, when this job trains the very checkpoint it exported (resident_trainer)
+        kept = resident_trainer.claim(cfg, model_path, self.ckpt_dir) if resident_trainer_ok else None
+        if not resident_trainer_ok:
+            resident_trainer.release()  # another trainer: the memory a kept policy trainer holds is this job's
+        self.trainer_reused = kept is not None
+        if kept is not None:
+            self.tokenizer, self.lora_base = kept.tokenizer, kept.lora_base
+            self.engine = resident_trainer.renew(kept, cfg, total_steps)
         else:
-            model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cfg.torch_compile:
-            compile_layers(model)
-        optimizer = make_optimizer(model, cfg)
-        scheduler = make_scheduler(optimizer, cfg, total_steps)
-        universal = cfg.resume and needs_universal(self.ckpt_dir, cfg.zero_stage)
-        self.engine = init_deepspeed(model, cfg, optimizer, scheduler, universal=universal)
+            self.engine = self._new_engine(cfg, model_path, total_steps, load_model, task_type)
+        seed_everything(cfg.seed)  # the steps' random stream whatever the build drew (a LoRA layer's init): as claimed
         self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [],
                                       "run_key": self.run_key, "world_size": world()[1]}
         self.resumed_from: int | None = None
@@ -167,6 +170,22 @@ class TrainLoop:
                 self.resumed_from = restored["global_step"]
         self._t0 = time.time()
         self._clock.add("setup", time.perf_counter() - self._clock.started)  # model load, compile, engine, resume
+
+    def _new_engine(self, cfg: TrainerConfig, model_path: str, total_steps: int,
+                    load_model: Callable[..., tuple[Any, Any]], task_type: str):
+        if lora.enabled(cfg):
+            model, self.tokenizer, self.lora_base = lora.trainable(load_model, model_path, cfg, task_type,
+                                                                   frozen_base_placement(cfg))
+        else:
+            model, self.tokenizer = load_model(model_path)  # a causal LM, or e.g. a reward model's classifier
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.torch_compile:
+            compile_layers(model)
+        optimizer = make_optimizer(model, cfg)
+        scheduler = make_scheduler(optimizer, cfg, total_steps)
+        universal = cfg.resume and needs_universal(self.ckpt_dir, cfg.zero_stage)
+        return init_deepspeed(model, cfg, optimizer, scheduler, universal=universal)
 
     @property
     def global_step(self) -> int:

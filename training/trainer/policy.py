@@ -23,6 +23,7 @@ from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_po
                                     kl_penalty, masked_mean)
 from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
                                            sequence_token_logprobs, to_device)
+from batchrl.training.trainer import resident_trainer
 from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
@@ -141,7 +142,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
         return done
     n_steps = steps_per_epoch(n, cfg.micro_batch_size, cfg.grad_accum)
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
-                     inputs={"batch": batch_parquet}, report=report)
+                     inputs={"batch": batch_parquet}, report=report, resident_trainer_ok=True)
     pad_id = loop.tokenizer.pad_token_id
     with loop.measure_context("fixed_logprobs"):
         fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
@@ -174,4 +175,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
             from batchrl.training.trainer.critic import train_critic
 
             result.update(train_critic(cfg, rows, critic_path=critic_path or model_path, out_dir=out_dir))
-    return loop.complete(result)
+    result["trainer_reused"] = loop.trainer_reused
+    result = loop.complete(result)
+    resident_trainer.keep(loop, cfg, result)  # for the next iteration's update, when safe (the worker only)
+    return result
