@@ -59,6 +59,7 @@ def publish(
     """Publish ``staging`` as this asset's new immutable version and return the Dagster output.
     ``asset`` names a companion artifact published by the same step (default: the asset itself);
     ``content_hash``: the files' hash when their writer took it (``StorageResource.publish``)."""
+    started = time.perf_counter()
     by_key = context.assets_def.code_versions_by_key
     single = len(context.assets_def.keys) == 1  # a multi-asset step names each of its assets
     asset = asset or context.asset_key.to_user_string()
@@ -71,7 +72,9 @@ def publish(
     plain = {k: v for k, v in metadata.items() if not isinstance(v, dg.MetadataValue)}  # tables/markdown: UI only
     catalog.record(asset=asset, data_version=ref.data_version, uri=ref.uri, run_id=context.run.run_id,
                    code_version=code, metadata=plain, lineage=lineage, root=storage.root_uri())
-    metadata.update(uri=dg.MetadataValue.path(ref.uri), data_version=ref.data_version)
+    # lineage, hash (unless the writer took it), publish, catalog: the step's own seconds after its work
+    metadata.update(uri=dg.MetadataValue.path(ref.uri), data_version=ref.data_version,
+                    publish_s=round(time.perf_counter() - started, 3))
     if seed is not None:
         metadata["seed"] = seed
     metadata = numbers_as_text_when_not_plotted(metadata)  # seed, world size...: text, not a plot each

@@ -26,6 +26,7 @@ from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.agent.config import AgentConfig
 from batchrl.training.prompts import load_prompts
+from batchrl.training.phases import PhaseClock
 from batchrl.training.rewards import REWARD_MODEL, RULE, RewardConfig
 from batchrl.training.text import prompt_messages
 from batchrl.training.trainer.config import PolicyConfig
@@ -132,14 +133,16 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
     """n sampled responses per prompt from the current policy (the promoted checkpoint of this base model's
     chain, the base model on a new chain), with token log-probs (plus one greedy response per prompt with
     ``greedy_baseline``, for ReMax)."""
-    # runs launched from the UI skip `batchrl run`'s and execute_assets' up-front check: the same one, here
-    check_run_config(context.run.run_config, _selected_assets(context), context.job_def.asset_layer.asset_graph)
-    policy = current_policy(context, promoted_policy, base_model, config.policy)
-    table = prompts.read_table()
-    if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
-        table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
-    messages = prompt_messages(table.to_dict("records"))  # multi-turn prompts: the engine renders them whole
-    with storage.staging_dir("rollouts_work") as workdir:
+    clock = PhaseClock()  # where the step's wall goes outside the sampling job (metadata step_s/*)
+    with clock.phase("prepare"):
+        # runs launched from the UI skip `batchrl run`'s and execute_assets' up-front check: the same one, here
+        check_run_config(context.run.run_config, _selected_assets(context), context.job_def.asset_layer.asset_graph)
+        policy = current_policy(context, promoted_policy, base_model, config.policy)
+        table = prompts.read_table()
+        if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
+            table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
+        messages = prompt_messages(table.to_dict("records"))  # multi-turn prompts: the engine renders them whole
+    with storage.staging_dir("rollouts_work") as workdir, clock.phase("sample"):
         samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path,
                                                prompts=list(table["prompt"]), n=config.samples_per_prompt,
                                                seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir,
@@ -154,21 +157,23 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                 context, trainer, model_path=policy.path, prompts=list(table["prompt"]), n=1,
                 seed=config.seed, workdir=greedy_dir, cache_dir=storage.cache_dir, messages=messages)
             samples = add_greedy_baselines(samples, greedy)
-    meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, prompt_messages ...
-    samples = samples.join(meta, on="prompt_index")
-    shown = {}
-    if config.agent is not None and len(samples):  # one trajectory, every turn, in the UI (all are in the Parquet)
-        from batchrl.training.agent.stats import trajectory_markdown
+    with clock.phase("table"):
+        meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, prompt_messages ...
+        samples = samples.join(meta, on="prompt_index")
+        shown = {"policy": policy.uri, **next_iteration(context.instance, policy)}
+        if config.agent is not None and len(samples):  # one trajectory, every turn, in the UI (all are in the Parquet)
+            from batchrl.training.agent.stats import trajectory_markdown
 
-        shown["example_trajectory"] = dg.MetadataValue.md(trajectory_markdown(samples.iloc[0].to_dict()))
+            shown["example_trajectory"] = dg.MetadataValue.md(trajectory_markdown(samples.iloc[0].to_dict()))
     with storage.staging_dir("rollouts") as staging:
-        samples.to_parquet(output_file(context, staging), index=False)
+        with clock.phase("write"):
+            samples.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, seed=config.seed,
                        config={**config.model_dump(), "engine": rollout_engine.model_dump(),
                                "chain_base": chain_base(policy)},
                        inputs={"prompts": prompts, "policy": policy},
-                       metadata={"policy": policy.uri, **next_iteration(context.instance, policy),
-                                 **{k: v for k, v in stats.items() if k != "content_hash"}, **shown})
+                       metadata={**{k: v for k, v in stats.items() if k != "content_hash"}, **shown,
+                                 **{f"step_s/{k}": v for k, v in clock.summary().items()}})
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"},

@@ -70,6 +70,11 @@ def _arm_history(env: dict[str, str]) -> dict:
     code = r"""
 import json, dagster as dg
 out = {"runs": [], "meta": {}, "uri": {}}
+def num(value):  # a number, or one shown as text (hash_s, publish_s, step_s/*: not plotted in the UI)
+    if isinstance(value, bool): return None
+    if isinstance(value, (int, float)): return value
+    try: return float(value) if isinstance(value, str) else None
+    except ValueError: return None
 with dg.DagsterInstance.get() as inst:
     for run in inst.get_runs():
         starts, steps = {}, {}
@@ -82,9 +87,8 @@ with dg.DagsterInstance.get() as inst:
         out["runs"].append({"start": stats.start_time, "end": stats.end_time, "status": run.status.value, "steps": steps})
     for asset in ("rollouts", "rewards", "advantages", "policy_checkpoint", "base_model"):
         recs = inst.fetch_materializations(dg.AssetKey(asset), limit=10000).records
-        out["meta"][asset] = [{k: v.value for k, v in r.asset_materialization.metadata.items()
-                               if isinstance(v.value, (int, float)) and not isinstance(v.value, bool)}
-                              for r in reversed(recs)]
+        out["meta"][asset] = [{k: num(v.value) for k, v in r.asset_materialization.metadata.items()
+                               if num(v.value) is not None} for r in reversed(recs)]
         if recs: out["uri"][asset] = recs[0].asset_materialization.metadata["uri"].value
 print("HISTORY" + json.dumps(out))
 """

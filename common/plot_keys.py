@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-NOT_PLOTTED = ("seed", "hash_s", "world_size")
-NOT_PLOTTED_PREFIXES = ("weight_cache_",)
+NOT_PLOTTED = ("seed", "hash_s", "publish_s", "world_size")
+NOT_PLOTTED_PREFIXES = ("weight_cache_", "step_s/")
 
 
 def plotted(key: str) -> bool:
