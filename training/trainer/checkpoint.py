@@ -34,10 +34,21 @@ from batchrl.training.trainer.safetensors_writer import parallel_shard_writes
 _LOCAL_FS = fsutil.filesystem_for("/")[0]
 
 LATEST = "latest"
-# HF exports are written in shards of at most this size: the job's content hash of the export (the published
-# data version) then reads the shards in parallel (a 0.5B model's fp32 export, 2 GB in one file, took ~2 s to
-# hash on one core of the H200 host while the GPU idled)
-EXPORT_SHARD_SIZE = "512MB"
+# HF exports are written in shards, each by its own thread hashing as it writes (``parallel_shard_writes``): a
+# 0.5B model's fp32 export, 2 GB in one file, took ~2 s to hash on one core of the H200 host while the GPU idled.
+# The shard size is an eighth of the weights, between these bounds: SmolLM2-135M's 538 MB went to one 512 MB shard
+# (one thread did nearly all of it: ~0.7 s of each RL iteration on the H200, bench/RESULTS.md), now to 8 of ~67 MB;
+# a model under 64 MB stays one file.
+EXPORT_SHARDS, EXPORT_SHARD_MIN, EXPORT_SHARD_MAX = 8, 64 * 10**6, 512 * 10**6
+
+
+def export_shard_size(tensors: Any) -> int:
+    """``save_pretrained``'s ``max_shard_size`` (bytes) for the weights ``tensors`` (an iterable): their bytes over
+    ``EXPORT_SHARDS``, within ``EXPORT_SHARD_MIN``..``EXPORT_SHARD_MAX``, in whole kB (a size fixed by the model:
+    the same export layout, the same content hash, every time)."""
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    per_shard = -(-total // EXPORT_SHARDS // 1000) * 1000
+    return int(min(EXPORT_SHARD_MAX, max(EXPORT_SHARD_MIN, per_shard)))
 TAG_PREFIX = "step_"
 
 
@@ -266,7 +277,8 @@ def export_hf_model(engine_or_model: Any, tokenizer: Any, out_dir: str,
         shutil.rmtree(tmp, ignore_errors=True)
         with parallel_shard_writes():  # shards written side by side and hashed as written
             module.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
-                                   max_shard_size=EXPORT_SHARD_SIZE)
+                                   max_shard_size=export_shard_size(
+                                       (state_dict or module.state_dict()).values()))
         if tokenizer is not None:
             _write_tokenizer(tokenizer, tmp)
         if extra_metadata:
