@@ -14,9 +14,12 @@ Answers are integers as strings; the ``final_answer`` reward credits the final n
 """
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # sample_data/: the generators' shared helper
+from split_problems import split_problems, write_splits  # noqa: E402
 
 SEED = 2026
 PER_KIND = {"add1": (60, 40), "add2": (120, 40), "sub": (120, 40), "mul": (80, 40), "word": (120, 40)}
@@ -70,35 +73,18 @@ def _word(rng: random.Random) -> tuple[tuple, str, int]:
     return ("word", index, a, b, c), prompt, value
 
 
+def _draw(kind: str, rng: random.Random) -> tuple[tuple, str, int] | None:
+    key, prompt, value = _word(rng) if kind == "word" else _arith(kind, rng)
+    return None if value < 0 else (key, prompt, value)
+
+
 def make_rows() -> tuple[list[dict], list[dict]]:
-    rng = random.Random(SEED)
-    train, heldout = [], []
-    for kind, (n_train, n_heldout) in PER_KIND.items():
-        seen: set[tuple] = set()
-        rows = []
-        while len(rows) < n_train + n_heldout:
-            key, prompt, value = _word(rng) if kind == "word" else _arith(kind, rng)
-            if key in seen or value < 0:
-                continue
-            seen.add(key)
-            rows.append({"prompt": prompt, "answer": str(value), "category": kind})
-        heldout += rows[:n_heldout]
-        train += rows[n_heldout:]
-    rng.shuffle(train)
-    rng.shuffle(heldout)
-    return ([{"id": f"real-train-{i:04d}", **r} for i, r in enumerate(train)],
-            [{"id": f"real-heldout-{i:04d}", **r} for i, r in enumerate(heldout)])
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    return split_problems(SEED, PER_KIND, _draw, id_prefix="real", heldout_first=True)
 
 
 def main() -> None:
-    here = Path(__file__).resolve().parent
     train, heldout = make_rows()
-    write_jsonl(here / "train.jsonl", train)
-    write_jsonl(here / "heldout.jsonl", heldout)
+    write_splits(Path(__file__).resolve().parent, train, heldout)
 
 
 if __name__ == "__main__":

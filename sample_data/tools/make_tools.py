@@ -13,9 +13,12 @@ A small model gets these right by writing ``print(4821 * 937)`` and reading the 
 """
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # sample_data/: the generators' shared helper
+from split_problems import split_problems, write_splits  # noqa: E402
 
 SEED = 3535
 PER_KIND = {"mul": (160, 40), "sum": (120, 30), "muladd": (120, 30)}
@@ -34,34 +37,12 @@ def _problem(kind: str, rng: random.Random) -> tuple[tuple, str, int]:
 
 
 def make_rows() -> tuple[list[dict], list[dict]]:
-    rng = random.Random(SEED)
-    train, heldout = [], []
-    for kind, (n_train, n_heldout) in PER_KIND.items():
-        seen: set[tuple] = set()
-        rows = []
-        while len(rows) < n_train + n_heldout:
-            key, prompt, value = _problem(kind, rng)
-            if key in seen:
-                continue
-            seen.add(key)
-            rows.append({"prompt": prompt, "answer": str(value), "category": kind})
-        train += rows[:n_train]
-        heldout += rows[n_train:]
-    rng.shuffle(train)
-    rng.shuffle(heldout)
-    for split, rows in (("train", train), ("heldout", heldout)):
-        for i, row in enumerate(rows):
-            row["id"] = f"tools-{split}-{i:04d}"
-    return train, heldout
+    return split_problems(SEED, PER_KIND, _problem, id_prefix="tools")
 
 
 def main() -> None:
-    here = Path(__file__).resolve().parent
     train, heldout = make_rows()
-    for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout)):
-        with open(here / name, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
+    write_splits(Path(__file__).resolve().parent, train, heldout)
 
 
 if __name__ == "__main__":
