@@ -131,10 +131,13 @@ def test_policy_resume_is_exact(dpo_inputs, tmp_path):
     assert full["final"]["kl_loss"] > 0
 
 
-def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo_inputs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("old_logprobs", ["recompute", "rollout"])
+def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo_inputs, tmp_path, monkeypatch,
+                                                                             old_logprobs):
     """When the policy being updated is the reference model itself (the chain's first update), the reference
-    log-probs are the old-policy pass: no second model load, and the same numbers and update as a reference
-    loaded from a copy of the folder."""
+    log-probs come from the policy's own pass (the old-policy pass itself where it recomputes; with the engine's
+    log-probs as the old ones, one pass of the policy): no second model load, and the same numbers and update as
+    a reference loaded from a copy of the folder."""
     import shutil
 
     from batchrl.training import tiny_model
@@ -144,12 +147,14 @@ def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo
     rng = np.random.default_rng(1)
     rows = [{"prompt_index": i // 4, "prompt_ids": [1, 2, 3 + i % 5], "response_ids": list(rng.integers(3, 60, 2 + i % 3)),
              "reward": float(i % 3 == 0)} for i in range(16)]
+    for row in rows:  # what an engine reports for its sampled tokens (used with old_logprobs="rollout")
+        row["rollout_logprobs"] = list(-rng.random(len(row["response_ids"])))
     compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
     copy = shutil.copytree(dpo_inputs["model_path"], tmp_path / "reference_copy")
     loads = []
     load = tiny_model.load_model_and_tokenizer
     monkeypatch.setattr(tiny_model, "load_model_and_tokenizer", lambda *a, **kw: loads.append(a[0]) or load(*a, **kw))
-    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, kl_coef=0.1)
+    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, kl_coef=0.1, old_logprobs=old_logprobs)
     runs = {}
     for name, reference in (("same", dpo_inputs["model_path"]), ("copy", str(copy))):
         runs[name] = train_policy(cfg, batch_parquet=str(tmp_path / "batch.parquet"), out_dir=str(tmp_path / name),

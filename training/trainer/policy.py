@@ -67,8 +67,9 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
     else:
         fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
     if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
-        if cfg.old_logprobs == "recompute" and _same_model(reference_model_path, loop.model_path):
-            fixed["ref"] = fixed["old"]  # the chain's first update: the policy is still the reference, same pass
+        if _same_model(reference_model_path, loop.model_path):  # the chain's first update: the policy is the reference
+            fixed["ref"] = fixed["old"] if cfg.old_logprobs == "recompute" else \
+                sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)  # its pass, no second model
         elif loop.lora_base is not None and _same_model(reference_model_path, loop.lora_base):
             with loop.engine.module.disable_adapter():  # LoRA: the frozen base is the reference, no second model
                 fixed["ref"] = sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
