@@ -58,15 +58,19 @@ def settle(output: str | None, content_hash: str | None) -> bool:
     return bool(entry is not None and content_hash and weight_cache.put(artifact_key(content_hash[:16]), entry))
 
 
+def data_version_of(path: str) -> str | None:
+    """The data version the published artifact at ``path`` records (``lineage.json``), None when it is none."""
+    try:
+        with open(os.path.join(path, LINEAGE_FILE)) as f:
+            return str(json.load(f).get("data_version") or "") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def key_of(path: str) -> tuple | None:
     """The cache key of the weights of the published artifact at ``path`` when the cache holds them, else None
     (not an artifact, or weights not kept)."""
-    if not weight_cache.enabled():
+    if not weight_cache.enabled() or (data_version := data_version_of(path)) is None:
         return None
-    try:
-        with open(os.path.join(path, LINEAGE_FILE)) as f:
-            data_version = json.load(f).get("data_version")
-    except (OSError, ValueError, AttributeError):
-        return None
-    key = artifact_key(str(data_version))
-    return key if data_version and weight_cache.get(key) is not None else None
+    key = artifact_key(data_version)
+    return key if weight_cache.get(key) is not None else None

@@ -15,7 +15,6 @@ weights and static KV caches) fit ``limit_bytes``: the engine holds that memory 
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -40,14 +39,9 @@ def engine_bytes(engine: Any) -> int:
 
 
 def limit_bytes() -> int:
-    """What a kept engine may hold: ``BATCHRL_RESIDENT_ENGINE_GB`` (decimal GB; 0: never kept) when set, else a
-    quarter of the GPU's memory (the trainers keep the rest), else, on a host without CUDA, the weight cache's limit."""
-    value = os.environ.get(ENV, "").strip()
-    if value:
-        return max(0, int(float(value) * 10**9))
-    if torch.cuda.is_available():
-        return int(DEVICE_FRACTION * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return weight_cache.limit_bytes()
+    """What a kept engine may hold: ``BATCHRL_RESIDENT_ENGINE_GB``, else a quarter of the GPU's memory (the trainers
+    keep the rest), else the weight cache's limit (``weight_cache.resident_limit_bytes``)."""
+    return weight_cache.resident_limit_bytes(ENV, DEVICE_FRACTION)
 
 
 def _reusable(kept: dict, options: dict) -> bool:

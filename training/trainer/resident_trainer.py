@@ -19,13 +19,10 @@ alias the kept module: the claim drops that weight-cache entry before training c
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from batchrl.training import resident, weight_cache
 
@@ -57,22 +54,9 @@ def settings_of(cfg: Any) -> dict:
 
 
 def limit_bytes() -> int:
-    """``BATCHRL_RESIDENT_TRAINER_GB`` (decimal GB; 0: never kept) when set, else a tenth of the GPU's memory, else
-    (a host without CUDA) the weight cache's limit."""
-    value = os.environ.get(ENV, "").strip()
-    if value:
-        return max(0, int(float(value) * 10**9))
-    if torch.cuda.is_available():
-        return int(DEVICE_FRACTION * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return weight_cache.limit_bytes()
-
-
-def _data_version(path: str) -> str | None:
-    try:
-        with open(os.path.join(path, resident.LINEAGE_FILE)) as f:
-            return str(json.load(f).get("data_version") or "") or None
-    except (OSError, ValueError, AttributeError):
-        return None
+    """``BATCHRL_RESIDENT_TRAINER_GB``, else a tenth of the GPU's memory, else the weight cache's limit
+    (``weight_cache.resident_limit_bytes``)."""
+    return weight_cache.resident_limit_bytes(ENV, DEVICE_FRACTION)
 
 
 def release() -> None:
@@ -91,7 +75,8 @@ def claim(cfg: Any, model_path: str, ckpt_dir: str) -> Kept | None:
         kept, _kept = _kept, None
     if kept is None or kept.data_version is None or not weight_cache.enabled():
         return None
-    if os.listdir(ckpt_dir) or kept.settings != settings_of(cfg) or _data_version(model_path) != kept.data_version:
+    if os.listdir(ckpt_dir) or kept.settings != settings_of(cfg) or \
+            resident.data_version_of(model_path) != kept.data_version:
         return None
     weight_cache.forget(resident.artifact_key(kept.data_version))  # it aliases the module about to be trained
     return kept
