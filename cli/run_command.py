@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -147,15 +148,24 @@ def _run(args: argparse.Namespace) -> int:
 
     defs = build_definitions()
     plan = _plan(defs, args, run_config, iterations)
-    try:  # every execution's config, before the first asset runs
-        validate_plan(defs, run_config, [(selected_job(defs, sel), config) for _, sel, config in plan],
+    jobs: dict[tuple, dg.JobDefinition] = {}
+
+    def job_of(selection: list[str] | None) -> dg.JobDefinition:  # one subset each: a long RL run repeats one
+        if tuple(selection or ()) not in jobs:
+            jobs[tuple(selection or ())] = selected_job(defs, selection)
+        return jobs[tuple(selection or ())]
+
+    try:  # every distinct execution's config, before the first asset runs
+        validate_plan(defs, run_config, [(job_of(sel), config) for sel, config in _distinct_executions(plan)],
                       ", ".join(args.config or []))
     except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2
-    if _runs_jobs(defs, [selection for _, selection, _ in plan]):
+    if _runs_jobs(defs, list({tuple(sel or ()): sel for _, sel, _ in plan}.values())):
         # its imports overlap the data-only first steps
         defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
+    if args.concurrent_steps <= 1 and any(set(sel or TORCH_IN_PROCESS) & TORCH_IN_PROCESS for _, sel, _ in plan):
+        _import_in_background(["torch", "batchrl.training.advantages", "batchrl.training.rewards"])
     tags = config_file_tags(args.config or [])
     started = time.monotonic()
     done: list[dict] = []
@@ -163,20 +173,23 @@ def _run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             out = sys.stdout if args.verbose else stack.enter_context(output_to_log(log_path))
             drops = len(drops_to_ingest(defs, instance))  # each new log drop's run gives three lines
-            counts = [_step_count(defs, sel, drops) for _, sel, _ in plan]
+            counts = [_step_count(job_of(sel), drops) for _, sel, _ in plan]
             steps = sum(counts)
             out.write(f"batchrl run: {steps} asset steps; details in {'this console' if args.verbose else log_path}\n")
-            for title, selection, config in plan:
-                if title.startswith("RL iteration") and args.max_minutes and \
-                        time.monotonic() - started > 60 * args.max_minutes:
-                    out.write(f"=== time budget of {args.max_minutes} min reached: no further RL iteration\n")
+            budget_spent = False
+            for position, (title, selection, config) in enumerate(plan):
+                if title.startswith("RL iteration") and args.max_minutes and (
+                        budget_spent or time.monotonic() - started > 60 * args.max_minutes):
+                    if not budget_spent:  # said once; the RL iterations left are skipped, the evaluation still runs
+                        out.write(f"=== time budget of {args.max_minutes} min reached: no further RL iteration\n")
+                    budget_spent = True
                     continue
                 if title:
                     out.write(f"=== {title}\n")
                 run_id = str(uuid.uuid4())
-                assets = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
+                assets = {k.to_user_string() for k in job_of(selection).asset_layer.executable_asset_keys}
                 with RunProgress(instance, run_id, assets, out) as progress:
-                    progress.total = counts[plan.index((title, selection, config))]
+                    progress.total = counts[position]
                     result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags,
                                             on_run=progress.follow, concurrent_steps=args.concurrent_steps)
                 done += progress.done
@@ -188,12 +201,43 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if result.success else 1
 
 
-def _step_count(defs, selection: list[str] | None, drops: int) -> int:
-    """Asset lines a run prints: the per-drop assets once per log drop to ingest, the others once."""
-    from batchrl.assets.drops import PER_DROP_ASSETS
-    from batchrl.runs.execute import selected_job
+# assets whose model-free work (rule rewards, advantages) runs in this process with torch (on the GPU host too): the
+# import, ~3 s there in the first RL iteration's advantages step, overlaps the steps before it (rollouts waits on
+# the job worker) when started with the run
+TORCH_IN_PROCESS = {"rewards", "advantages"}
 
-    keys = {k.to_user_string() for k in selected_job(defs, selection).asset_layer.executable_asset_keys}
+
+def _import_in_background(modules: list[str]) -> None:
+    """Import ``modules`` in a daemon thread; a step that imports one meanwhile waits for that module only."""
+    import importlib
+    import threading
+
+    def load() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # the step that needs it reports it
+                return
+
+    threading.Thread(target=load, name="batchrl-imports", daemon=True).start()
+
+
+def _distinct_executions(plan: list[tuple[str, list[str] | None, dict]]) -> list[tuple[list[str] | None, dict]]:
+    """The plan's (selection, run config) pairs that validate differently: RL iterations differ in their rollouts
+    seed alone (a whole number, ``_with_seed``), so one of them stands for all (validating each of 1,000 took ~10 s
+    before the first step, and held back the job worker's start)."""
+    distinct: dict[str, tuple[list[str] | None, dict]] = {}
+    for title, selection, config in plan:
+        shape = _with_seed(config, 0) if title.startswith("RL iteration") else config
+        distinct.setdefault(json.dumps([selection, shape], sort_keys=True, default=str), (selection, config))
+    return list(distinct.values())
+
+
+def _step_count(job, drops: int) -> int:
+    """Asset lines a run of ``job`` prints: the per-drop assets once per log drop to ingest, the others once."""
+    from batchrl.assets.drops import PER_DROP_ASSETS
+
+    keys = {k.to_user_string() for k in job.asset_layer.executable_asset_keys}
     per_drop = keys & set(PER_DROP_ASSETS)
     return len(keys) - len(per_drop) + len(per_drop) * drops
 

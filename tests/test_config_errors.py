@@ -108,3 +108,23 @@ def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path)
         for env in ("local", "gpu"):
             profile_ops = load_profile(name, env)["ops"]
             validate_plan(defs, {"ops": profile_ops}, [(selected_job(defs), {"ops": profile_ops})])
+
+
+def test_a_long_rl_run_validates_each_distinct_execution_once(tmp_path):
+    """1,000 RL iterations differ in their rollouts seed alone: one stands for all (each validated took ~10 ms), while
+    executions that differ otherwise are each kept."""
+    import argparse
+
+    from batchrl.cli.run_command import _distinct_executions, _plan
+    from batchrl.definitions import build_definitions
+    from pipeline_helpers import local_resources
+
+    defs = build_definitions(local_resources(str(tmp_path / "s")))
+    ops = {"rollouts": {"config": {"samples_per_prompt": 2}}, "evaluation": {"config": {"max_new_tokens": 4}}}
+    plan = _plan(defs, argparse.Namespace(select="*"), {"ops": ops}, 1000)
+    distinct = _distinct_executions(plan)
+    assert len(plan) == 1001  # the first execution, 999 RL iterations, the evaluation
+    assert [selection for selection, _ in distinct] == [plan[0][1], plan[1][1], ["evaluation"]]
+    assert distinct[1][1] == plan[1][2]  # the RL iteration validated is a real one, its seed included
+    seeds = {p[2]["ops"]["rollouts"]["config"]["seed"] for p in plan[1:-1]}
+    assert seeds == set(range(1, 1000))

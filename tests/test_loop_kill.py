@@ -1,7 +1,8 @@
 """The RL loop as a user runs it (`batchrl run --rl-iterations N`, each iteration in the run's own process) killed
 with SIGKILL while iteration 2 trains: every checkpoint published before is whole (its files hash to its data
 version) and still promoted; a rerun starts from it and completes the chain, each promoted checkpoint the parent of
-the next (issue 32)."""
+the next (issue 32). Then a time-boxed run of many iterations: the budget, spent by its first iteration, is said
+once and ends the loop."""
 from __future__ import annotations
 
 import json
@@ -96,3 +97,11 @@ def test_sigkill_mid_iteration_keeps_every_published_checkpoint_and_the_rerun_co
         assert child["parent"] == f"policy_checkpoint@{parent['data_version']}", chain
         _assert_whole(child["uri"], scratch)
     assert chain[0]["parent"].startswith("base_model@")
+
+    # --max-minutes: the first execution always runs; every RL iteration after the budget is skipped, said once
+    boxed = subprocess.run([BATCHRL, "run", "--select", RL_LOOP, "--rl-iterations", "300", "--max-minutes", "0.0001",
+                            "-c", str(config)], env=env, capture_output=True, text=True, timeout=600)
+    assert boxed.returncode == 0, boxed.stdout[-3000:] + boxed.stderr[-3000:]
+    assert boxed.stdout.count("time budget of 0.0001 min reached") == 1, boxed.stdout[-3000:]
+    assert "=== RL iteration" not in boxed.stdout, boxed.stdout[-3000:]
+    assert len(_promoted_chain(env)) == len(chain) + 1
