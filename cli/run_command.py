@@ -164,7 +164,9 @@ def _run(args: argparse.Namespace) -> int:
     if _runs_jobs(defs, list({tuple(sel or ()): sel for _, sel, _ in plan}.values())):
         # its imports overlap the data-only first steps
         defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
-    if args.concurrent_steps <= 1 and any(set(sel or TORCH_IN_PROCESS) & TORCH_IN_PROCESS for _, sel, _ in plan):
+    # in this process: every step of a one-at-a-time run, and each RL iteration (a chain: ``execute.is_chain``)
+    in_process = args.concurrent_steps <= 1 or iterations > 1
+    if in_process and any(set(sel or TORCH_IN_PROCESS) & TORCH_IN_PROCESS for _, sel, _ in plan):
         _import_in_background(["torch", "batchrl.training.advantages", "batchrl.training.rewards"])
     tags = config_file_tags(args.config or [])
     started = time.monotonic()
