@@ -106,6 +106,10 @@ def serve(run_command: Command, idle_s: float = DEFAULT_IDLE_S, path: str | None
                                                  "since": started}).encode() + b"\n")
                         conn.close()
                         if request.get("stop"):
+                            listener.close()  # no new command meanwhile: a client then runs in its own process
+                            with contextlib.suppress(FileNotFoundError):
+                                os.unlink(path)
+                            _reap_ending(children, STOP_GRACE_S)
                             print("batchrl serve: stopped on request", flush=True)
                             return 0
                         continue
@@ -130,6 +134,9 @@ def serve(run_command: Command, idle_s: float = DEFAULT_IDLE_S, path: str | None
             os.unlink(path)
 
 
+STOP_GRACE_S = 5.0  # how long a stop waits for the exits of commands that are ending
+
+
 def _terminated(signum, _frame) -> None:
     print(f"batchrl serve: {signal.Signals(signum).name} received, exiting (commands running go on)", flush=True)
     sys.exit(0)
@@ -150,6 +157,17 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def _reap_ending(children: dict[int, tuple[socket.socket, list[str]]], grace_s: float) -> None:
+    """Before the server stops: the exits of the commands that are ending, within ``grace_s`` (a command writes its
+    own exit line to its client before its process is gone, so a client may ask for the stop first); commands
+    still running after that go on without the server."""
+    deadline = time.monotonic() + grace_s
+    _reap(children)
+    while children and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _reap(children)
 
 
 def _reap(children: dict[int, tuple[socket.socket, list[str]]]) -> None:
