@@ -74,3 +74,39 @@ def test_grouped_bars_draw_a_bar_per_model_in_each_group():
         "rm_mean_score": {"all": {"base": -1.0, "policy": 0.5}}})
     assert chart.panels == {"accuracy": 3, "rm_mean_score": 2}
     assert chart.size == _expected_size(2)
+
+
+def test_a_chart_drawn_on_a_kept_figure_is_the_chart_a_new_figure_draws():
+    """The RL loop redraws the same panels every iteration on the figure kept from the last time (half a render):
+    the PNG is byte for byte the one a new figure gives, for other points, scales and a missing value."""
+    import threading
+
+    from batchrl.assets import charts
+
+    def chart(seed: int, n: int) -> dict:
+        import random
+
+        rng = random.Random(seed)
+        return panels({name: (list(range(1, n + 1)), [rng.random() * 10 ** rng.randint(-5, 3) for _ in range(n)])
+                       for name in ("pg_loss", "ppo_kl", "lr", "rewards/chosen", "rewards/rejected")})
+
+    charts._kept.clear()
+    line_panels(chart(0, 24))
+    later = chart(1, 30)
+    later["ppo_kl"]["ppo_kl"][1][4] = float("nan")
+    reused = line_panels(later).png
+    assert len(charts._kept) == 1  # the same panels and series: the kept figure drew it
+    charts._kept.clear()
+    assert reused == line_panels(later).png
+    few = chart(2, 5)  # markers on each point: another figure, kept beside the first
+    assert line_panels(few).png != reused and len(charts._kept) == 2
+    # threads drawing the same panels at once: each gets its own chart, right
+    expected = {seed: line_panels(chart(seed, 24)).png for seed in range(3, 7)}
+    got: dict[int, bytes] = {}
+    threads = [threading.Thread(target=lambda s=seed: got.__setitem__(s, line_panels(chart(s, 24)).png))
+               for seed in expected]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got == expected
