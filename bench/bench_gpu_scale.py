@@ -7,7 +7,7 @@ $OUT/gpu_scale.json and to /tmp/scale/gpu_scale.json, which a later call on the 
 continues, so parts spread over several device calls end in one report. A summary is printed at the end.
 
 Parts (``--parts a,b,...``; groups: ``dpo`` = shape_7b,dpo_prepare,dpo_lora,dpo_lora_trl):
-  shape_1.5b, shape_7b  the Qwen2.5 shape (full 151,936 vocab, synthetic BPE tokenizer, bench/qwen_shape.py) built
+  shape_0.5b, shape_1.5b, shape_7b  the Qwen2 / Qwen2.5 shape (full 151,936 vocab, synthetic BPE tokenizer, bench/qwen_shape.py) built
              in bf16 on the GPU and written as safetensors to /tmp/scale/<shape>; skipped when already there.
   dpo_prepare  pairs of prompt + completion text, every row exactly --seq tokens (half each) with the shape's
              tokenizer, and batchrl's reference pass (bf16, timed; its model load and tokenisation timed apart).
@@ -15,6 +15,7 @@ Parts (``--parts a,b,...``; groups: ``dpo`` = shape_7b,dpo_prepare,dpo_lora,dpo_
              bf16, ZeRO-0, fused log-probs, no gradient checkpointing; ``dpo_lora_compile``: + torch.compile.
   dpo_lora_trl  TRL DPOTrainer + peft LoraConfig (same rank/alpha/targets, batch, length,
              precompute_ref_log_probs, no gradient checkpointing); ``dpo_lora_trl_gc``: TRL's gradient checkpointing.
+  graph_0.5b_full (issue 32's third goal: an RL iteration <= 1.2x its generation + optimiser steps),
   graph_7b_lora, graph_1.5b_full  the whole graph (bench_gpu_pipeline.run_graph) at that shape, LoRA (ZeRO-0) or
              full fine-tuning (ZeRO-2) on all five trainers, bf16: per-asset wall, GPU busy, peak memory, artifact
              sizes, the RL iteration's wall and its fixed costs (bench/scale_graph.py; --graph-* flags size it).
@@ -40,6 +41,9 @@ calls, so make them back to back; ``source bench/device_env.sh`` installs .whl i
       source bench/device_env.sh && python3 bench/bench_gpu_scale.py --parts shape_1.5b,graph_1.5b_full
  k+2. (a) 7B LoRA graph, ~8 min.  carry []
       source bench/device_env.sh && python3 bench/bench_gpu_scale.py --parts shape_7b,graph_7b_lora
+ issue 32's 0.5B goal, the loop as the real profile trains (resident trainer: ZeRO-0, bf16_amp), ~4 min.  carry []
+      source bench/device_env.sh && python3 bench/bench_gpu_scale.py --parts shape_0.5b,graph_0.5b_full \
+        --graph-full-zero-stage 0 --graph-precision bf16_amp --graph-rl-iterations 4
  k+3, k+4. (d) real run, full then LoRA, ~8 min each.  carry []
       source bench/device_env.sh && python3 bench/bench_gpu_scale.py --parts real_full
       source bench/device_env.sh && python3 bench/bench_gpu_scale.py --parts real_lora
@@ -65,9 +69,9 @@ import bench_gpu_dpo as dpo_bench  # noqa: E402  (peak_gib, reset_peak, environm
 import bench_gpu_train as train_parts  # noqa: E402  (part_dpo: batchrl's train_dpo, timed)
 import scale_graph  # noqa: E402  (graph_* and real_* parts)
 
-SHAPE_NAMES = {"1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b"}
-PARTS = ("shape_1.5b", "shape_7b", "dpo_prepare", "dpo_lora", "dpo_lora_compile", "dpo_lora_trl", "dpo_lora_trl_gc",
-         "graph_1.5b_full", "graph_7b_lora", "real_full", "real_lora", "dpo_ref_profile")
+SHAPE_NAMES = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2.5-1.5b", "7b": "qwen2.5-7b"}
+PARTS = ("shape_0.5b", "shape_1.5b", "shape_7b", "dpo_prepare", "dpo_lora", "dpo_lora_compile", "dpo_lora_trl", "dpo_lora_trl_gc",
+         "graph_0.5b_full", "graph_1.5b_full", "graph_7b_lora", "real_full", "real_lora", "dpo_ref_profile")
 GROUPS = {"dpo": "shape_7b,dpo_prepare,dpo_lora,dpo_lora_trl",
           "all": "shape_1.5b,shape_7b,dpo_prepare,dpo_lora,dpo_lora_trl,graph_1.5b_full,graph_7b_lora,real_full,real_lora"}
 NOT_ON_CPU = {"dpo_lora_compile"}  # minutes of inductor on 2 cores: GPU only
@@ -392,7 +396,9 @@ def part_dpo_ref_profile(args) -> dict:
 # ------------------------------------------------------------------------------------------ driver
 def run_part(args) -> None:
     part = args.part
-    fns = {"shape_1.5b": lambda a: part_shape(a, "1.5b"), "shape_7b": lambda a: part_shape(a, "7b"),
+    fns = {"shape_0.5b": lambda a: part_shape(a, "0.5b"), "shape_1.5b": lambda a: part_shape(a, "1.5b"),
+           "shape_7b": lambda a: part_shape(a, "7b"),
+           "graph_0.5b_full": lambda a: scale_graph.part_graph(a, shape_dir(a, "0.5b"), lora=False),
            "dpo_prepare": part_dpo_prepare, "dpo_lora": lambda a: part_dpo_lora(a, False),
            "dpo_lora_compile": lambda a: part_dpo_lora(a, True), "dpo_lora_trl": lambda a: part_trl_lora(a, False),
            "dpo_lora_trl_gc": lambda a: part_trl_lora(a, True),
@@ -413,7 +419,7 @@ def summary(res: dict) -> str:
     k = lambda v: f"{v / 1e3:7.1f}k" if isinstance(v, (int, float)) else "    n/a"
     g = lambda v: f"{v:6.1f}" if isinstance(v, (int, float)) else "   n/a"
     lines = []
-    for key in ("shape_1.5b", "shape_7b"):
+    for key in ("shape_0.5b", "shape_1.5b", "shape_7b"):
         if "params" in res.get(key, {}):
             r = res[key]
             lines.append(f"{key}: {r['params'] / 1e9:.2f}B params, {r['weight_bytes'] / 2**30:.1f} GiB on disk, build "

@@ -37,6 +37,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--graph-rl-iterations", type=int, default=1, help="RL iterations of the graph run: from the "
                    "second on, the resident loop keeps the engine and the base (the split reports each iteration)")
     g.add_argument("--graph-engine", default="static", choices=["static", "vllm", "transformers"])
+    g.add_argument("--graph-precision", default="bf16", choices=["bf16", "bf16_amp"],
+                   help="the trainers' precision: bf16 is DeepSpeed's bf16 optimiser, which the resident policy "
+                   "trainer is not kept under; bf16_amp (fp32 weights, bf16 autocast: the real profile's) keeps it "
+                   "between RL iterations (with --graph-full-zero-stage 0 for full fine-tuning)")
     g.add_argument("--real-lr-scale", type=float, default=10.0, help="(d): LoRA lr = the profile's full-FT lr x this")
 
 
@@ -94,7 +98,8 @@ def iteration_split(per_asset: list[dict]) -> dict:
     fixed = wall - generate - optim
     return {"assets": [p["asset"] for p in steps], "wall_s": round(wall, 2), "generate_s": round(generate, 2),
             "optimizer_steps_s": round(optim, 2), "fixed_s": round(fixed, 2),
-            "fixed_pct": round(100 * fixed / wall, 1) if wall else None}
+            "fixed_pct": round(100 * fixed / wall, 1) if wall else None,
+            "wall_over_compute": round(wall / (generate + optim), 2) if generate + optim else None}
 
 
 def graph_profile(args, out: str, model: str, landing: dict, lora: bool) -> str:
@@ -107,13 +112,13 @@ def graph_profile(args, out: str, model: str, landing: dict, lora: bool) -> str:
     path = pipe.write_profile(out, model, landing, a)
     profile = yaml.safe_load(open(path))
     profile["rl_iterations"] = 1 if tiny else args.graph_rl_iterations
-    kind = f"LoRA r{args.lora_rank}/a{args.lora_alpha} all-linear, bf16, ZeRO-0" if lora else \
-        f"full fine-tuning, bf16, ZeRO-{args.graph_full_zero_stage}"
+    kind = f"LoRA r{args.lora_rank}/a{args.lora_alpha} all-linear, {args.graph_precision}, ZeRO-0" if lora else \
+        f"full fine-tuning, {args.graph_precision}, ZeRO-{args.graph_full_zero_stage}"
     profile["description"] = f"{os.path.basename(model)}: {kind}; " + profile["description"].split(", ", 1)[1]
     micro = 2 if tiny else args.graph_micro_batch
     for op in TRAINERS:  # kto / offline policy: absent from the pipeline profile, trained at their defaults
         cfg = profile["ops"].setdefault(op, {}).setdefault("config", {})
-        cfg.update(micro_batch_size=micro, precision="bf16")
+        cfg.update(micro_batch_size=micro, precision=args.graph_precision)
         cfg.pop("grad_accum", None)
         if lora:  # LoRA's usual lr: 10-100x full fine-tuning's
             cfg.update(zero_stage=0, lr=1e-4, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -134,8 +139,9 @@ def part_graph(args, model: str, lora: bool) -> dict:
     import bench_gpu_pipeline as pipe
 
     if not os.path.exists(os.path.join(model, "READY")):
-        from bench_gpu_scale import part_shape
-        part_shape(args, "7b" if "7b" in os.path.basename(model) else "1.5b")
+        from bench_gpu_scale import SHAPE_NAMES, part_shape
+        shape = os.path.basename(model).removeprefix("tiny-")
+        part_shape(args, {name: key for key, name in SHAPE_NAMES.items()}.get(shape, shape))
     name = f"graph_{os.path.basename(model)}_{'lora' if lora else 'full'}"
     out, work = os.path.join(os.environ.get("OUT", "bench/out"), name), os.path.join(args.work, name)
     os.makedirs(out, exist_ok=True)
@@ -213,7 +219,7 @@ def part_real(args, lora: bool) -> dict:
 
 def summary_lines(res: dict) -> list[str]:
     lines = []
-    for part in ("graph_1.5b_full", "graph_7b_lora"):
+    for part in ("graph_0.5b_full", "graph_1.5b_full", "graph_7b_lora"):
         r = res.get(part, {})
         if "per_asset" not in r:
             continue
@@ -223,7 +229,8 @@ def summary_lines(res: dict) -> list[str]:
             lines.append(f"  {p['asset']:<26} +{p['wall_s']:>7.1f} s  GPU busy {p['gpu_busy_mean_pct']}%  ok={p['ok']}")
         for i, it in enumerate(r.get("rl_iterations") or [r["rl_iteration"]], 1):
             lines.append(f"  RL iteration {i}: {it['wall_s']} s: generate {it['generate_s']}, optimizer steps "
-                         f"{it['optimizer_steps_s']}, fixed {it['fixed_s']} s = {it['fixed_pct']}% (goal <= 15%)")
+                         f"{it['optimizer_steps_s']}, fixed {it['fixed_s']} s = {it['fixed_pct']}% (goal <= 15%); "
+                         f"wall / (generate + steps) = {it['wall_over_compute']} (goal at 0.5B <= 1.2)")
         lines.append(f"  checkpoints' share of the base's bytes (%): {r['checkpoint_share_of_base_pct']} (goal <= 1%)")
     for part in ("real_full", "real_lora"):
         r = res.get(part, {})
