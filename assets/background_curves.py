@@ -18,7 +18,7 @@ import dagster as dg
 from batchrl.assets.curves import Series, curve_metadata, read_steps, step_series
 from batchrl.training.jobs._runtime import STEPS_FILE
 
-POLL_S = 0.1
+POLL_S = 0.05  # the final chart starts at most this long after the last step is written
 
 
 def _fingerprint(series: Series) -> str:
