@@ -151,7 +151,6 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
 
 
 WARM_WORKER = r"""
-import os
 from batchrl.definitions import build_definitions
 from batchrl.resources.job_worker import request, slot_path
 trainer = build_definitions().resources["trainer"]

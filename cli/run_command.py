@@ -79,13 +79,11 @@ def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list
     return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]
 
 
-def _runs_jobs(defs, selections: list[list[str] | None]) -> bool:
-    """Some selected asset launches jobs (needs the ``trainer`` resource)."""
-    from batchrl.runs.execute import selected_job
-
+def _runs_jobs(defs, jobs: list) -> bool:
+    """Some asset of ``jobs`` launches jobs (needs the ``trainer`` resource)."""
     graph = defs.resolve_asset_graph()
     return any("trainer" in graph.get(key).assets_def.required_resource_keys
-               for selection in selections for key in selected_job(defs, selection).asset_layer.executable_asset_keys)
+               for job in jobs for key in job.asset_layer.executable_asset_keys)
 
 
 # a GPU's stages leave it partly idle, so the GPU environment overlaps independent steps (their jobs share the GPU
@@ -151,9 +149,10 @@ def _run(args: argparse.Namespace) -> int:
     jobs: dict[tuple, dg.JobDefinition] = {}
 
     def job_of(selection: list[str] | None) -> dg.JobDefinition:  # one subset each: a long RL run repeats one
-        if tuple(selection or ()) not in jobs:
-            jobs[tuple(selection or ())] = selected_job(defs, selection)
-        return jobs[tuple(selection or ())]
+        key = tuple(selection or ())
+        if key not in jobs:
+            jobs[key] = selected_job(defs, selection)
+        return jobs[key]
 
     try:  # every distinct execution's config, before the first asset runs
         validate_plan(defs, run_config, [(job_of(sel), config) for sel, config in _distinct_executions(plan)],
@@ -161,12 +160,12 @@ def _run(args: argparse.Namespace) -> int:
     except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2
-    if _runs_jobs(defs, list({tuple(sel or ()): sel for _, sel, _ in plan}.values())):
+    if _runs_jobs(defs, list(jobs.values())):  # every selection of the plan was validated: its job is there
         # its imports overlap the data-only first steps
         defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
     # in this process: every step of a one-at-a-time run, and each RL iteration (a chain: ``execute.is_chain``)
     in_process = args.concurrent_steps <= 1 or iterations > 1
-    if in_process and any(set(sel or TORCH_IN_PROCESS) & TORCH_IN_PROCESS for _, sel, _ in plan):
+    if in_process and any(sel is None or TORCH_IN_PROCESS & set(sel) for _, sel, _ in plan):
         _import_in_background(["torch", "batchrl.training.advantages", "batchrl.training.rewards"])
     tags = config_file_tags(args.config or [])
     started = time.monotonic()
