@@ -12,6 +12,7 @@ import dagster as dg
 from pipeline_helpers import local_resources, run_assets
 
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
+from batchrl.training.trainer import resident_trainer
 
 RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
@@ -23,13 +24,15 @@ SMALL = {"ops": {
 }}
 
 
-def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL) -> dict[str, list[dict]]:
+def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: dict | None = None
+          ) -> dict[str, list[dict]]:
     """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
-    ``cache_gb``: per RL stage, each materialisation's metadata (oldest first)."""
+    ``cache_gb`` (and ``env``): per RL stage, each materialisation's metadata (oldest first)."""
     resources = local_resources(
         root, rollout_engine=RolloutEngineResource(in_subprocess=True),
         trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60,
-                                        env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb}))
+                                        env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb,
+                                             **(env or {})}))
     os.makedirs(home, exist_ok=True)
     with dg.DagsterInstance.local_temp(home) as instance:
         assert run_assets(resources, instance, UPSTREAM, run_config).success
@@ -74,18 +77,24 @@ def _stop_workers(histories: dict) -> None:
 
 def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jobs(tmp_path):
     """LoRA (adapter artifacts, the reference = the base with the adapter off): the second update takes over the
-    first one's PEFT model and engine and publishes the adapter a fresh job would (same data versions, curves)."""
+    first one's PEFT model and engine and publishes the adapter a fresh job would (same data versions, curves) —
+    with the kept engine renewed, and with a new engine built around the kept module (what a bf16 engine gets)."""
     # dropout on the adapters: the kept trainer's steps draw the random stream a fresh job's do
     adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3}
     lora = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
-    histories = {gb: _loop(str(tmp_path / f"root{gb}"), str(tmp_path / f"home{gb}"), gb, lora) for gb in ("1", "0")}
-    resident, from_files = histories["1"], histories["0"]
+    variants = {"renewed": ("1", {}), "rebuilt": ("1", {resident_trainer.REBUILD_ENV: "1"}), "files": ("0", {})}
+    histories = {name: _loop(str(tmp_path / f"root-{name}"), str(tmp_path / f"home-{name}"), gb, lora, env)
+                 for name, (gb, env) in variants.items()}
+    from_files = histories["files"]
     try:
-        for stage in RL_LOOP:
-            assert [m["data_version"] for m in resident[stage]] == [m["data_version"] for m in from_files[stage]], stage
-        assert [m["loss_curve"] for m in resident["policy_checkpoint"]] == \
-            [m["loss_curve"] for m in from_files["policy_checkpoint"]]
-        assert [m["trainer_reused"] for m in resident["policy_checkpoint"]] == [False, True]
+        for name in ("renewed", "rebuilt"):
+            resident = histories[name]
+            for stage in RL_LOOP:
+                assert [m["data_version"] for m in resident[stage]] == \
+                    [m["data_version"] for m in from_files[stage]], (name, stage)
+            assert [m["loss_curve"] for m in resident["policy_checkpoint"]] == \
+                [m["loss_curve"] for m in from_files["policy_checkpoint"]], name
+            assert [m["trainer_reused"] for m in resident["policy_checkpoint"]] == [False, True], name
         assert not any(m["trainer_reused"] for m in from_files["policy_checkpoint"])
     finally:
         _stop_workers(histories)

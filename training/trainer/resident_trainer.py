@@ -11,9 +11,12 @@ each iteration with a fresh AdamW — and trains it in place.
 
 Same results as a fresh job: the export is the fp32 (or adapter) weights exactly, so the kept module holds what a
 load of the published artifact gives; the job's seed is set again; DeepSpeed's counters start from zero. Kept only
-where that holds and is cheap: the worker (its weight cache on), one rank, ZeRO-0 without DeepSpeed's own bf16
-optimiser (the client AdamW is the engine's optimiser, nothing else holds weights), no critic, a run that reached
-its end, and weights within ``limit_bytes``. Another trainer job releases it first (its memory is theirs), as does
+where that holds and is cheap: the worker (its weight cache on), one rank, ZeRO-0 (not fp16), no critic, a run that
+reached its end, and weights within ``limit_bytes``. Under DeepSpeed's own bf16 optimiser (``precision: bf16``, e.g.
+a LoRA run at the 7B shape) the engine holds an fp32 master copy of what is trained: that engine is retired when kept
+(its hooks removed, its master copy freed) and the next job builds a new engine around the kept module, whose master
+copy is made from the bf16 weights exactly as a fresh job's is from the published ones (the export is those bf16
+weights). Another trainer job releases it first (its memory is theirs), as does
 any job failure while it is claimed (the claim took it out). The weights the trainer offered to the rollout engine
 alias the kept module: the claim drops that weight-cache entry before training changes them.
 """
@@ -27,6 +30,9 @@ from typing import Any
 from batchrl.training import resident, weight_cache
 
 ENV = "BATCHRL_RESIDENT_TRAINER_GB"
+# "1": a new engine around the kept module even where the kept engine could be renewed (what a bf16 engine always
+# gets); the CPU tests' way through that path, as DeepSpeed's bf16 optimiser is GPU-only here
+REBUILD_ENV = "BATCHRL_RESIDENT_TRAINER_REBUILD"
 DEVICE_FRACTION = 0.10
 # settings that build the engine and the model around it; the rest (lr, schedule, seed, ...) a new optimiser takes
 ENGINE_FIELDS = ("zero_stage", "precision", "micro_batch_size", "grad_accum", "max_grad_norm",
@@ -42,6 +48,7 @@ class Kept:
     lora_base: str | None
     export: str  # real path of the folder the job exported (what the runtime hashes)
     data_version: str | None = None  # set once the runtime has hashed it: the artifact a next job names
+    retired: bool = False  # the engine was taken apart: the next job builds a new one around ``engine.module``
 
 
 _lock = threading.Lock()
@@ -84,9 +91,16 @@ def claim(cfg: Any, model_path: str, ckpt_dir: str) -> Kept | None:
 
 def renew(kept: Kept, cfg: Any, total_steps: int) -> Any:
     """Give the claimed engine a new optimiser and schedule, as ``deepspeed.initialize`` did for a fresh job, and
-    DeepSpeed's counters from zero; the module back in training mode. Returns the engine."""
-    from batchrl.training.trainer.engine import make_optimizer, make_scheduler
+    DeepSpeed's counters from zero; the module back in training mode (a retired engine: a new engine around its
+    module, as ``deepspeed.initialize`` builds it for a fresh job). Returns the engine."""
+    from batchrl.training.trainer.engine import init_deepspeed, make_optimizer, make_scheduler
 
+    if kept.retired:
+        module = kept.engine.module
+        module.config.use_cache = False
+        module.train()
+        optimizer = make_optimizer(module, cfg)
+        return init_deepspeed(module, cfg, optimizer, make_scheduler(optimizer, cfg, total_steps))
     engine = kept.engine
     engine.zero_grad()
     optimizer = make_optimizer(engine.module, cfg)
@@ -105,17 +119,37 @@ def keep(loop: Any, cfg: Any, result: dict) -> bool:
     global _kept
     engine = loop.engine
     ok = (weight_cache.enabled() and not result.get("stopped_early") and not getattr(cfg, "critic", False)
-          and cfg.zero_stage == 0 and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+          and cfg.zero_stage == 0 and not engine.fp16_enabled()
           and int(os.environ.get("WORLD_SIZE", "1")) == 1 and os.path.isdir(result.get("model_dir") or ""))
     size = sum(p.nbytes for p in engine.module.parameters()) if ok else 0
     if not ok or size > limit_bytes():
         release()
         return False
     engine.zero_grad()
-    engine.optimizer.state.clear()  # a next job starts a new AdamW: the moments would only hold memory
+    retired = engine.bfloat16_enabled() or os.environ.get(REBUILD_ENV) == "1"
+    if retired:
+        _retire(engine)
+    else:
+        engine.optimizer.state.clear()  # a next job starts a new AdamW: the moments would only hold memory
     with _lock:
-        _kept = Kept(settings_of(cfg), engine, loop.tokenizer, loop.lora_base, os.path.realpath(result["model_dir"]))
+        _kept = Kept(settings_of(cfg), engine, loop.tokenizer, loop.lora_base, os.path.realpath(result["model_dir"]),
+                     retired=retired)
     return True
+
+
+def _retire(engine: Any) -> None:
+    """Take the engine apart, its module kept: the optimiser's hooks on the parameters (and its fp32 master copy
+    with them) and the engine's forward hooks on the module go, so a next engine around the module is the only one
+    that acts on it."""
+    engine.destroy()  # the bf16 optimiser's gradient-accumulation hooks and its parameters' hp mappings
+    for name in ("module_forward_pre_hook", "module_forward_post_hook", "first_dataloader_check"):
+        handle = getattr(engine, name, None)
+        if handle is not None and hasattr(handle, "remove"):
+            handle.remove()
+            setattr(engine, name, None)
+    engine.optimizer = engine.basic_optimizer = engine.client_optimizer = None
+    engine.lr_scheduler = engine.client_lr_scheduler = None
+    engine.module.zero_grad(set_to_none=True)
 
 
 def settle(output: str | None, content_hash: str | None) -> bool:
