@@ -17,7 +17,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from test_resident_loop import RL_LOOP, SMALL, _loop, _stop_workers  # noqa: E402
+from pipeline_helpers import RL_LOOP  # noqa: E402
+from test_resident_loop import SMALL, _loop, _stop_workers  # noqa: E402
 
 VARIANTS = {
     "lora_bf16": {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3,

@@ -26,6 +26,7 @@ from typing import Any
 import dagster as dg
 
 from batchrl.common.package import code_fingerprint  # an edited batchrl gets a worker of its own
+from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
 
 START_TIMEOUT_S = 120
 # variables that change what a job computes or where: a worker serves one combination of them
@@ -152,7 +153,7 @@ def run_in_worker(context: dg.AssetExecutionContext, job: str, config_path: str,
     completed invocation."""
     with dg.open_pipes_session(
             context=context, context_injector=dg.PipesTempFileContextInjector(),
-            message_reader=dg.PipesTempFileMessageReader()) as session:
+            message_reader=DrainingTempFileMessageReader()) as session:
         asked = time.perf_counter()
         answer = request(path, {"job": job, "config": config_path, "cwd": workdir,
                                 "env": {**job_request_env(env), **session.get_bootstrap_env_vars()}}, env, idle_s)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import dagster as dg
 from pydantic import Field
 
+from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
+
 
 class TrainerLauncherResource(dg.ConfigurableResource):
     num_gpus: int = Field(0, description="GPUs per job (per pod with backend k8s); > 1: data-parallel under torchrun")
@@ -67,7 +69,8 @@ class TrainerLauncherResource(dg.ConfigurableResource):
 
     def _run_in_subprocesses(self, context: dg.AssetExecutionContext, job: str, config_path: str,
                              workdir: str) -> dg.PipesClientCompletedInvocation:
-        client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir)
+        client = dg.PipesSubprocessClient(env=self.job_env(), cwd=workdir,
+                                          message_reader=DrainingTempFileMessageReader())
         return client.run(context=context, command=self.command(job, config_path))
 
     def prestart_worker(self, concurrent: bool = False) -> None:

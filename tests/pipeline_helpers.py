@@ -11,6 +11,10 @@ from batchrl.resources import (
 )
 from batchrl.runs.execute import execute_assets
 
+# one RL iteration's assets, and what they need materialised first (the data path and the base model)
+RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
+UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
+
 
 def local_resources(root: str, landing: LandingResource | None = None, **overrides) -> dict:
     return {

@@ -9,15 +9,13 @@ import dagster as dg
 import pandas as pd
 import pytest
 from helpers_agent import ForcedEngine
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
 
 from batchrl.resources import LandingResource, RolloutEngineResource
 from batchrl.schemas.trajectory import check_trajectories
 from batchrl.training.rollout import ROLLOUT_ENGINES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
-RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 TOOL_TASK = {  # the README's tool-task config, at the tiny model's size
     "base_model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}},
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 2,

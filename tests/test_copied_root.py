@@ -10,15 +10,13 @@ import shutil
 import dagster as dg
 import pytest
 import yaml
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
 
 from batchrl.cli.instance import DAGSTER_YAML
 from batchrl.cli.main import main
 
-RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 # what one RL iteration reads: at the default reward mix (reward model weight 0) no reward model, whose training job
 # was the fixture's one trainer job besides the policy update's, and which no command here reads
-UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
 TINY = {"ops": {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
                 "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}}
 

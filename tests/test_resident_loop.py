@@ -9,13 +9,11 @@ import os
 import signal
 
 import dagster as dg
-from pipeline_helpers import local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, local_resources, run_assets
 
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.training.trainer import resident_trainer
 
-RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
-UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
 SMALL = {"ops": {
     "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},

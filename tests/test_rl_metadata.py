@@ -8,10 +8,8 @@ import base64
 
 import dagster as dg
 import pytest
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
 
-UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
-RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 TINY = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
         "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}
 NUMBER = (int, float)

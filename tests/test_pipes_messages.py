@@ -1,0 +1,57 @@
+"""A job's last Pipes message is read even when it is written as the session closes (resources/pipes_messages.py)."""
+from __future__ import annotations
+
+import dagster as dg
+from dagster._utils import tail_file
+
+from batchrl.resources.pipes_messages import tail_until_closed
+
+
+def _closing_as_the_last_message_lands(path):
+    """A ``closed`` flag whose first reading finds the job's last message just written and the session closed
+    (what happens when the reader's empty read and its flag check straddle both)."""
+    calls = []
+
+    def closed() -> bool:
+        if not calls:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write('{"method": "report_asset_materialization"}\n')
+        calls.append(1)
+        return True
+    return closed
+
+
+def test_dagster_tail_loses_a_message_written_between_its_read_and_its_check(tmp_path):
+    path = tmp_path / "messages"
+    path.write_text('{"method": "opened"}\n')
+    lines = list(tail_file(str(path), _closing_as_the_last_message_lands(path)))
+    assert lines == ['{"method": "opened"}\n']  # the report is lost: why batchrl has its own reader
+
+
+def test_the_draining_tail_reads_every_message_written_before_the_close(tmp_path):
+    path = tmp_path / "messages"
+    path.write_text('{"method": "opened"}\n')
+    lines = list(tail_until_closed(str(path), _closing_as_the_last_message_lands(path)))
+    assert lines == ['{"method": "opened"}\n', '{"method": "report_asset_materialization"}\n']
+
+
+def test_a_job_through_the_draining_reader_reports_its_metadata(tmp_path):
+    """End to end through Dagster: a Pipes subprocess with the reader gives the step the job's metadata."""
+    script = tmp_path / "job.py"
+    script.write_text("from dagster_pipes import open_dagster_pipes\n"
+                      "with open_dagster_pipes() as pipes:\n"
+                      "    pipes.report_asset_materialization(metadata={'engine_reused': True, 'samples': 3})\n")
+    from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
+
+    @dg.asset
+    def job_output(context):
+        import sys
+
+        client = dg.PipesSubprocessClient(message_reader=DrainingTempFileMessageReader())
+        return client.run(context=context, command=[sys.executable, str(script)]).get_materialize_result()
+
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([job_output], instance=instance).success
+        event = instance.get_latest_materialization_event(dg.AssetKey("job_output"))
+        metadata = event.asset_materialization.metadata
+        assert metadata["engine_reused"].value is True and metadata["samples"].value == 3
