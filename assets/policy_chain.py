@@ -17,7 +17,8 @@ from typing import Optional
 
 import dagster as dg
 
-from batchrl.resources.artifacts import OPTIONAL_KEY, Artifact
+from batchrl.resources import StorageResource
+from batchrl.resources.artifacts import OPTIONAL_KEY, Artifact, make_local
 
 PROMOTED = "promoted_policy"
 DATA_VERSION_TAG = "dagster/data_version"  # the tag Dagster reads an event's data version from
@@ -56,9 +57,18 @@ def current_policy(context: dg.AssetExecutionContext, promoted: Optional[Artifac
     return base_model
 
 
+def behaviour_policy(storage: StorageResource, promoted: Artifact, off_policy_steps: int) -> tuple[Artifact, int]:
+    """``(the policy to sample from, its staleness)``: ``promoted`` itself on-policy; one-step off-policy, the
+    policy it was trained from (its lineage input ``policy``), the base model being its own."""
+    if not off_policy_steps or promoted.asset == "base_model":
+        return promoted, 0
+    return make_local(storage, promoted.input_ref("policy")), 1
+
+
 def parent_policy(rollouts: Artifact, promoted: Optional[Artifact], base_model: Artifact) -> Artifact:
-    """The policy ``rollouts`` were sampled from, as one of this step's inputs (the promoted checkpoint or
-    the base model), checked to descend from ``base_model`` (the KL reference)."""
+    """The policy the update trains, as one of this step's inputs: the one ``rollouts`` were sampled from (the
+    promoted checkpoint or the base model), or, for rollouts one update behind (``staleness`` 1), the promoted
+    checkpoint trained from that one; checked to descend from ``base_model`` (the KL reference)."""
     sampled = rollouts.input_ref("policy")
     sampled_chain = rollouts.lineage.get("config", {}).get("chain_base", sampled.data_version)
     if sampled_chain != base_model.data_version:
@@ -66,6 +76,15 @@ def parent_policy(rollouts: Artifact, promoted: Optional[Artifact], base_model: 
                          f"({sampled.uri}), which descends from another base model than the KL reference "
                          f"base_model {base_model.data_version} ({base_model.uri}): re-materialise rollouts so the "
                          "policy chain and its reference share one base model")
+    if rollouts.lineage.get("config", {}).get("staleness"):
+        trained_from = promoted.input_ref("policy") if promoted is not None else None
+        if trained_from is not None and (trained_from.asset, trained_from.data_version) == \
+                (sampled.asset, sampled.data_version):
+            return promoted
+        now = f"{promoted.asset} {promoted.data_version}" if promoted is not None else "none"
+        raise dg.Failure(f"policy_checkpoint: the off-policy rollouts were sampled from {sampled.asset} "
+                         f"{sampled.data_version}, which is not the parent of the promoted policy (now {now}): "
+                         "re-materialise rollouts, so the update is one step ahead of its samples")
     for candidate in (promoted, base_model):
         if candidate is not None and (candidate.asset, candidate.data_version) == (sampled.asset, sampled.data_version):
             return candidate

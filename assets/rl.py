@@ -12,10 +12,11 @@ from batchrl.assets.common import (
 )
 from batchrl.assets.iteration_chart import ChainChart
 from batchrl.assets.policy_chain import (
-    CHAIN, ITERATION, PROMOTED_POLICY_IN, chain_base, current_policy, input_iteration, next_iteration, parent_policy,
-    promote,
+    CHAIN, ITERATION, PROMOTED_POLICY_IN, behaviour_policy, chain_base, current_policy, input_iteration,
+    next_iteration, parent_policy, promote,
 )
 from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
+from batchrl.assets.rollout_prefetch import SamplingRequest, prefetched_folder, prompt_subset, start_prefetch
 from batchrl.assets.run_rules import check_run_config, kl_placement
 from batchrl.common import fsutil
 from batchrl.resources import (
@@ -84,6 +85,12 @@ class RolloutConfig(dg.Config):
     agent: Optional[AgentRunConfig] = Field(None, description="multi-turn, tool-using rollouts (docs/AGENT.md): "
                                             "the model's tool calls run in the sandbox and their output comes back "
                                             "as a turn; unset: one turn per rollout")
+    off_policy_steps: int = Field(0, ge=0, le=1, description="1: one-step off-policy (verl's one_step_off_policy): "
+                                  "sample from the promoted policy's parent, one update behind, so that the job "
+                                  "worker samples the next iteration's rollouts (seed + 1) while this iteration's "
+                                  "update trains; the staleness is in the rollouts' lineage and the update "
+                                  "corrects it (needs the policy's old_logprobs: recompute and "
+                                  "rollout_is_threshold). 0: on-policy")
 
     @model_validator(mode="after")
     def _agent_combinations(self):
@@ -137,17 +144,26 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
     with clock.phase("prepare"):
         # runs launched from the UI skip `batchrl run`'s and execute_assets' up-front check: the same one, here
         check_run_config(context.run.run_config, _selected_assets(context), context.job_def.asset_layer.asset_graph)
-        policy = current_policy(context, promoted_policy, base_model, config.policy)
-        table = prompts.read_table()
-        if config.max_prompts and len(table) > config.max_prompts:  # a new seeded subset each iteration
-            table = table.sample(config.max_prompts, random_state=config.seed).sort_index()
+        promoted = current_policy(context, promoted_policy, base_model, config.policy)
+        # off-policy: the samples come from the policy the promoted one was trained from (one update behind)
+        policy, staleness = behaviour_policy(storage, promoted, config.off_policy_steps)
+        all_prompts = prompts.read_table()
+        table = prompt_subset(all_prompts, config.max_prompts, config.seed)  # a new seeded subset each iteration
         messages = prompt_messages(table.to_dict("records"))  # multi-turn prompts: the engine renders them whole
+        request = SamplingRequest(policy, list(table["prompt"]), messages, config.samples_per_prompt, config.seed,
+                                  None if config.agent is None else config.agent.model_dump())
     with storage.staging_dir("rollouts_work") as workdir, clock.phase("sample"):
-        samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path,
-                                               prompts=list(table["prompt"]), n=config.samples_per_prompt,
-                                               seed=config.seed, workdir=workdir, cache_dir=storage.cache_dir,
-                                               messages=messages,
-                                               agent=None if config.agent is None else config.agent.model_dump())
+        samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path, prompts=request.prompts,
+                                               n=request.n, seed=request.seed, workdir=workdir,
+                                               cache_dir=storage.cache_dir, messages=messages, agent=request.agent,
+                                               prefetched=prefetched_folder(storage, rollout_engine, request))
+        ahead = {}
+        if config.off_policy_steps and rollout_engine.can_prefetch(trainer):  # the next iteration's, from `promoted`
+            table_next = prompt_subset(all_prompts, config.max_prompts, config.seed + 1)
+            pid = start_prefetch(storage, rollout_engine, trainer, SamplingRequest(
+                promoted, list(table_next["prompt"]), prompt_messages(table_next.to_dict("records")), request.n,
+                config.seed + 1, request.agent))
+            ahead = {"prefetch_seed": config.seed + 1, "prefetch_worker_pid": pid}
         if config.greedy_baseline:
             from batchrl.training.remax import add_greedy_baselines, greedy_engine
 
@@ -160,7 +176,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
     with clock.phase("table"):
         meta = table.reset_index(drop=True).drop(columns=["prompt"])  # answer, category, prompt_messages ...
         samples = samples.join(meta, on="prompt_index")
-        shown = {"policy": policy.uri, **next_iteration(context.instance, policy)}
+        shown = {"policy": policy.uri, "staleness": staleness, **ahead, **next_iteration(context.instance, promoted)}
         if config.agent is not None and len(samples):  # one trajectory, every turn, in the UI (all are in the Parquet)
             from batchrl.training.agent.stats import trajectory_markdown
 
@@ -170,7 +186,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
             samples.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, seed=config.seed,
                        config={**config.model_dump(), "engine": rollout_engine.model_dump(),
-                               "chain_base": chain_base(policy)},
+                               "chain_base": chain_base(policy), "staleness": staleness},
                        inputs={"prompts": prompts, "policy": policy},
                        metadata={**{k: v for k, v in stats.items() if k != "content_hash"}, **shown,
                                  **{f"step_s/{k}": v for k, v in clock.summary().items()}})

@@ -78,6 +78,15 @@ def _check_rl(ops: dict, selected: set[str] | None) -> None:
         if policy is not None and "values" in needs and not policy.critic:
             raise RunConfigError(f"{where} needs critic values: set ops.policy_checkpoint.config.critic: true "
                                  "(a value model trained with the policy)")
+    if rollouts is not None and policy is not None and rollouts.off_policy_steps:
+        # the update's ratio is to the policy it starts from (recomputed); the samples' own policy, one update
+        # behind, is corrected for by the truncated importance weights against the engine's log-probs
+        if policy.old_logprobs != "recompute" or policy.rollout_is_threshold is None:
+            raise RunConfigError(
+                "ops.rollouts.config.off_policy_steps=1 samples one update behind the policy being trained: set "
+                "ops.policy_checkpoint.config.old_logprobs: recompute and rollout_is_threshold (a number) so the "
+                f"staleness is corrected (now old_logprobs={policy.old_logprobs}, "
+                f"rollout_is_threshold={policy.rollout_is_threshold})")
     if algorithm is not None and policy is not None:
         if "adv_estimator" in policy.model_fields_set and policy.adv_estimator != algorithm.estimator:
             raise RunConfigError(f"ops.policy_checkpoint.config.adv_estimator={policy.adv_estimator} differs from "

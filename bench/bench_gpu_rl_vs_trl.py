@@ -52,7 +52,9 @@ if SMOKE:
 # the batchrl arms other than ``full``: the run config over the profile's
 ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
                "compile": {"ops": {"policy_checkpoint": {"config": {"torch_compile": True}}}},
-               "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}}}
+               "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}},
+               # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
+               "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}}}
 
 
 def _arm_env(state: str, arm: str) -> dict[str, str]:

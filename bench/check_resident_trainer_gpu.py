@@ -17,8 +17,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from pipeline_helpers import RL_LOOP  # noqa: E402
-from test_resident_loop import SMALL, _loop, _stop_workers  # noqa: E402
+from pipeline_helpers import RL_LOOP, stop_workers  # noqa: E402
+from test_resident_loop import SMALL, _loop  # noqa: E402
 
 VARIANTS = {
     "lora_bf16": {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3,
@@ -31,7 +31,7 @@ def check(work: str, name: str, policy: dict) -> dict:
     config = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": policy}}}
     runs = {gb: _loop(os.path.join(work, f"{name}-root{gb}"), os.path.join(work, f"{name}-home{gb}"), gb, config)
             for gb in ("1", "0")}
-    _stop_workers(runs)
+    stop_workers(runs)
     kept, files = runs["1"], runs["0"]
     versions = {stage: ([m["data_version"] for m in kept[stage]], [m["data_version"] for m in files[stage]])
                 for stage in RL_LOOP}

@@ -53,6 +53,20 @@ def slot_path(env: dict[str, str], slot: int) -> str:
     return path if slot == 0 else path.removesuffix(".sock") + f"-{slot}.sock"
 
 
+def named_worker_path(env: dict[str, str], name: str) -> str:
+    """The socket of a worker of its own for one kind of work (``name``, e.g. the off-policy rollouts'), beside the
+    GPU job slots' and outside their count: its jobs hold no slot."""
+    return socket_path(env).removesuffix(".sock") + f"-{name}.sock"
+
+
+def run_detached(job: str, config_path: str, workdir: str, env: dict[str, str], idle_s: float, path: str) -> int:
+    """Hand ``job`` to the worker of ``path`` and return once it is accepted (its pid), not when it ends: the job
+    runs without Pipes (its outputs are its files) and the worker's next request waits behind it."""
+    answer = request(path, {"job": job, "config": config_path, "cwd": workdir, "detached": True,
+                            "env": job_request_env(env)}, env, idle_s)
+    return int(answer["pid"])
+
+
 @contextlib.contextmanager
 def free_slot(env: dict[str, str], slots: int):
     """The socket of a worker among ``slots`` that runs no job now (slot 0 first), held for the caller's

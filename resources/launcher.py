@@ -42,13 +42,18 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     k8s_node_selector: dict[str, str] = Field({}, description="k8s: node selector of the GPU pods")
 
     def run_job(self, context: dg.AssetExecutionContext, job: str, config: dict[str, Any],
-                workdir: str, fresh_process: bool = False) -> dg.MaterializeResult:
+                workdir: str, fresh_process: bool = False, worker: str | None = None) -> dg.MaterializeResult:
         """Run ``job`` through Pipes; ``fresh_process`` keeps it out of the warm worker (a job whose
-        libraries hold processes or memory beyond its end)."""
-        config_path = os.path.join(workdir, f"{job}.json")
-        with open(config_path, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        if self.backend == "k8s":
+        libraries hold processes or memory beyond its end); ``worker`` (backend worker): in the named worker of
+        its own (``detached_worker``), after the jobs handed to it before."""
+        config_path = self._config_file(job, config, workdir)
+        if worker is not None and self.detached_worker():
+            from batchrl.resources.job_worker import named_worker_path, run_in_worker
+
+            env = self.job_env()
+            invocation = run_in_worker(context, job, config_path, workdir, env, self.worker_idle_s,
+                                       named_worker_path(env, worker))
+        elif self.backend == "k8s":
             from batchrl.resources.scaleout import k8s_client
 
             client, options = k8s_client(self.k8s_namespace)
@@ -66,6 +71,26 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         else:
             invocation = self._run_in_subprocesses(context, job, config_path, workdir)
         return invocation.get_materialize_result()
+
+    @staticmethod
+    def _config_file(job: str, config: dict[str, Any], workdir: str) -> str:
+        config_path = os.path.join(workdir, f"{job}.json")
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        return config_path
+
+    def detached_worker(self) -> bool:
+        """Whether jobs can be handed to a named worker of their own and left running (backend worker)."""
+        return self.backend == "worker"
+
+    def start_detached(self, job: str, config: dict[str, Any], workdir: str, worker: str) -> int:
+        """Hand ``job`` to the named worker ``worker`` and return at once (its pid): it runs while the run goes
+        on, without Pipes (its outputs are its files); a later ``run_job(..., worker=worker)`` waits behind it."""
+        from batchrl.resources.job_worker import named_worker_path, run_detached
+
+        env = self.job_env()
+        return run_detached(job, self._config_file(job, config, workdir), workdir, env, self.worker_idle_s,
+                            named_worker_path(env, worker))
 
     def _run_in_subprocesses(self, context: dg.AssetExecutionContext, job: str, config_path: str,
                              workdir: str) -> dg.PipesClientCompletedInvocation:

@@ -41,22 +41,20 @@ class RolloutEngineResource(dg.ConfigurableResource):
 
     def sample(self, context: dg.AssetExecutionContext, launcher, *, model_path: str, prompts: list[str], n: int,
                seed: int, workdir: str, cache_dir: str, messages: list | None = None,
-               agent: dict | None = None) -> tuple[pd.DataFrame, dict]:
+               agent: dict | None = None, prefetched: str | None = None) -> tuple[pd.DataFrame, dict]:
         """Samples (the engine contract's rows) and the sampling statistics; ``messages``: per prompt its
         conversation (JSON) or None, rendered whole by the engine; ``agent``: multi-turn tool use (``AgentConfig``
-        as a dict; ``training/agent``), None for one turn."""
+        as a dict; ``training/agent``), None for one turn. ``prefetched``: the folder a ``prefetch`` of this very
+        request was handed (the samples are taken from it when it completed, in the prefetch worker)."""
         out = os.path.join(workdir, "samples.parquet")
         engine = self.engine_options(model_path, cache_dir)
         if self.in_subprocess:
-            prompts_parquet = os.path.join(workdir, "prompts.parquet")
-            columns = {"prompt": prompts} if messages is None else {"prompt": prompts, "prompt_messages": messages}
-            pd.DataFrame(columns).to_parquet(prompts_parquet, index=False)
-            result = launcher.run_job(context, "rollouts", {"engine": engine, "prompts_parquet": prompts_parquet,
-                                                           "n": n, "seed": seed, "out_parquet": out,
-                                                           "agent": agent}, workdir,
-                                     # vLLM keeps an engine-core process and its memory pool: a fresh process
-                                     # gives them back when the stage ends, the warm worker would not
-                                     fresh_process=self.kind == "vllm")
+            job_config = {"engine": engine, "prompts_parquet": _prompts_file(workdir, prompts, messages), "n": n,
+                          "seed": seed, "out_parquet": out, "agent": agent, "prefetched_from": prefetched}
+            # vLLM keeps an engine-core process and its memory pool: a fresh process gives them back when the
+            # stage ends, the warm worker would not
+            result = launcher.run_job(context, "rollouts", job_config, workdir, fresh_process=self.kind == "vllm",
+                                      worker=PREFETCH_WORKER if prefetched else None)
             stats = {k: getattr(v, "value", v) for k, v in (result.metadata or {}).items()}
         else:  # imported here: the engines' torch and transformers stay out of a Dagster process that hands off
             from batchrl.training.rollout.sampling_job import sample_to_parquet
@@ -67,3 +65,29 @@ class RolloutEngineResource(dg.ConfigurableResource):
 
             release_accelerator_memory(self.device)
         return pd.read_parquet(out), stats
+
+    def can_prefetch(self, launcher) -> bool:
+        """Whether ``prefetch`` can sample while the run goes on: job-worker sampling (not vLLM's processes)."""
+        return self.in_subprocess and self.kind != "vllm" and launcher.detached_worker()
+
+    def prefetch(self, launcher, *, model_path: str, prompts: list[str], n: int, seed: int, folder: str,
+                 cache_dir: str, messages: list | None = None, agent: dict | None = None) -> int:
+        """Start sampling this request in the prefetch worker and return at once (its pid): the samples and then
+        their statistics land in ``folder``, which a later ``sample(..., prefetched=folder)`` takes."""
+        os.makedirs(folder, exist_ok=True)
+        config = {"engine": self.engine_options(model_path, cache_dir), "n": n, "seed": seed, "agent": agent,
+                  "prompts_parquet": _prompts_file(folder, prompts, messages),
+                  "out_parquet": os.path.join(folder, "samples.parquet"),
+                  "stats_json": os.path.join(folder, "stats.json")}
+        return launcher.start_detached("rollouts", config, folder, PREFETCH_WORKER)
+
+
+# the off-policy rollouts' worker of its own: it samples while the policy update trains in the GPU job slot's
+PREFETCH_WORKER = "rollouts"
+
+
+def _prompts_file(folder: str, prompts: list[str], messages: list | None) -> str:
+    path = os.path.join(folder, "prompts.parquet")
+    columns = {"prompt": prompts} if messages is None else {"prompt": prompts, "prompt_messages": messages}
+    pd.DataFrame(columns).to_parquet(path, index=False)
+    return path

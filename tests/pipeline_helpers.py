@@ -1,6 +1,9 @@
 """Shared helpers for the Dagster-level tests: resources on a temp storage root, run the asset graph."""
 from __future__ import annotations
 
+import os
+import signal
+
 import dagster as dg
 
 from batchrl.common.storage_layout import cache_dir_of, catalog_path_of
@@ -37,3 +40,15 @@ def latest_metadata(instance: dg.DagsterInstance, asset: str) -> dict:
     event = instance.get_latest_materialization_event(dg.AssetKey(asset))
     assert event is not None, f"{asset} was not materialised"
     return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+def stop_workers(histories: dict) -> None:
+    """SIGTERM every job worker named in ``histories`` ({name: {stage: [metadata, ...]}}): the jobs' own and the
+    off-policy rollouts' worker."""
+    pids = {m.get(key) for history in histories.values() for records in history.values() for m in records
+            for key in ("worker_pid", "prefetch_worker_pid")} - {None}
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGTERM)
+        except (ProcessLookupError, ValueError):
+            pass

@@ -6,10 +6,9 @@ loss curves as the loop that loads every stage's model from the published files 
 from __future__ import annotations
 
 import os
-import signal
 
 import dagster as dg
-from pipeline_helpers import RL_LOOP, UPSTREAM, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, local_resources, run_assets, stop_workers
 
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.training.trainer import resident_trainer
@@ -61,16 +60,7 @@ def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_
         assert not any(m["engine_reused"] for m in from_files["rollouts"])
         assert not any(m["resident_weights"] for m in from_files["policy_checkpoint"])
     finally:
-        _stop_workers(histories)
-
-
-def _stop_workers(histories: dict) -> None:
-    for history in histories.values():
-        for pid in {m.get("worker_pid") for stage in RL_LOOP for m in history[stage]} - {None}:
-            try:
-                os.kill(int(pid), signal.SIGTERM)
-            except (ProcessLookupError, ValueError):
-                pass
+        stop_workers(histories)
 
 
 def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jobs(tmp_path):
@@ -95,7 +85,7 @@ def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jo
             assert [m["trainer_reused"] for m in resident["policy_checkpoint"]] == [False, True], name
         assert not any(m["trainer_reused"] for m in from_files["policy_checkpoint"])
     finally:
-        _stop_workers(histories)
+        stop_workers(histories)
 
 
 def test_kept_engine_is_reused_only_for_the_same_settings_and_model_and_within_its_limit(arith_job_inputs,

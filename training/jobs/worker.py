@@ -160,10 +160,17 @@ def serve(socket_path: str, idle_s: float) -> int:
                 if not line:
                     continue
                 request = json.loads(line)
+                if request.get("detached"):  # answered at once, run after: its outputs are its files
+                    stream.write(json.dumps({"ok": True, "pid": os.getpid(), "detached": True}).encode() + b"\n")
+                    stream.flush()
                 answer = ({"ok": True, "pid": os.getpid(), "protocol": PROTOCOL} if request.get("ping")
                           else run_request(request))
-                stream.write(json.dumps(answer).encode() + b"\n")
-                stream.flush()
+                if not request.get("detached"):
+                    stream.write(json.dumps(answer).encode() + b"\n")
+                    stream.flush()
+                elif not answer["ok"]:  # nobody waits for this answer: the worker's log keeps it
+                    print(f"detached job {request['job']!r} failed: {answer.get('error')}\n"
+                          f"{answer.get('traceback', '')}", file=sys.stderr, flush=True)
             if not request.get("ping"):
                 # after the answer: the step goes on while this process collects the job's garbage (a full
                 # collection over torch's and transformers' objects, which every step waited for before)

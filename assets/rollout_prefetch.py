@@ -1,0 +1,72 @@
+"""One-step off-policy rollouts sampled ahead (issue 32; verl's ``one_step_off_policy``, AReaL's bounded staleness).
+
+With ``rollouts.off_policy_steps: 1`` an iteration's rollouts are, by definition, sampled from the promoted policy's
+parent — the policy one update behind — with the iteration's seed and prompt subset: a function of published
+artifacts and config, whoever computes it. That is what lets them be computed early: the iteration before, right
+after its own rollouts, hands the next iteration's request (its promoted policy, which is the next one's parent;
+seed + 1, as ``batchrl run`` numbers its iterations) to the job worker's rollouts worker, which samples it while
+this iteration's rewards, advantages and update run. The next iteration's rollouts step asks that worker for the
+same request with the folder it was handed: the worker answers after the prefetch (it runs one job at a time), and
+the job takes the finished samples instead of sampling. A request that differs (another seed, prompts, policy or
+engine), a prefetch that failed or a worker that was restarted is sampled then and there: the same samples, later.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+
+from batchrl.resources import RolloutEngineResource, StorageResource, TrainerLauncherResource
+from batchrl.resources.artifacts import Artifact
+
+FOLDER = "rollout_prefetch"
+STALE_S = 3600.0  # a prefetch nobody took within an hour is removed when the next one starts
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    policy: Artifact  # the policy sampled from
+    prompts: list[str]
+    messages: list | None
+    n: int
+    seed: int
+    agent: dict | None
+
+
+def prompt_subset(table: pd.DataFrame, max_prompts: int | None, seed: int) -> pd.DataFrame:
+    """The iteration's prompts: all of them, or a sample of ``max_prompts`` drawn with ``seed``."""
+    if max_prompts and len(table) > max_prompts:
+        return table.sample(max_prompts, random_state=seed).sort_index()
+    return table
+
+
+def _folder(storage: StorageResource, engine: RolloutEngineResource, request: SamplingRequest) -> str:
+    key = json.dumps([request.policy.asset, request.policy.data_version, request.prompts, request.messages, request.n,
+                      request.seed, request.agent, engine.model_dump()], sort_keys=True, default=str)
+    return os.path.join(storage.cache_dir, FOLDER, hashlib.sha256(key.encode()).hexdigest()[:16])
+
+
+def prefetched_folder(storage: StorageResource, engine: RolloutEngineResource, request: SamplingRequest) -> str | None:
+    """The folder a prefetch of exactly this request was handed (finished or still sampling), else None."""
+    folder = _folder(storage, engine, request)
+    return folder if os.path.isdir(folder) else None
+
+
+def start_prefetch(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
+                   request: SamplingRequest) -> int:
+    """Hand ``request`` to the rollouts worker, which samples it while the run goes on; returns the worker's pid."""
+    root = os.path.join(storage.cache_dir, FOLDER)
+    if os.path.isdir(root):  # prefetches never taken (the next request differed)
+        for name in os.listdir(root):
+            if time.time() - os.path.getmtime(os.path.join(root, name)) > STALE_S:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    folder = _folder(storage, engine, request)
+    shutil.rmtree(folder, ignore_errors=True)
+    return engine.prefetch(launcher, model_path=request.policy.path, prompts=request.prompts, n=request.n,
+                           seed=request.seed, folder=folder, cache_dir=storage.cache_dir, messages=request.messages,
+                           agent=request.agent)

@@ -1,0 +1,86 @@
+"""One-step off-policy RL iterations (``rollouts.off_policy_steps: 1``, issue 32; assets/rollout_prefetch.py).
+
+An iteration's rollouts come from the promoted policy's parent, one update behind; the job worker's rollouts worker
+samples the next iteration's while this one's update trains. Prefetched or sampled then and there, they are the
+same samples: three iterations through the job worker (prefetching) and through fresh subprocesses (nothing can be
+left running, so nothing is prefetched) give the same data versions at every stage.
+"""
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+import pytest
+from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets, stop_workers
+
+from batchrl.assets.run_rules import check_run_config
+from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
+from batchrl.runs.run_config import RunConfigError
+
+OFF_POLICY = {"ops": {
+    "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8, "off_policy_steps": 1}},
+    "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
+    "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
+}}
+ITERATIONS = 3
+
+
+def _seeded(seed: int) -> dict:  # as `batchrl run --rl-iterations` numbers its iterations
+    ops = dict(OFF_POLICY["ops"])
+    ops["rollouts"] = {"config": {**ops["rollouts"]["config"], "seed": seed}}
+    return {"ops": ops}
+
+
+def _loop(root: str, home: str, backend: str) -> dict[str, list[dict]]:
+    """Three off-policy RL iterations, every model stage a job (``backend``): per stage, each materialisation's
+    metadata and lineage inputs (oldest first)."""
+    resources = local_resources(
+        root, rollout_engine=RolloutEngineResource(in_subprocess=True),
+        trainer=TrainerLauncherResource(backend=backend, worker_idle_s=60, env={"BATCHRL_STORAGE": root}))
+    os.makedirs(home, exist_ok=True)
+    with dg.DagsterInstance.local_temp(home) as instance:
+        assert run_assets(resources, instance, UPSTREAM, OFF_POLICY).success
+        for seed in range(ITERATIONS):
+            assert run_assets(resources, instance, RL_LOOP, _seeded(seed)).success
+        history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
+                           for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
+                   for stage in RL_LOOP}
+        history["base_model"] = [latest_metadata(instance, "base_model")]
+        return history
+
+
+def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes_no_result(tmp_path):
+    runs = {backend: _loop(str(tmp_path / f"root-{backend}"), str(tmp_path / f"home-{backend}"), backend)
+            for backend in ("worker", "subprocess")}
+    ahead, fresh = runs["worker"], runs["subprocess"]
+    try:
+        for stage in RL_LOOP:
+            assert [m["data_version"] for m in ahead[stage]] == [m["data_version"] for m in fresh[stage]], stage
+            assert len(ahead[stage]) == ITERATIONS
+        # iteration 1 samples the base model; each later one the policy before the promoted one
+        policies = [m["data_version"] for m in ahead["policy_checkpoint"]]
+        base = ahead["base_model"][0]["data_version"]
+        assert [m["staleness"] for m in ahead["rollouts"]] == [0, 1, 1]
+        assert [m["policy"].rstrip("/").rsplit("/", 1)[-1] for m in ahead["rollouts"]] == [base, base, policies[0]]
+        # the samples of iterations 2 and 3 were taken from the prefetch, sampled while the update before trained
+        assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True, True]
+        assert [m["prefetch_seed"] for m in ahead["rollouts"]] == [1, 2, 3]
+        assert not any(m["prefetched"] for m in fresh["rollouts"])
+        assert not any("prefetch_seed" in m for m in fresh["rollouts"])
+        # each update trains the promoted policy (not the samples' own) and corrects the staleness by importance
+        # weights against the engine's log-probs, which differ from 1 once the samples are one update behind
+        weights = [m["final/rollout_is_weight_mean"] for m in ahead["policy_checkpoint"]]
+        assert all(0 < w <= 2.0 for w in weights) and abs(weights[2] - 1.0) > 1e-4
+    finally:
+        stop_workers(runs)
+
+
+def test_off_policy_needs_the_recomputed_ratio_and_the_importance_correction():
+    ops = {"rollouts": {"config": {"off_policy_steps": 1}}}
+    for policy in ({"old_logprobs": "rollout"}, {"rollout_is_threshold": None}):
+        with pytest.raises(RunConfigError, match="off_policy_steps=1"):
+            check_run_config({"ops": {**ops, "policy_checkpoint": {"config": policy}}})
+    check_run_config({"ops": ops})  # the defaults: recompute, threshold 2
+    with pytest.raises(Exception, match="less than or equal to 1"):
+        check_run_config({"ops": {"rollouts": {"config": {"off_policy_steps": 2}}}})
