@@ -62,7 +62,11 @@ def behaviour_policy(storage: StorageResource, promoted: Artifact, off_policy_st
     policy it was trained from (its lineage input ``policy``), the base model being its own."""
     if not off_policy_steps or promoted.asset == "base_model":
         return promoted, 0
-    return make_local(storage, promoted.input_ref("policy")), 1
+    trained_from = promoted.input_ref("policy")
+    if trained_from is None:
+        raise dg.Failure(f"rollouts: off_policy_steps=1 samples from the policy the promoted {promoted.asset} "
+                         f"{promoted.data_version} was trained from, but its lineage names none ({promoted.uri})")
+    return make_local(storage, trained_from), 1
 
 
 def parent_policy(rollouts: Artifact, promoted: Optional[Artifact], base_model: Artifact) -> Artifact:

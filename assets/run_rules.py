@@ -87,6 +87,10 @@ def _check_rl(ops: dict, selected: set[str] | None) -> None:
                 "ops.policy_checkpoint.config.old_logprobs: recompute and rollout_is_threshold (a number) so the "
                 f"staleness is corrected (now old_logprobs={policy.old_logprobs}, "
                 f"rollout_is_threshold={policy.rollout_is_threshold})")
+        if policy.critic:
+            raise RunConfigError("ops.rollouts.config.off_policy_steps=1 with ops.policy_checkpoint.config.critic: "
+                                 "the critic's values and returns are on-policy here; use a group estimator (grpo, "
+                                 "rloo, ...) for off-policy iterations")
     if algorithm is not None and policy is not None:
         if "adv_estimator" in policy.model_fields_set and policy.adv_estimator != algorithm.estimator:
             raise RunConfigError(f"ops.policy_checkpoint.config.adv_estimator={policy.adv_estimator} differs from "

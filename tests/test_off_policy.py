@@ -76,9 +76,10 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
         stop_workers(runs)
 
 
-def test_off_policy_needs_the_recomputed_ratio_and_the_importance_correction():
+def test_off_policy_needs_the_recomputed_ratio_the_importance_correction_and_no_critic():
     ops = {"rollouts": {"config": {"off_policy_steps": 1}}}
-    for policy in ({"old_logprobs": "rollout"}, {"rollout_is_threshold": None}):
+    for policy in ({"old_logprobs": "rollout"}, {"rollout_is_threshold": None},
+                   {"critic": True, "adv_estimator": "gae"}):
         with pytest.raises(RunConfigError, match="off_policy_steps=1"):
             check_run_config({"ops": {**ops, "policy_checkpoint": {"config": policy}}})
     check_run_config({"ops": ops})  # the defaults: recompute, threshold 2
