@@ -162,7 +162,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if _runs_jobs(defs, list(jobs.values())):  # every selection of the plan was validated: its job is there
         # its imports overlap the data-only first steps
-        defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1)
+        defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1,
+                                                  named=_named_workers(run_config))
     # in this process: every step of a one-at-a-time run, and each RL iteration (a chain: ``execute.is_chain``)
     in_process = args.concurrent_steps <= 1 or iterations > 1
     if in_process and any(sel is None or TORCH_IN_PROCESS & set(sel) for _, sel, _ in plan):
@@ -206,6 +207,14 @@ def _run(args: argparse.Namespace) -> int:
 # import, ~3 s there in the first RL iteration's advantages step, overlaps the steps before it (rollouts waits on
 # the job worker) when started with the run
 TORCH_IN_PROCESS = {"rewards", "advantages"}
+
+
+def _named_workers(run_config: dict) -> tuple[str, ...]:
+    """The job worker's named workers the run will use: the rollouts worker of off-policy iterations."""
+    from batchrl.resources.rollout import PREFETCH_WORKER
+
+    rollouts = ((run_config.get("ops") or {}).get("rollouts") or {}).get("config") or {}
+    return (PREFETCH_WORKER,) if rollouts.get("off_policy_steps") else ()
 
 
 def _import_in_background(modules: list[str]) -> None:

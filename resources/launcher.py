@@ -98,13 +98,17 @@ class TrainerLauncherResource(dg.ConfigurableResource):
                                           message_reader=DrainingTempFileMessageReader())
         return client.run(context=context, command=self.command(job, config_path))
 
-    def prestart_worker(self, concurrent: bool = False) -> None:
+    def prestart_worker(self, concurrent: bool = False, named: tuple[str, ...] = ()) -> None:
         """backend worker: start the warm worker ahead of the first job (a run calls this before its first step);
-        ``concurrent`` (a run that executes steps side by side): the worker of every GPU job slot."""
+        ``concurrent`` (a run that executes steps side by side): the worker of every GPU job slot; ``named``: those
+        named workers too (e.g. the off-policy rollouts')."""
         if self.backend == "worker":
-            from batchrl.resources.job_worker import prestart
+            from batchrl.resources.job_worker import connect_or_start, named_worker_path, prestart
 
-            prestart(self.job_env(), self.worker_idle_s, self.gpu_job_slots if concurrent else 1)
+            env = self.job_env()
+            prestart(env, self.worker_idle_s, self.gpu_job_slots if concurrent else 1)
+            for name in named:
+                connect_or_start(named_worker_path(env, name), env, self.worker_idle_s).close()
 
     def one_process(self, job: str) -> bool:
         """The job runs as one process here (not data-parallel, not over a hostfile)."""

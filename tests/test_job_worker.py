@@ -228,7 +228,7 @@ def test_prestart_starts_one_worker_ahead_of_the_first_job(tmp_path):
 def test_a_concurrent_run_prestarts_the_worker_of_every_gpu_job_slot(tmp_path):
     """gpu_job_slots 2: a run of one step at a time starts slot 0's worker only; a concurrent run starts both,
     so the job that runs beside another finds its worker warm too."""
-    from batchrl.resources.job_worker import request, slot_path
+    from batchrl.resources.job_worker import named_worker_path, request, slot_path
 
     worker = TrainerLauncherResource(backend="worker", worker_idle_s=30, gpu_job_slots=2,
                                      env={"BATCHRL_STORAGE": str(tmp_path)})
@@ -238,6 +238,10 @@ def test_a_concurrent_run_prestarts_the_worker_of_every_gpu_job_slot(tmp_path):
     worker.prestart_worker(concurrent=True)
     pids = [request(slot_path(env, slot), {"ping": True}, env, 30)["pid"] for slot in (0, 1)]
     assert pids[0] != pids[1]
+    # an off-policy run's rollouts worker: one of its own, beside the slots'
+    worker.prestart_worker(named=("rollouts",))
+    pids.append(request(named_worker_path(env, "rollouts"), {"ping": True}, env, 30)["pid"])
+    assert len(set(pids)) == 3
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
 

@@ -85,3 +85,11 @@ def test_off_policy_needs_the_recomputed_ratio_the_importance_correction_and_no_
     check_run_config({"ops": ops})  # the defaults: recompute, threshold 2
     with pytest.raises(Exception, match="less than or equal to 1"):
         check_run_config({"ops": {"rollouts": {"config": {"off_policy_steps": 2}}}})
+
+
+def test_an_off_policy_run_starts_the_rollouts_worker_with_the_others():
+    from batchrl.cli.run_command import _named_workers
+
+    assert _named_workers({"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}}) == ("rollouts",)
+    assert _named_workers({"ops": {"rollouts": {"config": {"seed": 3}}}}) == ()
+    assert _named_workers({}) == ()
