@@ -12,7 +12,7 @@ from batchrl.assets.common import (
 )
 from batchrl.assets.iteration_chart import ChainChart
 from batchrl.assets.policy_chain import (
-    CHAIN, ITERATION, PROMOTED_POLICY_IN, behaviour_policy, chain_base, current_policy, input_iteration,
+    CHAIN, ITERATION, PROMOTED, PROMOTED_POLICY_IN, behaviour_policy, chain_base, current_policy, input_iteration,
     next_iteration, parent_policy, promote,
 )
 from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
@@ -187,7 +187,8 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         return publish(context, storage, catalog, staging, seed=config.seed,
                        config={**config.model_dump(), "engine": rollout_engine.model_dump(),
                                "chain_base": chain_base(policy), "staleness": staleness},
-                       inputs={"prompts": prompts, "policy": policy},
+                       # off-policy: the policy sampled and the promoted one it stood behind (what reproduce pins)
+                       inputs={"prompts": prompts, "policy": policy, **({PROMOTED: promoted} if staleness else {})},
                        metadata={**{k: v for k, v in stats.items() if k != "content_hash"}, **shown,
                                  **{f"step_s/{k}": v for k, v in clock.summary().items()}})
 

@@ -197,7 +197,8 @@ def reproduce(uri: str, new_root: str, storage_options: dict | None = None, log=
         graph = defs.resolve_asset_graph()
         for parent in graph.get(dg.AssetKey(node.asset)).parent_keys:
             if parent.to_user_string() == PROMOTED:  # the loop's back edge: the policy this step recorded
-                policy = node.inputs.get("policy")
+                # (off-policy rollouts record the promoted one apart from the one they sampled)
+                policy = node.inputs.get(PROMOTED) or node.inputs.get("policy")
                 io_manager.pinned[PROMOTED] = reproduced[policy] if policy else None
                 continue
             found = _nearest(by_key, node, parent.to_user_string())

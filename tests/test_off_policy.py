@@ -74,6 +74,15 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
         assert all(0 < w <= 2.0 for w in weights) and abs(weights[2] - 1.0) > 1e-4
     finally:
         stop_workers(runs)
+    # reproduce pins each off-policy rollouts step's promoted policy apart from the one it sampled: the third
+    # iteration's rollouts (policy 1's samples while policy 2 was promoted) come out equal from their lineage alone
+    from batchrl.runs.reproduce import reproduce
+
+    last = fresh["rollouts"][-1]["data_version"]
+    report = reproduce(str(tmp_path / "root-subprocess" / "rollouts" / last), str(tmp_path / "again"),
+                       log=lambda line: None)
+    assert report["equal"], report["first_difference"]
+    assert [row["asset"] for row in report["assets"]].count("policy_checkpoint") == 2
 
 
 def test_off_policy_needs_the_recomputed_ratio_the_importance_correction_and_no_critic():
