@@ -104,3 +104,32 @@ def arith_job_inputs(tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("arith_jobs")
     return {**build_arith_pairs(root, rejected_offset=2), "root": root}
+
+
+@pytest.fixture(scope="session")
+def _upstream_template(tmp_path_factory) -> tuple[str, str]:
+    """The assets an RL iteration needs first (``pipeline_helpers.UPSTREAM``, the base model at
+    ``TINY_BASE``) materialised once per test process: (storage root, Dagster home), never written to."""
+    import dagster as dg
+    from pipeline_helpers import TINY_BASE, UPSTREAM, local_resources, run_assets
+
+    folder = tmp_path_factory.mktemp("upstream")
+    root, home = folder / "storage", folder / "home"
+    home.mkdir()
+    with dg.DagsterInstance.local_temp(str(home)) as instance:
+        assert run_assets(local_resources(str(root)), instance, UPSTREAM, TINY_BASE).success
+    return str(root), str(home)
+
+
+@pytest.fixture
+def upstream_copy(_upstream_template):
+    """``copy(folder) -> (root, home)``: a storage root and Dagster home of their own holding the upstream assets
+    (copies of the session's: a copied root with its home is a root of its own), for RL iterations on top."""
+    import shutil
+
+    def copy(folder) -> tuple[str, str]:
+        root, home = os.path.join(folder, "storage"), os.path.join(folder, "home")
+        shutil.copytree(_upstream_template[0], root)
+        shutil.copytree(_upstream_template[1], home)
+        return root, home
+    return copy

@@ -17,6 +17,7 @@ from batchrl.runs.execute import execute_assets
 # one RL iteration's assets, and what they need materialised first (the data path and the base model)
 RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
+TINY_BASE = {"ops": {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}}}}
 
 
 def local_resources(root: str, landing: LandingResource | None = None, **overrides) -> dict:

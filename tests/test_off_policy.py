@@ -7,18 +7,15 @@ left running, so nothing is prefetched) give the same data versions at every sta
 """
 from __future__ import annotations
 
-import os
-
 import dagster as dg
 import pytest
-from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets, stop_workers
+from pipeline_helpers import RL_LOOP, latest_metadata, local_resources, run_assets, stop_workers
 
 from batchrl.assets.run_rules import check_run_config
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.runs.run_config import RunConfigError
 
-OFF_POLICY = {"ops": {
-    "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+OFF_POLICY = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipeline_helpers.TINY_BASE)
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8, "off_policy_steps": 1}},
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
@@ -33,14 +30,12 @@ def _seeded(seed: int) -> dict:  # as `batchrl run --rl-iterations` numbers its 
 
 
 def _loop(root: str, home: str, backend: str) -> dict[str, list[dict]]:
-    """Three off-policy RL iterations, every model stage a job (``backend``): per stage, each materialisation's
-    metadata and lineage inputs (oldest first)."""
+    """Three off-policy RL iterations on the upstream assets in ``root`` and ``home``, every model stage a job
+    (``backend``): per stage, each materialisation's metadata (oldest first)."""
     resources = local_resources(
         root, rollout_engine=RolloutEngineResource(in_subprocess=True),
         trainer=TrainerLauncherResource(backend=backend, worker_idle_s=60, env={"BATCHRL_STORAGE": root}))
-    os.makedirs(home, exist_ok=True)
     with dg.DagsterInstance.local_temp(home) as instance:
-        assert run_assets(resources, instance, UPSTREAM, OFF_POLICY).success
         for seed in range(ITERATIONS):
             assert run_assets(resources, instance, RL_LOOP, _seeded(seed)).success
         history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
@@ -50,9 +45,8 @@ def _loop(root: str, home: str, backend: str) -> dict[str, list[dict]]:
         return history
 
 
-def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes_no_result(tmp_path):
-    runs = {backend: _loop(str(tmp_path / f"root-{backend}"), str(tmp_path / f"home-{backend}"), backend)
-            for backend in ("worker", "subprocess")}
+def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes_no_result(tmp_path, upstream_copy):
+    runs = {backend: _loop(*upstream_copy(tmp_path / backend), backend) for backend in ("worker", "subprocess")}
     ahead, fresh = runs["worker"], runs["subprocess"]
     try:
         for stage in RL_LOOP:
@@ -79,7 +73,7 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
     from batchrl.runs.reproduce import reproduce
 
     last = fresh["rollouts"][-1]["data_version"]
-    report = reproduce(str(tmp_path / "root-subprocess" / "rollouts" / last), str(tmp_path / "again"),
+    report = reproduce(str(tmp_path / "subprocess" / "storage" / "rollouts" / last), str(tmp_path / "again"),
                        log=lambda line: None)
     assert report["equal"], report["first_difference"]
     assert [row["asset"] for row in report["assets"]].count("policy_checkpoint") == 2

@@ -21,10 +21,11 @@ SMALL = {"ops": {
 }}
 
 
-def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: dict | None = None
-          ) -> dict[str, list[dict]]:
+def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: dict | None = None,
+          upstream_built: bool = False) -> dict[str, list[dict]]:
     """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
-    ``cache_gb`` (and ``env``): per RL stage, each materialisation's metadata (oldest first)."""
+    ``cache_gb`` (and ``env``): per RL stage, each materialisation's metadata (oldest first). ``upstream_built``:
+    the root and home already hold the upstream assets (the ``upstream_copy`` fixture's)."""
     resources = local_resources(
         root, rollout_engine=RolloutEngineResource(in_subprocess=True),
         trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60,
@@ -32,7 +33,8 @@ def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: di
                                              **(env or {})}))
     os.makedirs(home, exist_ok=True)
     with dg.DagsterInstance.local_temp(home) as instance:
-        assert run_assets(resources, instance, UPSTREAM, run_config).success
+        if not upstream_built:
+            assert run_assets(resources, instance, UPSTREAM, run_config).success
         for _ in range(2):  # each update promotes its checkpoint: the next rollouts sample from it
             assert run_assets(resources, instance, RL_LOOP, run_config).success
         return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
@@ -40,8 +42,9 @@ def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: di
                 for stage in RL_LOOP}
 
 
-def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_loads_from_files(tmp_path):
-    histories = {gb: _loop(str(tmp_path / f"root{gb}"), str(tmp_path / f"home{gb}"), gb) for gb in ("1", "0")}
+def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_loads_from_files(tmp_path,
+                                                                                                upstream_copy):
+    histories = {gb: _loop(*upstream_copy(tmp_path / f"cache{gb}"), gb, upstream_built=True) for gb in ("1", "0")}
     resident, from_files = histories["1"], histories["0"]
     try:
         for stage in RL_LOOP:
@@ -63,7 +66,7 @@ def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_
         stop_workers(histories)
 
 
-def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jobs(tmp_path):
+def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jobs(tmp_path, upstream_copy):
     """LoRA (adapter artifacts, the reference = the base with the adapter off): the second update takes over the
     first one's PEFT model and engine and publishes the adapter a fresh job would (same data versions, curves) —
     with the kept engine renewed, and with a new engine built around the kept module (what a bf16 engine gets)."""
@@ -71,7 +74,7 @@ def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jo
     adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3}
     lora = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
     variants = {"renewed": ("1", {}), "rebuilt": ("1", {resident_trainer.REBUILD_ENV: "1"}), "files": ("0", {})}
-    histories = {name: _loop(str(tmp_path / f"root-{name}"), str(tmp_path / f"home-{name}"), gb, lora, env)
+    histories = {name: _loop(*upstream_copy(tmp_path / name), gb, lora, env, upstream_built=True)
                  for name, (gb, env) in variants.items()}
     from_files = histories["files"]
     try:
