@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from batchrl.training.algos import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
+from batchrl.training.packing import pack_prompt_completion, unpack_tokens
 from batchrl.training.scoring import score_in_batches
 from batchrl.training.transfer import to_device_async
 
@@ -90,6 +91,8 @@ def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperatu
     (``token_logprobs_from_hidden``; Triton row kernels on GPUs), so the ``[B, R, V]`` float32
     logits are never built; else the model's logits are taken (the naive path, same values up to
     float rounding)."""
+    if "packed_index" in batch:
+        return _packed_completion_logprobs(model, batch, temperature, with_entropy, fused)
     R = batch["responses"].shape[1]
     parts = fused_lm_head(model) if fused else None
     if parts is not None:
@@ -108,6 +111,31 @@ def completion_logprobs(model: Any, batch: dict[str, torch.Tensor], *, temperatu
     if not with_entropy:
         return logp
     return logp, entropy_from_logits(logits)
+
+
+def _packed_completion_logprobs(model: Any, batch: dict[str, torch.Tensor], temperature: float,
+                                with_entropy: bool, fused: bool):
+    """``completion_logprobs`` of a packed batch (``training.packing``): no attention mask, so the model masks by
+    the restarting position ids; the LM head runs on the completion tokens alone."""
+    index, labels = batch["packed_index"], batch["responses"].reshape(-1)[batch["packed_slot"]]
+    parts = fused_lm_head(model) if fused else None
+    if parts is not None:
+        decoder, weight = parts
+        hidden = decoder(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         use_cache=False).last_hidden_state
+        out = token_logprobs_from_hidden(hidden.reshape(-1, hidden.shape[-1])[index], weight, labels,
+                                         temperature=temperature, with_entropy=with_entropy,
+                                         chunk_size=FUSED_CHUNK_ROWS)
+        values = out if with_entropy else (out,)
+    else:
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        logits = logits.reshape(-1, logits.shape[-1])[index].float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        values = (token_logprobs_from_logits(logits, labels),) + ((entropy_from_logits(logits),) if with_entropy
+                                                                 else ())
+    unpacked = tuple(unpack_tokens(v, batch) for v in values)
+    return unpacked if with_entropy else unpacked[0]
 
 
 def encode_pairs(tokenizer: Any, rows: Sequence[dict], max_length: int) -> list[dict]:
@@ -153,14 +181,15 @@ def pair_logprobs(model: Any, items: list[dict], pad_id: int, device: Any, *, ba
 
 def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, device, *,
                             temperature: float, batch_size: int | None = None,
-                            max_tokens: int | None = None) -> list[np.ndarray]:
+                            max_tokens: int | None = None, packed: bool = False) -> list[np.ndarray]:
     """Per-row response token log-probs (unpadded float32 arrays) of ``rows`` (``prompt_ids``, ``response_ids``)
-    under ``model`` in eval mode; batches of ``batch_size`` rows and/or ``max_tokens`` padded tokens."""
+    under ``model`` in eval mode; batches of ``batch_size`` rows and/or ``max_tokens`` padded tokens, each batch
+    ``packed`` (``training.packing``) or one padded row per sequence."""
     prompts, responses = rows["prompt_ids"], rows["response_ids"]
+    layout = pack_prompt_completion if packed else pad_prompt_completion
 
     def score(idx: np.ndarray) -> torch.Tensor:
-        batch = to_device(pad_prompt_completion([prompts[i] for i in idx], [responses[i] for i in idx], pad_id),
-                          device)
+        batch = to_device(layout([prompts[i] for i in idx], [responses[i] for i in idx], pad_id), device)
         return completion_logprobs(model, batch, temperature=temperature).float()
 
     if not len(prompts):

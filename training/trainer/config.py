@@ -219,6 +219,10 @@ class PolicyConfig(TrainerConfig):
     group_by_length: bool = Field(False, description="sort each optimiser step's rollouts by length before cutting "
                                   "micro-batches; off by default: token-mean losses weight tokens per micro-batch, so "
                                   "regrouping changes the update")
+    pack_samples: bool = Field(False, description="lay each micro-batch's rollouts end to end in a few rows "
+                               "(position ids restarting per sequence, no attention across them) instead of padding "
+                               "every one to the longest, and run the LM head on completion tokens only: the same "
+                               "update up to float rounding, fewer tokens computed when lengths are ragged")
     temperature: float = Field(1.0, gt=0, description="the temperature the rollouts were sampled at; the policy's "
                                "log-probs are computed at it (keep it equal to the rollout engine's)")
     old_logprobs: Literal["recompute", "rollout"] = Field(

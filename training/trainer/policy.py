@@ -23,6 +23,7 @@ from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_po
                                     kl_penalty, masked_mean)
 from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
                                            sequence_token_logprobs, to_device)
+from batchrl.training.packing import pack_prompt_completion
 from batchrl.training.trainer import resident_trainer
 from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import PolicyConfig
@@ -32,9 +33,9 @@ from batchrl.training.transfer import to_device_async
 FIXED_LOGPROBS = "fixed_logprobs.pt"
 
 
-def _row_batch(rows: dict[str, list], idx, pad_id: int, device) -> dict[str, torch.Tensor]:
-    batch = pad_prompt_completion([rows["prompt_ids"][i] for i in idx],
-                                  [rows["response_ids"][i] for i in idx], pad_id)
+def _row_batch(rows: dict[str, list], idx, pad_id: int, device, packed: bool = False) -> dict[str, torch.Tensor]:
+    layout = pack_prompt_completion if packed else pad_prompt_completion
+    batch = layout([rows["prompt_ids"][i] for i in idx], [rows["response_ids"][i] for i in idx], pad_id)
     R = batch["responses"].shape[1]
     if "loss_mask" in rows:  # multi-turn trajectories (training/agent): tool observations are not the policy's tokens
         batch["response_mask"] = batch["response_mask"] * pad_floats([rows["loss_mask"][i] for i in idx], R)
@@ -60,7 +61,7 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
         if cached.get("run_key") == loop.run_key:
             return cached
     pad_id = loop.tokenizer.pad_token_id
-    kw = dict(temperature=cfg.temperature, max_tokens=cfg.measure_batch_tokens)
+    kw = dict(temperature=cfg.temperature, max_tokens=cfg.measure_batch_tokens, packed=cfg.pack_samples)
     fixed: dict[str, Any] = {"run_key": loop.run_key}
     if cfg.old_logprobs == "recompute":
         fixed["old"] = sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
@@ -155,7 +156,7 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
 
     for micro_batches in loop.steps(n, cfg.ppo_epochs, lengths):
         for idx in micro_batches:
-            batch = _row_batch(rows, idx, pad_id, loop.device)
+            batch = _row_batch(rows, idx, pad_id, loop.device, packed=cfg.pack_samples)
             mask, R = batch["response_mask"], batch["response_mask"].shape[1]
             old = to_device_async(pad_floats([fixed["old"][i] for i in idx], R), loop.device)
             with loop.forward_context():
