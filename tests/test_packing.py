@@ -119,3 +119,9 @@ def test_packed_scoring_pass_equals_padded(tiny):
                       for p in (False, True))
     assert [len(x) for x in packed] == list(map(len, completions))
     np.testing.assert_allclose(np.concatenate(packed), np.concatenate(padded), atol=2e-5)
+
+
+def test_packing_is_refused_with_compiled_layers():
+    with pytest.raises(ValueError, match="recompiles the layers"):
+        PolicyConfig(pack_samples=True, torch_compile=True)
+    assert PolicyConfig(pack_samples=True).pack_samples and PolicyConfig(torch_compile=True).torch_compile
