@@ -16,8 +16,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   mean iteration after the first;
 - ``lora``: the same with ``policy_checkpoint`` as a LoRA adapter (rank 32, alpha 32, lr 1e-4: LoRA's usual
   10x the full-weight rate; all linear layers);
-- ``compile``: the same with ``policy_checkpoint.torch_compile`` (each decoder layer compiled: the update of a
-  thin 30-layer model is launch-bound);
+- ``eager``: the same with ``policy_checkpoint.torch_compile`` off (the profile compiles each decoder layer: the
+  update of a thin 30-layer model is launch-bound);
 - ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``old_logprobs:
   rollout``): no old-policy pass before the update (0.78 s of a 8.8 s iteration on the H200), the ratio taken
   against the bf16 engine's numbers;
@@ -25,8 +25,9 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   ``train()`` (the model already built), stopped at the first round boundary after M minutes;
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
   starts each iteration with a fresh optimiser: a measured answer to whether that costs accuracy);
-- ``eval``: the evaluation of base and every arm that finished and is not evaluated yet; every part writes
-  ``$OUT/rl_vs_trl.json``.
+- ``eval``: the evaluation of base and every arm that finished and is not evaluated yet, and of each arm's
+  policy every ``--curve-every`` iterations / rounds (held-out accuracy against samples: does more training on
+  the 500 prompts keep helping?); every part writes ``$OUT/rl_vs_trl.json``.
 
 On the device, after the graph bundle (3 parts) and the trl bundle are assembled::
 
@@ -51,7 +52,7 @@ if SMOKE:
     ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
 # the batchrl arms other than ``full``: the run config over the profile's
 ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
-               "compile": {"ops": {"policy_checkpoint": {"config": {"torch_compile": True}}}},
+               "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
                "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
                "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}}}
@@ -77,7 +78,7 @@ def _arm_history(env: dict[str, str]) -> dict:
     numeric metadata value of each materialisation in order, the final policy and base folders."""
     code = r"""
 import json, dagster as dg
-out = {"runs": [], "meta": {}, "uri": {}}
+out = {"runs": [], "meta": {}, "uri": {}, "uris": {}}
 def num(value):  # a number, or one shown as text (hash_s, publish_s, step_s/*: not plotted in the UI)
     if isinstance(value, bool): return None
     if isinstance(value, (int, float)): return value
@@ -98,13 +99,14 @@ with dg.DagsterInstance.get() as inst:
         out["meta"][asset] = [{k: num(v.value) for k, v in r.asset_materialization.metadata.items()
                                if num(v.value) is not None} for r in reversed(recs)]
         if recs: out["uri"][asset] = recs[0].asset_materialization.metadata["uri"].value
+        out["uris"][asset] = [r.asset_materialization.metadata["uri"].value for r in reversed(recs)]
 print("HISTORY" + json.dumps(out))
 """
     text = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(text.split("HISTORY", 1)[1])
 
 
-def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
+def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every: int = 0) -> dict:
     import shutil
 
     shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
@@ -149,6 +151,9 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str) -> dict:
             "samples_per_s_loop": round(samples / loop, 1) if loop else None, "mean_iteration_s":
             round(loop / max(iterations, 1), 2), "per_iteration": phases,
             "policy": history["uri"].get("policy_checkpoint"), "base": history["uri"].get("base_model"),
+            # the policy after iteration k (1-based), every curve_every iterations: the accuracy curve's points
+            "curve": {str(k): uri for k, uri in enumerate(history["uris"]["policy_checkpoint"], 1)
+                      if curve_every and k % curve_every == 0},
             "history": history["meta"]}
 
 
@@ -180,7 +185,7 @@ def prepare_base(state: str, out: str) -> str:
     return _arm_history(env)["uri"]["base_model"]
 
 
-def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False) -> dict:
+def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False, curve_every: int = 0) -> dict:
     """TRL's GRPOTrainer for ``minutes``; ``reset_optimizer``: AdamW's moments cleared at every round boundary,
     as batchrl's policy_checkpoint starts each RL iteration with a fresh optimiser (the ``trl_reset`` arm: does
     that reset explain a held-out accuracy gap?)."""
@@ -191,6 +196,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
 
     from batchrl.training.rewards import final_answer
 
+    state_dir = state
     rows = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/train.jsonl"))]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
                               for r in rows])
@@ -199,11 +205,22 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
         return [final_answer("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
 
     steps_per_round = ROUND_PROMPTS * SAMPLES_PER_PROMPT // MICRO_BATCH
-    clock = {}
+    clock = {"saves_s": 0.0}
+    curve = {}
+    arm = "trl_reset" if reset_optimizer else "trl"
 
     class StopAfter(TrainerCallback):  # at the first round boundary after the budget
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step % steps_per_round == 0 and time.monotonic() - clock["start"] > 60 * minutes:
+            rounds = state.global_step // steps_per_round
+            if curve_every and state.global_step % steps_per_round == 0 and rounds % curve_every == 0:
+                saved = time.monotonic()  # a curve point, off the clock (batchrl publishes every policy anyway)
+                folder = os.path.join(state_dir, f"{arm}_curve", str(rounds))
+                kwargs["model"].save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+                curve[str(rounds)] = folder
+                clock["saves_s"] += time.monotonic() - saved
+            if state.global_step % steps_per_round == 0 and \
+                    time.monotonic() - clock["start"] - clock["saves_s"] > 60 * minutes:
                 control.should_training_stop = True
             if reset_optimizer and state.global_step % steps_per_round == 0:
                 kwargs["optimizer"].state.clear()  # the next step starts AdamW afresh, as a new batchrl job does
@@ -221,7 +238,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
                           processing_class=tokenizer, callbacks=[StopAfter()])
     clock["start"] = time.monotonic()
     trainer.train()
-    wall = time.monotonic() - clock["start"]
+    wall = time.monotonic() - clock["start"] - clock["saves_s"]
     rounds = trainer.state.global_step // steps_per_round
     folder = os.path.join(state, "trl_reset_final" if reset_optimizer else "trl_final")
     trainer.save_model(folder)
@@ -230,13 +247,14 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     return {"wall_s": round(wall, 1), "rounds": rounds, "base": base, "optimizer_steps": trainer.state.global_step,
             "samples": rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT,
             "samples_per_s": round(rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT / wall, 1),
-            "mean_iteration_s": round(wall / max(rounds, 1), 2), "train_reward_first_last":
+            "mean_iteration_s": round(wall / max(rounds, 1), 2), "curve": curve,
+            "curve_saves_s": round(clock["saves_s"], 1), "train_reward_first_last":
             [rewards[0], rewards[-1]] if rewards else None, "policy": folder,
             "config": {"loss_type": config.loss_type, "scale_rewards": config.scale_rewards,
                        "gradient_checkpointing": False, "generation_batch_size": config.generation_batch_size}}
 
 
-def evaluate(models: dict[str, str]) -> dict:
+def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
     from batchrl.training.evaluate import evaluate_models
 
     heldout = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/heldout.jsonl"))]
@@ -253,7 +271,8 @@ def evaluate(models: dict[str, str]) -> dict:
                                                                            "mean_response", "arith_stop"))}
         results[name]["eval_s"] = round(time.monotonic() - started, 1)
         results[name]["examples"] = metrics.get("examples", [])[:4]
-        print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
+        if verbose:
+            print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
     return results
 
 
@@ -261,6 +280,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="full,trl,lora,eval")
     parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--curve-every", type=int, default=8, help="keep and evaluate each arm's policy every this "
+                        "many iterations / rounds (0: the final policies only)")
     parser.add_argument("--state", default="/tmp/rl_vs_trl")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = parser.parse_args()
@@ -272,15 +293,25 @@ def main() -> None:
         print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
         try:
             if part == "full" or part in ARM_CONFIGS:
-                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out)
+                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every)
             elif part in ("trl", "trl_reset"):
                 base = record["arms"].get("full", {}).get("base") or prepare_base(args.state, args.out)
-                record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset")
+                record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset",
+                                                   curve_every=args.curve_every)
             elif part == "eval":
                 models = {"base": next(r["base"] for r in record["arms"].values() if r.get("base"))}
                 models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})
                 done = record.setdefault("eval", {})  # each model once, over consecutive calls
                 done.update(evaluate({name: path for name, path in models.items() if name not in done}))
+                curves = record.setdefault("eval_curve", {})  # held-out accuracy after k iterations / rounds
+                for arm, r in record["arms"].items():
+                    points = {k: path for k, path in r.get("curve", {}).items() if k not in curves.get(arm, {})}
+                    scored = evaluate({k: path for k, path in points.items()}, verbose=False)
+                    curves.setdefault(arm, {}).update({k: {m: v for m, v in result.items() if m != "examples"}
+                                                       for k, result in scored.items()})
+                    print(arm, "held-out after k:", {k: round(v["arith_accuracy"], 3)
+                                                     for k, v in sorted(curves[arm].items(), key=lambda i: int(i[0]))},
+                          flush=True)
         except Exception as error:  # the other parts still run; the error is in the record
             import traceback
 
