@@ -1,6 +1,6 @@
 """GPU check of the resident policy trainer under DeepSpeed's bf16 optimiser (``precision: bf16``), a path the CPU
-tests cannot reach (bf16 engines are GPU-only here): two RL iterations of ``tests/test_resident_loop.py``'s loop on
-its tiny model, in the job worker on the GPU, with the trainer kept between the updates (its engine retired, a new
+tests cannot reach (bf16 engines are GPU-only here): two RL iterations (``tests/pipeline_helpers.two_rl_iterations``)
+on its tiny model, in the job worker on the GPU, with the trainer kept between the updates (its engine retired, a new
 one built around the kept module) and with every model loaded from the published files instead. Each variant
 (LoRA, full fine-tuning) must give the same data versions and loss curves both ways, the second update reusing the
 kept trainer. Prints one JSON object; exits 1 on a difference.
@@ -17,8 +17,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from pipeline_helpers import RL_LOOP, stop_workers  # noqa: E402
-from test_resident_loop import SMALL, _loop  # noqa: E402
+from pipeline_helpers import RL_LOOP, SMALL, stop_workers, two_rl_iterations  # noqa: E402
 
 VARIANTS = {
     "lora_bf16": {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3,
@@ -29,8 +28,8 @@ VARIANTS = {
 
 def check(work: str, name: str, policy: dict) -> dict:
     config = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": policy}}}
-    runs = {gb: _loop(os.path.join(work, f"{name}-root{gb}"), os.path.join(work, f"{name}-home{gb}"), gb, config)
-            for gb in ("1", "0")}
+    runs = {gb: two_rl_iterations(os.path.join(work, f"{name}-root{gb}"), os.path.join(work, f"{name}-home{gb}"),
+                                  gb, config) for gb in ("1", "0")}
     stop_workers(runs)
     kept, files = runs["1"], runs["0"]
     versions = {stage: ([m["data_version"] for m in kept[stage]], [m["data_version"] for m in files[stage]])

@@ -53,3 +53,33 @@ def stop_workers(histories: dict) -> None:
             os.kill(int(pid), signal.SIGTERM)
         except (ProcessLookupError, ValueError):
             pass
+
+
+# a tiny model and a small RL iteration: the resident-loop tests and bench/check_resident_trainer_gpu.py
+SMALL = {"ops": {
+    "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
+    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
+    "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
+    "policy_checkpoint": {"config": {"micro_batch_size": 4}},  # 4 optimiser steps an iteration
+}}
+
+
+def two_rl_iterations(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: dict | None = None,
+          upstream_built: bool = False) -> dict[str, list[dict]]:
+    """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
+    ``cache_gb`` (and ``env``): per RL stage, each materialisation's metadata (oldest first). ``upstream_built``:
+    the root and home already hold the upstream assets (the ``upstream_copy`` fixture's)."""
+    resources = local_resources(
+        root, rollout_engine=RolloutEngineResource(in_subprocess=True),
+        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60,
+                                        env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb,
+                                             **(env or {})}))
+    os.makedirs(home, exist_ok=True)
+    with dg.DagsterInstance.local_temp(home) as instance:
+        if not upstream_built:
+            assert run_assets(resources, instance, UPSTREAM, run_config).success
+        for _ in range(2):  # each update promotes its checkpoint: the next rollouts sample from it
+            assert run_assets(resources, instance, RL_LOOP, run_config).success
+        return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
+                        for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
+                for stage in RL_LOOP}

@@ -5,46 +5,14 @@ loss curves as the loop that loads every stage's model from the published files 
 """
 from __future__ import annotations
 
-import os
+from pipeline_helpers import RL_LOOP, SMALL, stop_workers, two_rl_iterations
 
-import dagster as dg
-from pipeline_helpers import RL_LOOP, UPSTREAM, local_resources, run_assets, stop_workers
-
-from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.training.trainer import resident_trainer
-
-SMALL = {"ops": {
-    "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
-    "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
-    "policy_checkpoint": {"config": {"micro_batch_size": 4}},  # 4 optimiser steps an iteration
-}}
-
-
-def _loop(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: dict | None = None,
-          upstream_built: bool = False) -> dict[str, list[dict]]:
-    """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
-    ``cache_gb`` (and ``env``): per RL stage, each materialisation's metadata (oldest first). ``upstream_built``:
-    the root and home already hold the upstream assets (the ``upstream_copy`` fixture's)."""
-    resources = local_resources(
-        root, rollout_engine=RolloutEngineResource(in_subprocess=True),
-        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60,
-                                        env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb,
-                                             **(env or {})}))
-    os.makedirs(home, exist_ok=True)
-    with dg.DagsterInstance.local_temp(home) as instance:
-        if not upstream_built:
-            assert run_assets(resources, instance, UPSTREAM, run_config).success
-        for _ in range(2):  # each update promotes its checkpoint: the next rollouts sample from it
-            assert run_assets(resources, instance, RL_LOOP, run_config).success
-        return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
-                        for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
-                for stage in RL_LOOP}
-
 
 def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_loads_from_files(tmp_path,
                                                                                                 upstream_copy):
-    histories = {gb: _loop(*upstream_copy(tmp_path / f"cache{gb}"), gb, upstream_built=True) for gb in ("1", "0")}
+    histories = {gb: two_rl_iterations(*upstream_copy(tmp_path / f"cache{gb}"), gb, upstream_built=True)
+                 for gb in ("1", "0")}
     resident, from_files = histories["1"], histories["0"]
     try:
         for stage in RL_LOOP:
@@ -74,7 +42,7 @@ def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jo
     adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3}
     lora = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
     variants = {"renewed": ("1", {}), "rebuilt": ("1", {resident_trainer.REBUILD_ENV: "1"}), "files": ("0", {})}
-    histories = {name: _loop(*upstream_copy(tmp_path / name), gb, lora, env, upstream_built=True)
+    histories = {name: two_rl_iterations(*upstream_copy(tmp_path / name), gb, lora, env, upstream_built=True)
                  for name, (gb, env) in variants.items()}
     from_files = histories["files"]
     try:
