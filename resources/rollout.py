@@ -59,8 +59,8 @@ class RolloutEngineResource(dg.ConfigurableResource):
         else:  # imported here: the engines' torch and transformers stay out of a Dagster process that hands off
             from batchrl.training.rollout.sampling_job import sample_to_parquet
 
-            stats = sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out, messages=messages,
-                                      agent=agent)
+            stats = {**sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out, messages=messages,
+                                         agent=agent), "prefetched": False}  # as the job reports it
             from batchrl.resources.compute import release_accelerator_memory
 
             release_accelerator_memory(self.device)

@@ -2,8 +2,8 @@
 
 An iteration's rollouts come from the promoted policy's parent, one update behind; the job worker's rollouts worker
 samples the next iteration's while this one's update trains. Prefetched or sampled then and there, they are the
-same samples: three iterations through the job worker (prefetching) and through fresh subprocesses (nothing can be
-left running, so nothing is prefetched) give the same data versions at every stage.
+same samples: three iterations with the rollouts sampled by the job worker (prefetching) and in the Dagster process
+(nothing samples ahead) give the same data versions at every stage.
 """
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ def _seeded(seed: int) -> dict:  # as `batchrl run --rl-iterations` numbers its 
     return {"ops": ops}
 
 
-def _loop(root: str, home: str, backend: str) -> dict[str, list[dict]]:
-    """Three off-policy RL iterations on the upstream assets in ``root`` and ``home``, every model stage a job
-    (``backend``): per stage, each materialisation's metadata (oldest first)."""
+def _loop(root: str, home: str, prefetch: bool) -> dict[str, list[dict]]:
+    """Three off-policy RL iterations on the upstream assets in ``root`` and ``home``, every training stage a job in
+    the warm worker; the rollouts sampled by the job worker (which prefetches) or, without ``prefetch``, in the
+    Dagster process (nothing can sample ahead): per stage, each materialisation's metadata (oldest first)."""
     resources = local_resources(
-        root, rollout_engine=RolloutEngineResource(in_subprocess=True),
-        trainer=TrainerLauncherResource(backend=backend, worker_idle_s=60, env={"BATCHRL_STORAGE": root}))
+        root, rollout_engine=RolloutEngineResource(in_subprocess=prefetch),
+        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": root}))
     with dg.DagsterInstance.local_temp(home) as instance:
         for seed in range(ITERATIONS):
             assert run_assets(resources, instance, RL_LOOP, _seeded(seed)).success
@@ -46,8 +47,8 @@ def _loop(root: str, home: str, backend: str) -> dict[str, list[dict]]:
 
 
 def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes_no_result(tmp_path, upstream_copy):
-    runs = {backend: _loop(*upstream_copy(tmp_path / backend), backend) for backend in ("worker", "subprocess")}
-    ahead, fresh = runs["worker"], runs["subprocess"]
+    runs = {name: _loop(*upstream_copy(tmp_path / name), name == "ahead") for name in ("ahead", "in_process")}
+    ahead, fresh = runs["ahead"], runs["in_process"]
     try:
         for stage in RL_LOOP:
             assert [m["data_version"] for m in ahead[stage]] == [m["data_version"] for m in fresh[stage]], stage
@@ -73,7 +74,7 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
     from batchrl.runs.reproduce import reproduce
 
     last = fresh["rollouts"][-1]["data_version"]
-    report = reproduce(str(tmp_path / "subprocess" / "storage" / "rollouts" / last), str(tmp_path / "again"),
+    report = reproduce(str(tmp_path / "in_process" / "storage" / "rollouts" / last), str(tmp_path / "again"),
                        log=lambda line: None)
     assert report["equal"], report["first_difference"]
     assert [row["asset"] for row in report["assets"]].count("policy_checkpoint") == 2
