@@ -13,11 +13,11 @@ import time
 
 import dagster as dg
 from helpers_batchrl_run import BATCHRL
+from pipeline_helpers import TINY_BASE
 
 from batchrl.common import fsutil
 
 RL_LOOP = "rollouts,rewards,advantages,policy_checkpoint"
-UPSTREAM = "raw_logs,cleaned_logs,validated_preferences,preference_window,prompts,base_model"
 SMALL = {"ops": {  # no reward model: the rule reward alone (at weight 0 the model is not an input that loads)
     "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
@@ -55,14 +55,13 @@ def _assert_whole(uri: str, scratch: str) -> None:
     assert fsutil.sha256_tree(fsutil.filesystem_for(copy)[0], copy)[:16] == version, uri
 
 
-def test_sigkill_mid_iteration_keeps_every_published_checkpoint_and_the_rerun_completes_the_chain(tmp_path):
+def test_sigkill_mid_iteration_keeps_every_published_checkpoint_and_the_rerun_completes_the_chain(tmp_path,
+                                                                                                  upstream_copy):
     env = _env(tmp_path)
-    (tmp_path / "home").mkdir()
+    assert SMALL["ops"]["base_model"] == TINY_BASE["ops"]["base_model"]  # the copied upstream's base model
+    upstream_copy(tmp_path)  # the upstream assets in tmp_path/storage and tmp_path/home, where _env points
     config = tmp_path / "small.yaml"
     config.write_text(json.dumps(SMALL))  # YAML reads JSON
-    prep = subprocess.run([BATCHRL, "run", "--select", UPSTREAM, "-c", str(config)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-3000:]
 
     log = tmp_path / "loop.log"
     with open(log, "w") as out:
