@@ -106,17 +106,23 @@ print("HISTORY" + json.dumps(out))
     return json.loads(text.split("HISTORY", 1)[1])
 
 
-def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every: int = 0) -> dict:
+def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every: int = 0, seed: int = 0) -> dict:
     import shutil
 
     shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
     env = _arm_env(state, arm)
     log = os.path.join(out, f"{arm}_run.log")
     extra = []
-    if arm in ARM_CONFIGS:
+    overrides = ARM_CONFIGS.get(arm, {"ops": {}})
+    if seed:  # a replicate: iteration i samples with seed + i, the update's data order from seed
+        from batchrl.resources.profiles import deep_merge
+
+        overrides = deep_merge(overrides, {"ops": {"rollouts": {"config": {"seed": seed}},
+                                                   "policy_checkpoint": {"config": {"seed": seed}}}})
+    if overrides["ops"]:
         config = os.path.join(state, f"{arm}.json")  # YAML's superset: JSON reads as run config
         with open(config, "w") as f:
-            json.dump(ARM_CONFIGS[arm], f)
+            json.dump(overrides, f)
         extra = ["-c", config]
     code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)  # not the profile's 8
     if code:
@@ -185,7 +191,8 @@ def prepare_base(state: str, out: str) -> str:
     return _arm_history(env)["uri"]["base_model"]
 
 
-def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False, curve_every: int = 0) -> dict:
+def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False, curve_every: int = 0,
+                seed: int = 0) -> dict:
     """TRL's GRPOTrainer for ``minutes``; ``reset_optimizer``: AdamW's moments cleared at every round boundary,
     as batchrl's policy_checkpoint starts each RL iteration with a fresh optimiser (the ``trl_reset`` arm: does
     that reset explain a held-out accuracy gap?)."""
@@ -231,7 +238,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
         temperature=1.0, learning_rate=1e-5, lr_scheduler_type="constant", beta=0.01, bf16=not SMOKE,
         gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
         max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
-        seed=0, dataloader_num_workers=0)
+        seed=seed, dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
@@ -282,6 +289,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=3.0)
     parser.add_argument("--curve-every", type=int, default=8, help="keep and evaluate each arm's policy every this "
                         "many iterations / rounds (0: the final policies only)")
+    parser.add_argument("--seed", type=int, default=0, help="a replicate's seed: batchrl's rollouts (iteration i: "
+                        "seed + i) and update order, TRL's seed")
     parser.add_argument("--state", default="/tmp/rl_vs_trl")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = parser.parse_args()
@@ -289,15 +298,17 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     record_path = os.path.join(args.state, "record.json")
     record = json.load(open(record_path)) if os.path.exists(record_path) else {"minutes": args.minutes, "arms": {}}
+    record["seed"] = args.seed
     for part in args.parts.split(","):
         print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
         try:
             if part == "full" or part in ARM_CONFIGS:
-                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every)
+                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every,
+                                                       args.seed)
             elif part in ("trl", "trl_reset"):
                 base = record["arms"].get("full", {}).get("base") or prepare_base(args.state, args.out)
                 record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset",
-                                                   curve_every=args.curve_every)
+                                                   curve_every=args.curve_every, seed=args.seed)
             elif part == "eval":
                 models = {"base": next(r["base"] for r in record["arms"].values() if r.get("base"))}
                 models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})

@@ -73,7 +73,10 @@ def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list
     # every asset a run can materialise (not promoted_policy: the RL loop's back edge, which no op computes)
     every = selection or sorted(key.to_user_string() for key in defs.resolve_asset_graph().executable_asset_keys)
     plan = [("", [name for name in every if name != "evaluation"], None)]  # evaluate once, after the last
-    plan += [(f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, i))
+    # iteration i samples with seed base + i: the config's rollouts seed (0 by default) starts the numbering, so a
+    # replicate run with another seed shares no iteration's samples with the first
+    base = int(run_config.get("ops", {}).get("rollouts", {}).get("config", {}).get("seed", 0))
+    plan += [(f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, base + i))
              for i in range(1, iterations)]
     plan += [("evaluation", ["evaluation"], run_config)] if "evaluation" in every else []
     return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]

@@ -128,3 +128,7 @@ def test_a_long_rl_run_validates_each_distinct_execution_once(tmp_path):
     assert distinct[1][1] == plan[1][2]  # the RL iteration validated is a real one, its seed included
     seeds = {p[2]["ops"]["rollouts"]["config"]["seed"] for p in plan[1:-1]}
     assert seeds == set(range(1, 1000))
+    # a config's rollouts seed starts the numbering: a replicate with seed 5000 shares no iteration's samples
+    replicate = {"ops": {**ops, "rollouts": {"config": {"samples_per_prompt": 2, "seed": 5000}}}}
+    plan = _plan(defs, argparse.Namespace(select="*"), replicate, 4)
+    assert [p[2]["ops"]["rollouts"]["config"]["seed"] for p in plan[:-1]] == [5000, 5001, 5002, 5003]
