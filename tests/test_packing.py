@@ -125,3 +125,23 @@ def test_packing_is_refused_with_compiled_layers():
     with pytest.raises(ValueError, match="recompiles the layers"):
         PolicyConfig(pack_samples=True, torch_compile=True)
     assert PolicyConfig(pack_samples=True).pack_samples and PolicyConfig(torch_compile=True).torch_compile
+
+
+def test_a_model_that_ignores_packed_positions_is_refused_before_training(tiny, tmp_path, monkeypatch):
+    """Without transformers' packed-sequence mask (older versions; simulated by turning its detection off) packed
+    rows would attend across sequences and train on wrong log-probs: the update refuses at its start."""
+    import transformers.masking_utils as masking
+
+    from batchrl.training.packing import check_packing_supported
+
+    model, _ = load_model_and_tokenizer(tiny)
+    check_packing_supported(model, "cpu")  # the real path: accepted
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    with pytest.raises(ValueError, match="set pack_samples: false"):
+        check_packing_supported(model, "cpu")
+    prompts, completions = _ragged(8, 5, model.config.vocab_size)
+    pd.DataFrame({"prompt_ids": prompts, "response_ids": completions,
+                  "advantages": [[1.0] * len(c) for c in completions]}).to_parquet(tmp_path / "batch.parquet")
+    with pytest.raises(ValueError, match="set pack_samples: false"):
+        train_policy(PolicyConfig(micro_batch_size=4, kl_coef=0.0, pack_samples=True), out_dir=str(tmp_path / "out"),
+                     batch_parquet=str(tmp_path / "batch.parquet"), model_path=tiny)

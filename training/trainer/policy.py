@@ -23,7 +23,7 @@ from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_po
                                     kl_penalty, masked_mean)
 from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
                                            sequence_token_logprobs, to_device)
-from batchrl.training.packing import pack_prompt_completion
+from batchrl.training.packing import check_packing_supported, pack_prompt_completion
 from batchrl.training.trainer import resident_trainer
 from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import PolicyConfig
@@ -146,6 +146,8 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     loop = TrainLoop(cfg, model_path=model_path, out_dir=out_dir, total_steps=cfg.ppo_epochs * n_steps,
                      inputs={"batch": batch_parquet}, report=report, resident_trainer_ok=True)
     pad_id = loop.tokenizer.pad_token_id
+    if cfg.pack_samples:
+        check_packing_supported(loop.model, loop.device)
     with loop.measure_context("fixed_logprobs"):
         fixed = _fixed_logprobs(loop, cfg, rows, reference_model_path)
     use_is = (cfg.old_logprobs == "recompute" and cfg.rollout_is_threshold is not None
