@@ -317,7 +317,7 @@ def main() -> None:
                 curves = record.setdefault("eval_curve", {})  # held-out accuracy after k iterations / rounds
                 for arm, r in record["arms"].items():
                     points = {k: path for k, path in r.get("curve", {}).items() if k not in curves.get(arm, {})}
-                    scored = evaluate({k: path for k, path in points.items()}, verbose=False)
+                    scored = evaluate(points, verbose=False)
                     curves.setdefault(arm, {}).update({k: {m: v for m, v in result.items() if m != "examples"}
                                                        for k, result in scored.items()})
                     print(arm, "held-out after k:", {k: round(v["arith_accuracy"], 3)
