@@ -13,6 +13,7 @@ import os
 from typing import Any, Literal
 
 import dagster as dg
+from dagster_pipes import DagsterPipesError
 from pydantic import Field
 
 from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
@@ -70,7 +71,11 @@ class TrainerLauncherResource(dg.ConfigurableResource):
                     else self._run_in_subprocesses(context, job, config_path, workdir)
         else:
             invocation = self._run_in_subprocesses(context, job, config_path, workdir)
-        return invocation.get_materialize_result()
+        try:  # every job reports one materialisation with its numbers: without it the step must not publish
+            return invocation.get_materialize_result(implicit_materialization=False)
+        except DagsterPipesError as error:
+            raise dg.Failure(f"job {job!r} ended without its materialisation report ({error}); its numbers would "
+                             f"be missing from the asset's metadata, so nothing is published (work dir {workdir})")
 
     @staticmethod
     def _config_file(job: str, config: dict[str, Any], workdir: str) -> str:

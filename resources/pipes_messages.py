@@ -6,6 +6,11 @@ materialisation report that carries every statistic of the job) and the session 
 reader stops with the message unread: the step then materialises without the job's metadata. Seen on the 2-core
 box under load (a resident-loop test's rollouts lost ``engine_reused``). ``DrainingTempFileMessageReader`` reads
 the flag first and the file second, so a message written before the session closed is always read.
+
+The same tail also yields whatever ``readline()`` returns at the end of the file: a line the job is still writing
+(a materialisation report of many kilobytes goes out in several ``write`` calls) comes back cut, ``json.loads``
+fails, the reader thread dies and every later message is lost (seen in CI: a policy update materialised without
+its ``loss_curve``). Here a line is yielded only once its newline has arrived.
 """
 from __future__ import annotations
 
@@ -24,14 +29,22 @@ POLL_S = 0.01
 
 
 def tail_until_closed(path: str, closed: Callable[[], bool]) -> Iterator[str]:
-    """The lines appended to ``path`` until ``closed()`` and every line written before it became true."""
+    """The lines appended to ``path`` until ``closed()`` and every line written before it became true, each whole
+    (a line caught half-written is held until its newline comes; one cut for good, by a killed writer, is yielded
+    last as it is, for the caller's parser to report)."""
     with open(path, encoding="utf-8") as stream:
+        pending = ""
         while True:
             stop = closed()  # before the read: whatever was written before the close is read below
-            line = stream.readline()
-            if line:
-                yield line
+            chunk = stream.readline()
+            if chunk:
+                pending += chunk
+                if pending.endswith("\n"):
+                    yield pending
+                    pending = ""
             elif stop:
+                if pending:
+                    yield pending
                 return
             else:
                 time.sleep(POLL_S)

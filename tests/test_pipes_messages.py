@@ -55,3 +55,60 @@ def test_a_job_through_the_draining_reader_reports_its_metadata(tmp_path):
         event = instance.get_latest_materialization_event(dg.AssetKey("job_output"))
         metadata = event.asset_materialization.metadata
         assert metadata["engine_reused"].value is True and metadata["samples"].value == 3
+
+
+def _line_written_in_two_parts(path):
+    """A ``closed`` flag that, while the reader tails, has the job write one message in two parts (as a long report
+    leaves in several ``write`` calls), then closes the session after the second part."""
+    calls = []
+
+    def closed() -> bool:
+        calls.append(1)
+        with open(path, "a", encoding="utf-8") as f:
+            if len(calls) == 2:
+                f.write('{"method": "report_asset_materialization", "params": {"metadata": {"loss_curve"')
+            elif len(calls) == 4:
+                f.write(': [1.0, 0.5]}}}\n')
+        return len(calls) >= 5
+    return closed
+
+
+def test_a_message_caught_half_written_is_read_whole(tmp_path):
+    import json
+
+    path = tmp_path / "messages"
+    path.write_text('{"method": "opened"}\n')
+    lines = list(tail_until_closed(str(path), _line_written_in_two_parts(path)))
+    assert [json.loads(line)["method"] for line in lines] == ["opened", "report_asset_materialization"]
+    # Dagster's tail hands its reader the cut line, which does not parse: its reader thread dies there
+    again = tmp_path / "again"
+    again.write_text('{"method": "opened"}\n')
+    cut = list(tail_file(str(again), _line_written_in_two_parts(again)))
+    assert len(cut) == 3 and not cut[1].endswith("\n")
+
+
+def test_a_job_that_ends_without_its_report_fails_the_step(tmp_path):
+    """A job whose materialisation report never reached the step (lost, or never sent) fails it with the job and
+    work dir named: publishing would give an asset without the job's numbers."""
+    import sys
+
+    from batchrl.resources import TrainerLauncherResource
+
+    script = tmp_path / "silent_job.py"
+    script.write_text("from dagster_pipes import open_dagster_pipes\n"
+                      "with open_dagster_pipes() as pipes:\n"
+                      "    pipes.log.info('trained, but no report')\n")
+
+    class SilentJobLauncher(TrainerLauncherResource):
+        def command(self, job: str, config_path: str) -> list[str]:
+            return [sys.executable, str(script)]
+
+    @dg.asset
+    def trained(context):
+        return SilentJobLauncher().run_job(context, "train_policy", {}, str(tmp_path))
+
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([trained], instance=instance, raise_on_error=False)
+        assert not result.success
+        failure = result.get_step_failure_events()[0].step_failure_data.error
+        assert "'train_policy' ended without its materialisation report" in str(failure) and str(tmp_path) in str(failure)
