@@ -138,19 +138,21 @@ TRAIN_RECORD = "batchrl_train.json"  # what training.trainer.checkpoint writes b
 def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: int, storage: StorageResource,
                       catalog: CatalogResource, launcher: TrainerLauncherResource,
                       companions: dict[str, tuple[str, dict]] | None = None,
-                      metadata: dict[str, Any] | None = None, tracking: TrackingResource | None = None) -> dg.Output:
+                      metadata: dict[str, Any] | None = None, tracking: TrackingResource | None = None,
+                      job_extras: dict[str, Any] | None = None) -> dg.Output:
     """Run a trainer job through Pipes in a resumable work dir and publish its exported HF model.
 
     ``companions``: ``{artifact: (work-dir subfolder, lineage inputs)}``, other models the job
     exported (e.g. the critic), each published as its own versioned artifact with its own lineage;
     the main artifact names them in ``companions.json`` and in ``<artifact>_data_version`` metadata;
-    ``metadata``: the asset's own numbers beside the job's; ``tracking``: where the run is also logged (MLflow)."""
+    ``metadata``: the asset's own numbers beside the job's; ``tracking``: where the run is also logged (MLflow);
+    ``job_extras``: more for the job that is neither its work dir's key nor its lineage (how it runs, not what)."""
     workdir = work_dir(storage, context.asset_key.to_user_string(),
                        {"inputs": {k: as_ref(v).data_version for k, v in inputs.items()}, "config": job_config})
     job_config = {**job_config, "out_dir": workdir}
     started = time.perf_counter()
     with BackgroundCurves(workdir) as curves:  # the chart drawn as the steps come, not after the job
-        result = launcher.run_job(context, job, job_config, workdir)
+        result = launcher.run_job(context, job, {**job_config, **(job_extras or {})}, workdir)
     metrics = {k: v.value if hasattr(v, "value") else v for k, v in (result.metadata or {}).items()}
     metrics["job_wall_s"] = time.perf_counter() - started  # subprocess start, model loads and training
     lists = {k: v for k, v in metrics.items() if isinstance(v, list) and v and k != "loss_curve"}

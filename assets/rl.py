@@ -16,7 +16,9 @@ from batchrl.assets.policy_chain import (
     next_iteration, parent_policy, promote,
 )
 from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
-from batchrl.assets.rollout_prefetch import SamplingRequest, prefetched_folder, prompt_subset, start_prefetch
+from batchrl.assets.rollout_prefetch import (
+    PROMPTS_FILE, SamplingRequest, prefetched_folder, prompt_subset, sample_ahead_request, start_prefetch,
+)
 from batchrl.assets.run_rules import check_run_config, kl_placement
 from batchrl.common import fsutil
 from batchrl.resources import (
@@ -62,6 +64,12 @@ AgentRunConfig = run_config_for(AgentConfig, "AgentRunConfig")
 
 def _check_rollout_config(**config) -> None:
     """``ops.rollouts.config``'s combinations, checked by ``batchrl run`` before anything runs and at launch."""
+    if config.get("sample_ahead") and config.get("off_policy_steps"):
+        raise ValueError("sample_ahead with off_policy_steps: 1: the off-policy rollouts are prefetched already "
+                         "(from the published parent); sampling ahead is the on-policy overlap")
+    if config.get("sample_ahead") and config.get("policy", "latest") != "latest":
+        raise ValueError(f"sample_ahead with policy: {config['policy']}: the samples drawn ahead come from the new "
+                         "checkpoint, which only policy: latest samples next")
     if config.get("agent") is None:
         return
     AgentConfig.model_validate(config["agent"])
@@ -91,11 +99,16 @@ class RolloutConfig(dg.Config):
                                   "update trains; the staleness is in the rollouts' lineage and the update "
                                   "corrects it (needs the policy's old_logprobs: recompute and "
                                   "rollout_is_threshold). 0: on-policy")
+    sample_ahead: bool = Field(False, description="on-policy: the policy update samples the next iteration's "
+                               "rollouts (seed + 1, as batchrl run numbers iterations) from its new weights while it "
+                               "exports, hashes and publishes them; the next rollouts step takes them (the same "
+                               "samples, so the same data version). Needs job-worker sampling (trainer.backend "
+                               "worker, rollout_engine.in_subprocess, not vLLM): elsewhere it is off, and the "
+                               "update's metadata says why")
 
     @model_validator(mode="after")
-    def _agent_combinations(self):
-        if self.agent is not None:  # the library model's rules (e.g. user tools need tool_call_json), at launch
-            _check_rollout_config(**self.model_dump())
+    def _combinations(self):  # the library model's rules (e.g. user tools need tool_call_json), at launch
+        _check_rollout_config(**self.model_dump())
         return self
 
 
@@ -106,7 +119,7 @@ RolloutConfig.library_model = _check_rollout_config
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"},
-          metadata=declared_files(table="prompts.parquet"))
+          metadata=declared_files(table=PROMPTS_FILE))
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
             storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
@@ -277,10 +290,11 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
 def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: Artifact,
                       rollouts: Artifact, base_model: Artifact, promoted_policy: Optional[Artifact],
                       storage: StorageResource, catalog: CatalogResource, trainer: TrainerLauncherResource,
-                      tracking: TrackingResource) -> dg.Output:
+                      tracking: TrackingResource, rollout_engine: RolloutEngineResource) -> dg.Output:
     """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes, of the
     policy the rollouts were sampled from (its parent: the promoted checkpoint, or the base model on a new
-    chain); the new checkpoint is promoted, so the next iteration samples from it."""
+    chain); the new checkpoint is promoted, so the next iteration samples from it (with ``rollouts.sample_ahead``
+    the update's job has sampled it already, while it exported the checkpoint)."""
     parent = parent_policy(rollouts, promoted_policy, base_model)
     kl_problem = kl_placement(bool(advantages.lineage.get("config", {}).get("use_kl_in_reward", False)),
                               config.use_kl_in_reward, config.kl_coef, materialised=True)
@@ -295,12 +309,16 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
         **critic_config,
     }
     position = next_iteration(context.instance, parent)
+    ahead, ahead_state = sample_ahead_request(storage, rollout_engine, trainer, rollouts, parent,
+                                              context.asset_key.to_user_string())
     own = {"kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef}
     # the chain so far against its iteration, drawn while the update runs
     with ChainChart(context, position[CHAIN], position.get(ITERATION), {"policy_checkpoint": own}) as chart:
         output = train_and_publish(context, "train_policy", job_config,
                                    {"advantages": advantages, "policy": parent, "reference": base_model},
                                    config.seed, storage, catalog, trainer, companions=companions, tracking=tracking,
-                                   metadata={**position, **own})
+                                   # requested, the job reports whether it sampled ahead
+                                   metadata={**position, **own, **({} if ahead else {"sample_ahead": ahead_state})},
+                                   job_extras={"sample_ahead": ahead} if ahead else None)
     promote(context, output, parent, base_model, extra=chart.metadata())
     return output

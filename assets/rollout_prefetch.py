@@ -1,4 +1,5 @@
-"""One-step off-policy rollouts sampled ahead (issue 32; verl's ``one_step_off_policy``, AReaL's bounded staleness).
+"""Rollouts sampled before their step asks (issue 32): one-step off-policy prefetch (verl's ``one_step_off_policy``,
+AReaL's bounded staleness), and the request of on-policy sampling ahead (``training/rollout/ahead.py``).
 
 With ``rollouts.off_policy_steps: 1`` an iteration's rollouts are, by definition, sampled from the promoted policy's
 parent — the policy one update behind — with the iteration's seed and prompt subset: a function of published
@@ -12,8 +13,6 @@ engine), a prefetch that failed or a worker that was restarted is sampled then a
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import time
@@ -21,10 +20,12 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from batchrl.common.prefetch_key import FOLDER, request_folder, request_parts
+from batchrl.training.text import prompt_messages
 from batchrl.resources import RolloutEngineResource, StorageResource, TrainerLauncherResource
-from batchrl.resources.artifacts import Artifact
+from batchrl.resources.artifacts import Artifact, make_local
 
-FOLDER = "rollout_prefetch"
+PROMPTS_FILE = "prompts.parquet"  # the prompts asset's table
 STALE_S = 3600.0  # a prefetch nobody took within an hour is removed when the next one starts
 
 
@@ -46,9 +47,18 @@ def prompt_subset(table: pd.DataFrame, max_prompts: int | None, seed: int) -> pd
 
 
 def _folder(storage: StorageResource, engine: RolloutEngineResource, request: SamplingRequest) -> str:
-    key = json.dumps([request.policy.asset, request.policy.data_version, request.prompts, request.messages, request.n,
-                      request.seed, request.agent, engine.model_dump()], sort_keys=True, default=str)
-    return os.path.join(storage.cache_dir, FOLDER, hashlib.sha256(key.encode()).hexdigest()[:16])
+    return request_folder(os.path.join(storage.cache_dir, FOLDER), request_parts(
+        request.policy.asset, request.policy.data_version, request.prompts, request.messages, request.n,
+        request.seed, request.agent, engine.model_dump()))
+
+
+def remove_stale(storage: StorageResource) -> None:
+    """Prefetches never taken (the next request differed), an hour after they were handed out."""
+    root = os.path.join(storage.cache_dir, FOLDER)
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if time.time() - os.path.getmtime(os.path.join(root, name)) > STALE_S:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def prefetched_folder(storage: StorageResource, engine: RolloutEngineResource, request: SamplingRequest) -> str | None:
@@ -60,13 +70,31 @@ def prefetched_folder(storage: StorageResource, engine: RolloutEngineResource, r
 def start_prefetch(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
                    request: SamplingRequest) -> int:
     """Hand ``request`` to the rollouts worker, which samples it while the run goes on; returns the worker's pid."""
-    root = os.path.join(storage.cache_dir, FOLDER)
-    if os.path.isdir(root):  # prefetches never taken (the next request differed)
-        for name in os.listdir(root):
-            if time.time() - os.path.getmtime(os.path.join(root, name)) > STALE_S:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    remove_stale(storage)
     folder = _folder(storage, engine, request)
     shutil.rmtree(folder, ignore_errors=True)
     return engine.prefetch(launcher, model_path=request.policy.path, prompts=request.prompts, n=request.n,
                            seed=request.seed, folder=folder, cache_dir=storage.cache_dir, messages=request.messages,
                            agent=request.agent)
+
+
+def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
+                         rollouts: Artifact, parent: Artifact, asset: str) -> tuple[dict | None, str]:
+    """``(request, why)``: the next iteration's rollouts request, for the update of ``rollouts`` (trained from
+    ``parent``, published as ``asset``) to sample from its new weights while it exports them — the request the next
+    rollouts step makes when ``batchrl run`` numbers it (seed + 1) — or None where that step could not take them."""
+    config = rollouts.lineage.get("config", {})
+    if not config.get("sample_ahead"):
+        return None, "off"
+    if not engine.can_prefetch(launcher):
+        return None, ("off: sampling ahead needs the rollouts in the job worker (trainer.backend worker, "
+                      "rollout_engine.in_subprocess, an engine other than vLLM)")
+    table = prompt_subset(make_local(storage, rollouts.input_ref("prompts"), files={"table": PROMPTS_FILE}).read_table(),
+                          config.get("max_prompts"), config["seed"] + 1)
+    prompts, messages = list(table["prompt"]), prompt_messages(table.to_dict("records"))
+    n, seed, agent = config["samples_per_prompt"], config["seed"] + 1, config.get("agent")
+    remove_stale(storage)
+    return {"engine": engine.engine_options(parent.path, storage.cache_dir), "prompts": prompts,
+            "messages": messages, "n": n, "seed": seed, "agent": agent,
+            "root": os.path.join(storage.cache_dir, FOLDER),
+            "key_parts": request_parts(asset, None, prompts, messages, n, seed, agent, engine.model_dump())}, "started"

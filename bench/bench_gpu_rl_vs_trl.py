@@ -21,6 +21,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
 - ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``old_logprobs:
   rollout``): no old-policy pass before the update (0.78 s of a 8.8 s iteration on the H200), the ratio taken
   against the bf16 engine's numbers;
+- ``ahead``: the same with ``rollouts.sample_ahead`` (the update samples the next iteration from its new weights
+  while it exports, hashes and publishes them; the next rollouts step takes the samples: same data versions);
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
   ``train()`` (the model already built), stopped at the first round boundary after M minutes;
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
@@ -55,7 +57,9 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
                "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
-               "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}}}
+               "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}},
+               # on-policy: each update samples the next iteration from its new weights while it exports them
+               "ahead": {"ops": {"rollouts": {"config": {"sample_ahead": True}}}}}
 
 
 def _arm_env(state: str, arm: str) -> dict[str, str]:
@@ -145,10 +149,12 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
                                                  for r in ordered) / max(len(ordered), 1), 2)
     phases["between_runs_s"] = round(sum(b["start"] - a["end"] for a, b in zip(ordered, ordered[1:]))
                                      / max(len(ordered) - 1, 1), 2)
-    for stage, key in (("rollouts", "generate_s"), ("policy_checkpoint", "job_wall_s")):
+    for stage, key in (("rollouts", "generate_s"), ("policy_checkpoint", "job_wall_s"),
+                       ("rollouts", "sample_ahead_s"), ("rollouts", "prefetch_take_s")):  # the last two: taken ahead
         values = [m[key] for m in history["meta"][stage] if key in m]
         if values:
             phases[f"{stage}.{key}"] = round(sum(values) / len(values), 2)
+            phases[f"{stage}.{key}.count"] = len(values)
     steady = [r["end"] - r["start"] for r in ordered[1:]]  # the iterations after the first (its builds, compiles)
     phases["steady_iteration_s"] = round(sum(steady) / len(steady), 2) if steady else None
     return {"exit_code": code, "prep_s": round(prep_s, 1), "worker_start_s": round(worker_s, 1),

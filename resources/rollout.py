@@ -9,6 +9,8 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
+from batchrl.common.prefetch_key import sampled_ahead
+
 
 class RolloutEngineResource(dg.ConfigurableResource):
     kind: str = Field("transformers", description="transformers (plain generate) | static (static KV cache, "
@@ -45,7 +47,8 @@ class RolloutEngineResource(dg.ConfigurableResource):
         """Samples (the engine contract's rows) and the sampling statistics; ``messages``: per prompt its
         conversation (JSON) or None, rendered whole by the engine; ``agent``: multi-turn tool use (``AgentConfig``
         as a dict; ``training/agent``), None for one turn. ``prefetched``: the folder a ``prefetch`` of this very
-        request was handed (the samples are taken from it when it completed, in the prefetch worker)."""
+        request was handed (the samples are taken from it when it completed, in the prefetch worker), or that the
+        last update's job sampled ahead (``training/rollout/ahead.py``)."""
         out = os.path.join(workdir, "samples.parquet")
         engine = self.engine_options(model_path, cache_dir)
         if self.in_subprocess:
@@ -53,14 +56,16 @@ class RolloutEngineResource(dg.ConfigurableResource):
                           "seed": seed, "out_parquet": out, "agent": agent, "prefetched_from": prefetched}
             # vLLM keeps an engine-core process and its memory pool: a fresh process gives them back when the
             # stage ends, the warm worker would not
+            # an off-policy prefetch: in the rollouts worker that sampled it; sampled ahead by the update: where
+            # the update ran (the job waits for it there)
             result = launcher.run_job(context, "rollouts", job_config, workdir, fresh_process=self.kind == "vllm",
-                                      worker=PREFETCH_WORKER if prefetched else None)
+                                      worker=PREFETCH_WORKER if prefetched and not sampled_ahead(prefetched) else None)
             stats = {k: getattr(v, "value", v) for k, v in (result.metadata or {}).items()}
         else:  # imported here: the engines' torch and transformers stay out of a Dagster process that hands off
             from batchrl.training.rollout.sampling_job import sample_to_parquet
 
             stats = {**sample_to_parquet(engine, prompts, n=n, seed=seed, out_parquet=out, messages=messages,
-                                         agent=agent), "prefetched": False}  # as the job reports it
+                                         agent=agent), "prefetched": False, "sampled_ahead": False}  # as the job
             from batchrl.resources.compute import release_accelerator_memory
 
             release_accelerator_memory(self.device)

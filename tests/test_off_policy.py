@@ -7,12 +7,10 @@ same samples: three iterations with the rollouts sampled by the job worker (pref
 """
 from __future__ import annotations
 
-import dagster as dg
 import pytest
-from pipeline_helpers import RL_LOOP, latest_metadata, local_resources, run_assets, stop_workers
+from pipeline_helpers import RL_LOOP, seeded_rl_iterations, stop_workers
 
 from batchrl.assets.run_rules import check_run_config
-from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.runs.run_config import RunConfigError
 
 OFF_POLICY = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipeline_helpers.TINY_BASE)
@@ -23,31 +21,9 @@ OFF_POLICY = {"ops": {  # on the upstream assets of the `upstream_copy` fixture 
 ITERATIONS = 3
 
 
-def _seeded(seed: int) -> dict:  # as `batchrl run --rl-iterations` numbers its iterations
-    ops = dict(OFF_POLICY["ops"])
-    ops["rollouts"] = {"config": {**ops["rollouts"]["config"], "seed": seed}}
-    return {"ops": ops}
-
-
-def _loop(root: str, home: str, prefetch: bool) -> dict[str, list[dict]]:
-    """Three off-policy RL iterations on the upstream assets in ``root`` and ``home``, every training stage a job in
-    the warm worker; the rollouts sampled by the job worker (which prefetches) or, without ``prefetch``, in the
-    Dagster process (nothing can sample ahead): per stage, each materialisation's metadata (oldest first)."""
-    resources = local_resources(
-        root, rollout_engine=RolloutEngineResource(in_subprocess=prefetch),
-        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": root}))
-    with dg.DagsterInstance.local_temp(home) as instance:
-        for seed in range(ITERATIONS):
-            assert run_assets(resources, instance, RL_LOOP, _seeded(seed)).success
-        history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
-                           for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
-                   for stage in RL_LOOP}
-        history["base_model"] = [latest_metadata(instance, "base_model")]
-        return history
-
-
 def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes_no_result(tmp_path, upstream_copy):
-    runs = {name: _loop(*upstream_copy(tmp_path / name), name == "ahead") for name in ("ahead", "in_process")}
+    runs = {name: seeded_rl_iterations(*upstream_copy(tmp_path / name), OFF_POLICY, ITERATIONS, name == "ahead")
+            for name in ("ahead", "in_process")}
     ahead, fresh = runs["ahead"], runs["in_process"]
     try:
         for stage in RL_LOOP:

@@ -122,6 +122,19 @@ def choose_attention_kernels() -> None:
     torch.backends.cuda.enable_cudnn_sdp(os.environ.get("BATCHRL_CUDNN_ATTENTION", "0") == "1")
 
 
+@contextlib.contextmanager
+def _settling_sampling_ahead() -> Iterator[Callable[[str | None], dict]]:
+    """``settle(content_hash)`` for a sampling ahead this job started (``training/rollout/ahead.py``); a job that
+    fails before it hashed its output drops those samples."""
+    def settle(version: str | None) -> dict:
+        ahead = sys.modules.get("batchrl.training.rollout.ahead")  # imported by a job that samples ahead
+        return ahead.settle(version) if ahead is not None else {}
+    try:
+        yield settle
+    finally:
+        settle(None)  # after a settle with the version: nothing left to drop
+
+
 def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: list[str] | None = None) -> int:
     """Read the config, run ``work(config, reporter) -> (result, output_dir)``, report materialisation
     with ``data_version`` = content hash of ``output_dir`` and the job's ``weight_cache_hits``/``_misses``
@@ -133,7 +146,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     config = read_job_config(argv if argv is not None else sys.argv[1:])
     choose_attention_kernels()
     before = weight_cache.stats()
-    with reporter() as rep:
+    with reporter() as rep, _settling_sampling_ahead() as settle_ahead:
         if config.get("out_dir"):
             os.makedirs(config["out_dir"], exist_ok=True)
             rep.steps_file = os.path.join(config["out_dir"], STEPS_FILE)
@@ -151,6 +164,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
         # the trainer's exported weights stay in the worker under the content they are published as
         meta["resident_weights"] = resident.settle(output, version)
         resident_trainer.settle(output, version)  # the kept policy trainer stands for this artifact
+        meta.update(settle_ahead(version))  # the next iteration's samples, drawn meanwhile, named by this version
         rep.materialize(meta, version)
     _close_process_group()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

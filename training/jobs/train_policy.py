@@ -1,5 +1,6 @@
 """Job: PPO/GRPO policy update. Config JSON: ``{"trainer": PolicyConfig fields, "batch_parquet",
-"model_path", "reference_model_path", "critic_path" (with trainer.critic), "out_dir"}``.
+"model_path", "reference_model_path", "critic_path" (with trainer.critic), "out_dir", "sample_ahead"}``
+(``sample_ahead``: the next iteration's rollouts request, ``training/rollout/ahead.py``).
 
 On logged completions (``training/offline_policy.py``) the job gets ``"logged": {"scored_parquet",
 "offline": OfflinePolicyConfig fields}`` instead of ``batch_parquet`` and builds the batch itself (with the
@@ -43,10 +44,19 @@ def work(config: dict, rep: Reporter):
     result = train_policy(cfg, batch_parquet=batch_parquet, model_path=config["model_path"],
                           reference_model_path=config.get("reference_model_path"),
                           critic_path=config.get("critic_path"),
-                          out_dir=config["out_dir"], report=rep.step)
+                          out_dir=config["out_dir"], report=rep.step, sample_ahead=config.get("sample_ahead"))
     result.update({f"logged_{k}": v for k, v in logged_metrics.items()})
     return result, result.get("model_dir")
 
 
+def main() -> int:
+    """A job process of its own: its sampling ahead is written before the process ends."""
+    code = run_job(work)
+    ahead = sys.modules.get("batchrl.training.rollout.ahead")
+    if ahead is not None:
+        ahead.wait()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(work))
+    sys.exit(main())

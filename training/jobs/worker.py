@@ -94,6 +94,9 @@ def run_request(request: dict) -> dict:
     job = request["job"]
     if job not in JOBS:
         return {"ok": False, "error": f"unknown job {job!r}; expected one of {JOBS}"}
+    ahead = sys.modules.get("batchrl.training.rollout.ahead")
+    if ahead is not None:  # the last update's sampling of the next iteration: its engine and RNG until it is done
+        ahead.wait()
     started = time.perf_counter()
     try:
         with _job_environment(request.get("env", {}), request.get("cwd", os.getcwd())):

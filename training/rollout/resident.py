@@ -73,6 +73,25 @@ def engine_for(options: dict[str, Any]) -> tuple[Any, bool]:
     return engine, False
 
 
+def engine_with_weights(options: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[Any, bool] | None:
+    """``(engine, reused)`` for ``options`` with ``tensors`` (a trainer's state dict: another checkpoint of
+    ``options["model_path"]``'s model) copied in, cast as a load of their export would cast them: the kept engine
+    when it can be, else a new one built from ``options["model_path"]``. None when the weights do not fit it."""
+    from batchrl.training.rollout import make_rollout_engine
+    from batchrl.training.weights import load_weights_in_place
+
+    with _lock:
+        kept = _kept
+    if kept is not None and _reusable(kept[0], options):
+        engine, reused = kept[1], True
+    else:
+        release()
+        engine, reused = make_rollout_engine(options["kind"], **{k: v for k, v in options.items() if k != "kind"}), \
+            False
+    with torch.no_grad():
+        return (engine, reused) if load_weights_in_place(engine.model, options["model_path"], tensors) else None
+
+
 def keep(options: dict[str, Any], engine: Any) -> bool:
     """After a job: keep ``engine`` for the next when it is of a resident kind and fits the weight cache's limit."""
     global _kept

@@ -13,16 +13,19 @@ import pandas as pd
 
 
 def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, seed: int, out_parquet: str,
-                      messages: list | None = None, agent: dict | None = None) -> dict:
+                      messages: list | None = None, agent: dict | None = None,
+                      built: tuple[Any, bool, float] | None = None) -> dict:
     """``engine`` = ``{"kind": ..., **make_rollout_engine kwargs}``; writes the contract's rows to
     ``out_parquet`` and returns timing and length statistics. ``messages``: per prompt its conversation
     (the prompts table's ``prompt_messages``) or None, rendered whole by the engine. ``agent``: an
-    ``AgentConfig`` as a dict: multi-turn, tool-using trajectories (``training/agent``) instead of one turn."""
+    ``AgentConfig`` as a dict: multi-turn, tool-using trajectories (``training/agent``) instead of one turn.
+    ``built``: ``(engine, reused, load seconds)`` made by the caller (sampling ahead: the trainer's weights in it)."""
     from batchrl.training.rollout import resident
 
     started = time.perf_counter()
-    sampler, reused = resident.engine_for(engine)  # in the job worker: the last job's engine, these weights copied in
-    load_s = time.perf_counter() - started
+    # in the job worker: the last job's engine, these weights copied in
+    sampler, reused = built[:2] if built else resident.engine_for(engine)
+    load_s = built[2] if built else time.perf_counter() - started
     started = time.perf_counter()
     agent_stats: dict = {}
     if agent is not None:
@@ -54,3 +57,4 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
             "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
             "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
             "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0, **agent_stats}
+

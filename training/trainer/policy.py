@@ -25,7 +25,7 @@ from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_
                                            sequence_token_logprobs, to_device)
 from batchrl.training.packing import check_packing_supported, pack_prompt_completion
 from batchrl.training.trainer import resident_trainer
-from batchrl.training.trainer.batching import steps_per_epoch
+from batchrl.training.trainer.batching import steps_per_epoch, world
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.transfer import to_device_async
@@ -126,13 +126,25 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
 
 
+def _start_sampling_ahead(loop: TrainLoop, request: dict[str, Any]) -> dict[str, Any]:
+    """The next iteration's samples drawn from the trained weights while the main thread exports them: where the
+    trainer holds the whole model (not a LoRA adapter, not ZeRO-3 shards, one process)."""
+    if loop.lora_base is not None or loop.cfg.zero_stage >= 3 or world()[1] > 1:
+        return {"sample_ahead": "off: the trainer does not hold the whole model (LoRA, ZeRO-3 or several ranks)"}
+    from batchrl.training.rollout import ahead
+
+    return ahead.start(loop.engine.module, request)
+
+
 def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_dir: str,
                  reference_model_path: str | None = None, critic_path: str | None = None,
-                 report: Report | None = None) -> dict[str, Any]:
+                 report: Report | None = None, sample_ahead: dict[str, Any] | None = None) -> dict[str, Any]:
     """One PPO/GRPO update of ``model_path`` on ``batch_parquet``; checkpoints in
     ``out_dir/checkpoints``, HF model in ``out_dir/model``. Returns last-step metrics + curve.
     With ``cfg.critic`` the critic at ``critic_path`` (default: a fresh one from ``model_path``)
-    is then trained on the batch's returns and exported to ``out_dir/critic`` (``trainer.critic``)."""
+    is then trained on the batch's returns and exported to ``out_dir/critic`` (``trainer.critic``).
+    ``sample_ahead``: the next iteration's rollouts request, sampled from the new weights while they are exported
+    (``training/rollout/ahead.py``)."""
     rows = load_batch(batch_parquet)
     if cfg.old_logprobs == "rollout" and "rollout_logprobs" not in rows:
         raise ValueError(f"old_logprobs='rollout' but the rollouts in {batch_parquet} carry no sampled-token "
@@ -174,7 +186,10 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     if "reward" in rows:
         result["batch_mean_reward"] = float(np.mean(rows["reward"]))
     if not result["stopped_early"]:
-        result["model_dir"] = loop.export({k: v for k, v in result.items() if k != "loss_curve"})
+        if sample_ahead is not None:
+            result.update(_start_sampling_ahead(loop, sample_ahead))
+        result["model_dir"] = loop.export({k: v for k, v in result.items()
+                                           if k != "loss_curve" and not k.startswith("sample_ahead")})
         if cfg.critic:
             from batchrl.training.trainer.critic import train_critic
 

@@ -1,0 +1,102 @@
+"""On-policy sampling ahead (``rollouts.sample_ahead``, issue 32; training/rollout/ahead.py): the policy update samples
+the next iteration's rollouts from the weights it has just trained while it exports and hashes them, and the next
+rollouts step takes those samples. They are the samples that step would draw itself from the published checkpoint.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+from pipeline_helpers import seeded_rl_iterations, stop_workers
+
+from batchrl.assets.rollout_prefetch import prompt_subset, sample_ahead_request
+from batchrl.common.prefetch_key import AHEAD_MARK, STATS_FILE
+from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
+from batchrl.resources.artifacts import Artifact
+from batchrl.training.rollout.sampling_job import sample_to_parquet
+from batchrl.training.text import prompt_messages
+
+AHEAD = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipeline_helpers.TINY_BASE)
+    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8, "sample_ahead": True}},
+    "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
+    "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
+}}
+ITERATIONS = 2
+
+
+def test_rollouts_sampled_ahead_by_the_update_are_the_ones_the_next_step_would_sample(tmp_path, upstream_copy):
+    root, home = upstream_copy(tmp_path)
+    history = {"ahead": seeded_rl_iterations(root, home, AHEAD, ITERATIONS, rollouts_in_worker=True,
+                                             env={"BATCHRL_WEIGHT_CACHE_GB": "1"})}
+    ahead = history["ahead"]
+    try:
+        # each update sampled the next iteration (seed + 1) from its new weights; iteration 2 took those samples
+        assert [m["sample_ahead"] for m in ahead["policy_checkpoint"]] == ["started"] * ITERATIONS
+        assert [m["sample_ahead_seed"] for m in ahead["policy_checkpoint"]] == [1, 2]
+        assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True]
+        assert [m["sampled_ahead"] for m in ahead["rollouts"]] == [False, True]
+        assert ahead["rollouts"][1]["sample_ahead_s"] > 0
+        assert all(m["staleness"] == 0 for m in ahead["rollouts"])  # on-policy: the promoted checkpoint's samples
+        # the last update's samples (seed 2) wait, complete, for an iteration that did not come
+        folder = ahead["policy_checkpoint"][-1]["sample_ahead_folder"]
+        assert os.path.exists(os.path.join(folder, STATS_FILE)) and os.path.exists(os.path.join(folder, AHEAD_MARK))
+    finally:
+        stop_workers(history)
+    # iteration 2's samples are those its rollouts step draws itself, in the Dagster process, from the published
+    # checkpoint's files (not the trainer's weights): same prompts, tokens and log-probs
+    taken = _table(root, "rollouts", ahead["rollouts"][1]["data_version"])
+    prompts = prompt_subset(_table(root, "prompts"), 8, seed=1)
+    out = str(tmp_path / "again.parquet")
+    policy = os.path.join(root, "policy_checkpoint", ahead["policy_checkpoint"][0]["data_version"])
+    sample_to_parquet(RolloutEngineResource().engine_options(policy, str(tmp_path / "cache")), list(prompts["prompt"]),
+                      n=2, seed=1, out_parquet=out, messages=prompt_messages(prompts.to_dict("records")))
+    again = pd.read_parquet(out)
+    assert len(taken) == len(again) == 16
+    for column in ("prompt_index", "sample_index", "response", "finish_reason"):
+        assert taken[column].tolist() == again[column].tolist(), column
+    assert [list(ids) for ids in taken["response_ids"]] == [list(ids) for ids in again["response_ids"]]
+    assert np.allclose(np.concatenate(list(taken["rollout_logprobs"])),
+                       np.concatenate(list(again["rollout_logprobs"])), atol=1e-5)
+
+
+def _table(root: str, asset: str, data_version: str = "*") -> pd.DataFrame:
+    (path,) = glob.glob(os.path.join(root, asset, data_version, f"{asset}.parquet"))
+    return pd.read_parquet(path)
+
+
+def test_sample_ahead_is_off_where_the_rollouts_are_not_in_the_job_worker():
+    """In the Dagster process nothing could take the samples: the update is not asked, and its metadata says why."""
+    rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": True}})
+    request, why = sample_ahead_request(None, RolloutEngineResource(in_subprocess=False),
+                                        TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy")
+    assert request is None and why.startswith("off: sampling ahead needs the rollouts in the job worker")
+    rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": False}})
+    assert sample_ahead_request(None, RolloutEngineResource(in_subprocess=True),
+                                TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy") == (None, "off")
+
+
+def test_a_sampling_ahead_whose_process_died_is_not_waited_for(tmp_path):
+    """A folder marked as filled by an update's job that died before it completed it: the rollouts job does not wait
+    (it samples itself)."""
+    from batchrl.training.jobs.rollouts import _wait_for_sampling_ahead
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / AHEAD_MARK).write_text(f'{{"pid": {int(gone.stdout)}}}')
+    _wait_for_sampling_ahead(str(tmp_path))  # returns: the pid is gone (a wait would take AHEAD_WAIT_S)
+    assert not (tmp_path / STATS_FILE).exists()
+
+
+@pytest.mark.parametrize("rollouts, refused", [
+    ({"sample_ahead": True, "off_policy_steps": 1}, "the off-policy rollouts are prefetched already"),
+    ({"sample_ahead": True, "policy": "base"}, "only policy: latest samples next"),
+])
+def test_sample_ahead_is_refused_where_nothing_could_take_its_samples(rollouts, refused):
+    from batchrl.assets.rl import RolloutConfig
+
+    with pytest.raises(ValueError, match=refused):
+        RolloutConfig(**rollouts)
