@@ -144,5 +144,7 @@ class StaticKVDecoder:
                 self.forward(self.tokens, self.positions, self.slot)
         torch.cuda.current_stream().wait_stream(stream)
         self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
+        # thread_local: a capture on a sampling-ahead thread (training/rollout/ahead.py) must not fail, nor fail the
+        # export's copies, because the job's main thread uses CUDA meanwhile ("global" errors on other threads' calls)
+        with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
             self._graph_logits = self.forward(self.tokens, self.positions, self.slot)
