@@ -29,9 +29,17 @@ AHEAD = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipe
 ITERATIONS = 2
 
 
-def test_rollouts_sampled_ahead_by_the_update_are_the_ones_the_next_step_would_sample(tmp_path, upstream_copy):
+LORA = {"ops": {**AHEAD["ops"], "policy_checkpoint": {"config": {
+    "micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lr": 1.0e-3}}}}
+
+
+@pytest.mark.parametrize("run_config", [AHEAD, LORA], ids=["full_weights", "lora_adapter"])
+def test_rollouts_sampled_ahead_by_the_update_are_the_ones_the_next_step_would_sample(tmp_path, upstream_copy,
+                                                                                      run_config):
+    """Full weights: copied from the trainer into the kept engine before the export; a LoRA adapter: merged into the
+    engine's base from its export. Either way the samples are those of the published checkpoint."""
     root, home = upstream_copy(tmp_path)
-    history = {"ahead": seeded_rl_iterations(root, home, AHEAD, ITERATIONS, rollouts_in_worker=True,
+    history = {"ahead": seeded_rl_iterations(root, home, run_config, ITERATIONS, rollouts_in_worker=True,
                                              env={"BATCHRL_WEIGHT_CACHE_GB": "1"})}
     ahead = history["ahead"]
     try:

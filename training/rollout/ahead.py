@@ -7,7 +7,8 @@ The next iteration samples, by definition, the promoted policy — the one this 
 seed ``batchrl run`` numbers it (this iteration's + 1) and a prompt subset drawn from it: a function of this job's
 weights and of config. So the update's job, after its last optimiser step, copies its weights into the job worker's
 rollout engine (``resident.engine_with_weights``: device to device, cast as a load of the export casts) and samples
-that request on a thread, while the main thread writes the export and hashes it. Once hashed, the samples' folder
+that request on a thread, while the main thread writes the export and hashes it (a LoRA update: once its adapter,
+megabytes, is exported, the engine's base with the adapter merged, as a load of the published adapter). Once hashed, the samples' folder
 is named by the request the next rollouts step will make (``common/prefetch_key.py``: the policy's data version is
 in it), the samples and then their statistics are written there, and the step takes them — the same samples it
 would have drawn itself, so the same data version; the lineage is unchanged (the rollouts' input is the published
@@ -43,22 +44,34 @@ class _Pending:
 _pending: _Pending | None = None
 
 
-def start(module: Any, request: dict[str, Any]) -> dict[str, Any]:
-    """After the update's last step, before its export: sample ``request`` (``{"engine": rollout engine options
-    on the policy the update started from, "prompts", "messages", "n", "seed", "agent", "root", "key_parts"}``)
-    from ``module``'s weights on a thread. Returns the job's metadata about it."""
+def start(request: dict[str, Any], *, module: Any = None, adapter: str | None = None,
+          base: str | None = None) -> dict[str, Any]:
+    """Sample ``request`` (``{"engine": rollout engine options on the policy the update started from, "prompts",
+    "messages", "n", "seed", "agent", "root", "key_parts"}``) on a thread, from ``module``'s weights (after the
+    update's last step, before its export) or from the exported LoRA ``adapter`` merged into its ``base`` (as a
+    load of the published adapter merges it). Returns the job's metadata about it."""
     global _pending
     from batchrl.training import weight_cache
     from batchrl.training.rollout import resident
 
     wait()
     started = time.perf_counter()
-    entry = weight_cache.snapshot(module, clone=False)  # the trained weights as they are (never written again)
-    built = None if entry is None else resident.engine_with_weights(request["engine"], entry.tensors)
+    options = dict(request["engine"])
+    if module is not None:
+        entry = weight_cache.snapshot(module, clone=False)  # the trained weights as they are (never written again)
+        built = None if entry is None else resident.engine_with_weights(options, entry.tensors)
+    else:
+        from batchrl.training import lora
+
+        if not lora.merges_in_place(adapter):
+            return {"sample_ahead": "off: the adapter replaces modules (modules_to_save, DoRA)"}
+        options["model_path"] = base  # the engine holds the base's model; its weights: the base's, the adapter merged
+        built = resident.engine_for(options)
+        lora.merge_in_place(built[0].model, adapter)
     if built is None:
         return {"sample_ahead": "off: the trained weights do not fit the rollout engine's model"}
-    _synchronize(request["engine"].get("device", "cpu"))  # the copy is complete before the export reads on
-    pending = _Pending(request)
+    _synchronize(options.get("device", "cpu"))  # the copy is complete before the export reads on
+    pending = _Pending({**request, "engine": options})
     pending.thread = threading.Thread(target=_sample, args=(pending, (*built, time.perf_counter() - started)),
                                       name="batchrl-sample-ahead", daemon=True)
     _pending = pending

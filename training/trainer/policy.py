@@ -126,14 +126,17 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
 
 
-def _start_sampling_ahead(loop: TrainLoop, request: dict[str, Any]) -> dict[str, Any]:
-    """The next iteration's samples drawn from the trained weights while the main thread exports them: where the
-    trainer holds the whole model (not a LoRA adapter, not ZeRO-3 shards, one process)."""
-    if loop.lora_base is not None or loop.cfg.zero_stage >= 3 or world()[1] > 1:
-        return {"sample_ahead": "off: the trainer does not hold the whole model (LoRA, ZeRO-3 or several ranks)"}
+def _start_sampling_ahead(loop: TrainLoop, request: dict[str, Any], adapter: str | None = None) -> dict[str, Any]:
+    """The next iteration's samples drawn from the trained weights while the main thread exports them (full weights:
+    copied from the trainer before the export) or hashes and publishes them (a LoRA adapter: read from its export,
+    megabytes, then merged into the engine's base as a load of the published adapter merges it). Not for ZeRO-3
+    shards or several ranks: no process holds the whole model."""
+    if loop.cfg.zero_stage >= 3 or world()[1] > 1:
+        return {"sample_ahead": "off: the trainer does not hold the whole model (ZeRO-3 or several ranks)"}
     from batchrl.training.rollout import ahead
 
-    return ahead.start(loop.engine.module, request)
+    return ahead.start(request, module=loop.engine.module) if adapter is None else \
+        ahead.start(request, adapter=adapter, base=loop.lora_base)
 
 
 def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_dir: str,
@@ -186,10 +189,12 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
     if "reward" in rows:
         result["batch_mean_reward"] = float(np.mean(rows["reward"]))
     if not result["stopped_early"]:
-        if sample_ahead is not None:
+        if sample_ahead is not None and loop.lora_base is None:
             result.update(_start_sampling_ahead(loop, sample_ahead))
         result["model_dir"] = loop.export({k: v for k, v in result.items()
                                            if k != "loss_curve" and not k.startswith("sample_ahead")})
+        if sample_ahead is not None and loop.lora_base is not None:
+            result.update(_start_sampling_ahead(loop, sample_ahead, adapter=result["model_dir"]))
         if cfg.critic:
             from batchrl.training.trainer.critic import train_critic
 
