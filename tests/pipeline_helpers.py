@@ -86,17 +86,20 @@ def two_rl_iterations(root: str, home: str, cache_gb: str, run_config: dict = SM
 
 
 def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int, rollouts_in_worker: bool,
-                         env: dict | None = None) -> dict[str, list[dict]]:
+                         env: dict | None = None, before=None) -> dict[str, list[dict]]:
     """``iterations`` RL iterations on the upstream assets in ``root`` and ``home`` (the ``upstream_copy``
     fixture's), numbered as ``batchrl run --rl-iterations`` numbers them (iteration i samples with seed i), every
     training stage a job in the warm worker (``env`` on top of its settings); the rollouts sampled by the job worker
-    or in the Dagster process: per RL stage and the base model, each materialisation's metadata (oldest first)."""
+    or in the Dagster process (``before(seed)``: called before each): per RL stage and the base model, each
+    materialisation's metadata (oldest first)."""
     resources = local_resources(
         root, rollout_engine=RolloutEngineResource(in_subprocess=rollouts_in_worker),
         trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": root, **(env or {})}))
     ops = run_config["ops"]
     with dg.DagsterInstance.local_temp(home) as instance:
         for seed in range(iterations):
+            if before is not None:
+                before(seed)
             rollouts = {"config": {**ops["rollouts"]["config"], "seed": seed}}
             assert run_assets(resources, instance, RL_LOOP, {"ops": {**ops, "rollouts": rollouts}}).success
         history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}

@@ -15,7 +15,8 @@ import pytest
 from pipeline_helpers import seeded_rl_iterations, stop_workers
 
 from batchrl.assets.rollout_prefetch import prompt_subset, sample_ahead_request
-from batchrl.common.prefetch_key import AHEAD_MARK, STATS_FILE
+from batchrl.common.prefetch_key import AHEAD_MARK, FOLDER, STATS_FILE
+from batchrl.common.storage_layout import cache_dir_of
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.resources.artifacts import Artifact
 from batchrl.training.rollout.sampling_job import sample_to_parquet
@@ -26,50 +27,72 @@ AHEAD = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipe
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
 }}
-ITERATIONS = 2
-
-
+ITERATIONS = 3
 LORA = {"ops": {**AHEAD["ops"], "policy_checkpoint": {"config": {
     "micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lr": 1.0e-3}}}}
+
+
+def _left_incomplete(root: str):
+    """Before iteration 3 (seed 2): the update's samples for it as a job that died while sampling leaves them (its
+    folder marked, with no statistics and a pid that is gone)."""
+    def before(seed: int) -> None:
+        if seed == 2:
+            for mark in glob.glob(os.path.join(cache_dir_of(root), FOLDER, "*", AHEAD_MARK)):
+                os.remove(os.path.join(os.path.dirname(mark), STATS_FILE))
+                with open(mark, "w") as f:
+                    f.write(f'{{"pid": {_gone_pid()}}}')
+    return before
 
 
 @pytest.mark.parametrize("run_config", [AHEAD, LORA], ids=["full_weights", "lora_adapter"])
 def test_rollouts_sampled_ahead_by_the_update_are_the_ones_the_next_step_would_sample(tmp_path, upstream_copy,
                                                                                       run_config):
     """Full weights: copied from the trainer into the kept engine before the export; a LoRA adapter: merged into the
-    engine's base from its export. Either way the samples are those of the published checkpoint."""
+    engine's base from its export. Either way the samples are those of the published checkpoint; a sampling ahead
+    cut short (its job killed) is sampled again by the rollouts step, with the same result."""
     root, home = upstream_copy(tmp_path)
     history = {"ahead": seeded_rl_iterations(root, home, run_config, ITERATIONS, rollouts_in_worker=True,
-                                             env={"BATCHRL_WEIGHT_CACHE_GB": "1"})}
+                                             env={"BATCHRL_WEIGHT_CACHE_GB": "1"}, before=_left_incomplete(root))}
     ahead = history["ahead"]
     try:
-        # each update sampled the next iteration (seed + 1) from its new weights; iteration 2 took those samples
+        # each update sampled the next iteration (seed + 1) from its new weights; iteration 2 took those samples,
+        # iteration 3 found them cut short and sampled itself
         assert [m["sample_ahead"] for m in ahead["policy_checkpoint"]] == ["started"] * ITERATIONS
-        assert [m["sample_ahead_seed"] for m in ahead["policy_checkpoint"]] == [1, 2]
-        assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True]
-        assert [m["sampled_ahead"] for m in ahead["rollouts"]] == [False, True]
+        assert [m["sample_ahead_seed"] for m in ahead["policy_checkpoint"]] == [1, 2, 3]
+        assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True, False]
+        assert [m["sampled_ahead"] for m in ahead["rollouts"]] == [False, True, False]
         assert ahead["rollouts"][1]["sample_ahead_s"] > 0
         assert all(m["staleness"] == 0 for m in ahead["rollouts"])  # on-policy: the promoted checkpoint's samples
-        # the last update's samples (seed 2) wait, complete, for an iteration that did not come
+        # the last update's samples (seed 3) wait, complete, for an iteration that did not come
         folder = ahead["policy_checkpoint"][-1]["sample_ahead_folder"]
         assert os.path.exists(os.path.join(folder, STATS_FILE)) and os.path.exists(os.path.join(folder, AHEAD_MARK))
     finally:
         stop_workers(history)
-    # iteration 2's samples are those its rollouts step draws itself, in the Dagster process, from the published
+    # iterations 2 and 3's samples are those a rollouts step draws itself, in the Dagster process, from the published
     # checkpoint's files (not the trainer's weights): same prompts, tokens and log-probs
-    taken = _table(root, "rollouts", ahead["rollouts"][1]["data_version"])
-    prompts = prompt_subset(_table(root, "prompts"), 8, seed=1)
-    out = str(tmp_path / "again.parquet")
-    policy = os.path.join(root, "policy_checkpoint", ahead["policy_checkpoint"][0]["data_version"])
-    sample_to_parquet(RolloutEngineResource().engine_options(policy, str(tmp_path / "cache")), list(prompts["prompt"]),
-                      n=2, seed=1, out_parquet=out, messages=prompt_messages(prompts.to_dict("records")))
-    again = pd.read_parquet(out)
-    assert len(taken) == len(again) == 16
-    for column in ("prompt_index", "sample_index", "response", "finish_reason"):
-        assert taken[column].tolist() == again[column].tolist(), column
-    assert [list(ids) for ids in taken["response_ids"]] == [list(ids) for ids in again["response_ids"]]
-    assert np.allclose(np.concatenate(list(taken["rollout_logprobs"])),
-                       np.concatenate(list(again["rollout_logprobs"])), atol=1e-5)
+    for seed in (1, 2):
+        taken = _table(root, "rollouts", ahead["rollouts"][seed]["data_version"])
+        policy = os.path.join(root, "policy_checkpoint", ahead["policy_checkpoint"][seed - 1]["data_version"])
+        again = _sampled_in_process(root, policy, seed, str(tmp_path / f"again{seed}.parquet"))
+        assert len(taken) == len(again) == 16
+        for column in ("prompt_index", "sample_index", "response", "finish_reason"):
+            assert taken[column].tolist() == again[column].tolist(), column
+        assert [list(ids) for ids in taken["response_ids"]] == [list(ids) for ids in again["response_ids"]]
+        assert np.allclose(np.concatenate(list(taken["rollout_logprobs"])),
+                           np.concatenate(list(again["rollout_logprobs"])), atol=1e-5)
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has exited."""
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def _sampled_in_process(root: str, policy: str, seed: int, out: str) -> pd.DataFrame:
+    prompts = prompt_subset(_table(root, "prompts"), 8, seed=seed)
+    sample_to_parquet(RolloutEngineResource().engine_options(policy, os.path.dirname(out)), list(prompts["prompt"]),
+                      n=2, seed=seed, out_parquet=out, messages=prompt_messages(prompts.to_dict("records")))
+    return pd.read_parquet(out)
 
 
 def _table(root: str, asset: str, data_version: str = "*") -> pd.DataFrame:
@@ -93,8 +116,7 @@ def test_a_sampling_ahead_whose_process_died_is_not_waited_for(tmp_path):
     (it samples itself)."""
     from batchrl.training.jobs.rollouts import _wait_for_sampling_ahead
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / AHEAD_MARK).write_text(f'{{"pid": {int(gone.stdout)}}}')
+    (tmp_path / AHEAD_MARK).write_text(f'{{"pid": {_gone_pid()}}}')
     _wait_for_sampling_ahead(str(tmp_path))  # returns: the pid is gone (a wait would take AHEAD_WAIT_S)
     assert not (tmp_path / STATS_FILE).exists()
 
