@@ -111,13 +111,15 @@ def test_sample_ahead_is_off_where_the_rollouts_are_not_in_the_job_worker():
                                 TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy") == (None, "off")
 
 
-def test_a_sampling_ahead_whose_process_died_is_not_waited_for(tmp_path):
-    """A folder marked as filled by an update's job that died before it completed it: the rollouts job does not wait
-    (it samples itself)."""
+@pytest.mark.parametrize("filled_by", ["a process that died", "this process's thread, which failed"])
+def test_a_sampling_ahead_that_will_not_complete_is_not_waited_for(tmp_path, filled_by):
+    """A folder marked as filled by an update's job that died before it completed it, or by this worker's own
+    thread that failed: the rollouts job does not wait (it samples itself)."""
     from batchrl.training.jobs.rollouts import _wait_for_sampling_ahead
 
-    (tmp_path / AHEAD_MARK).write_text(f'{{"pid": {_gone_pid()}}}')
-    _wait_for_sampling_ahead(str(tmp_path))  # returns: the pid is gone (a wait would take AHEAD_WAIT_S)
+    pid = _gone_pid() if filled_by == "a process that died" else os.getpid()
+    (tmp_path / AHEAD_MARK).write_text(f'{{"pid": {pid}}}')
+    _wait_for_sampling_ahead(str(tmp_path))  # returns at once (a wait would take AHEAD_WAIT_S)
     assert not (tmp_path / STATS_FILE).exists()
 
 

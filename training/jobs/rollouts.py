@@ -25,9 +25,11 @@ def _wait_for_sampling_ahead(folder: str) -> None:
     mark = sampled_ahead(folder)
     if mark is None:
         return
-    ahead = sys.modules.get("batchrl.training.rollout.ahead")
-    if ahead is not None:
-        ahead.wait()  # this process's own (the worker also waits before every job)
+    if mark.get("pid") == os.getpid():  # this process's own thread: done once joined (its samples, or a failure)
+        ahead = sys.modules.get("batchrl.training.rollout.ahead")
+        if ahead is not None:
+            ahead.wait()  # the worker waits before every job already
+        return
     deadline = time.monotonic() + AHEAD_WAIT_S
     while not os.path.exists(os.path.join(folder, STATS_FILE)) and time.monotonic() < deadline:
         try:
