@@ -1,12 +1,12 @@
 """Which numbers of a materialisation the UI plots. Dagster draws every numeric metadata key as a series in the
-asset's Plots tab; run details that are numbers but measure nothing of the asset (the seed, the hashing time,
+asset's Plots tab; run details that are numbers but measure nothing of the asset (the seeds, the hashing time,
 the world size, the job worker's weight-cache counts) are shown as text instead (the catalog and the lineage
 keep them as numbers)."""
 from __future__ import annotations
 
 from typing import Any
 
-NOT_PLOTTED = ("seed", "hash_s", "publish_s", "world_size")
+NOT_PLOTTED = ("seed", "hash_s", "publish_s", "world_size", "prefetch_seed", "sample_ahead_seed")
 NOT_PLOTTED_PREFIXES = ("weight_cache_", "step_s/")
 
 

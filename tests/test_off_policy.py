@@ -36,7 +36,7 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
         assert [m["policy"].rstrip("/").rsplit("/", 1)[-1] for m in ahead["rollouts"]] == [base, base, policies[0]]
         # the samples of iterations 2 and 3 were taken from the prefetch, sampled while the update before trained
         assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True, True]
-        assert [m["prefetch_seed"] for m in ahead["rollouts"]] == [1, 2, 3]
+        assert [m["prefetch_seed"] for m in ahead["rollouts"]] == ["1", "2", "3"]  # a seed: text, not a series
         assert not any(m["prefetched"] for m in fresh["rollouts"])
         assert not any("prefetch_seed" in m for m in fresh["rollouts"])
         # each update trains the promoted policy (not the samples' own) and corrects the staleness by importance

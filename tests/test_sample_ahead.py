@@ -58,7 +58,7 @@ def test_rollouts_sampled_ahead_by_the_update_are_the_ones_the_next_step_would_s
         # each update sampled the next iteration (seed + 1) from its new weights; iteration 2 took those samples,
         # iteration 3 found them cut short and sampled itself
         assert [m["sample_ahead"] for m in ahead["policy_checkpoint"]] == ["started"] * ITERATIONS
-        assert [m["sample_ahead_seed"] for m in ahead["policy_checkpoint"]] == [1, 2, 3]
+        assert [m["sample_ahead_seed"] for m in ahead["policy_checkpoint"]] == ["1", "2", "3"]  # text: not plotted
         assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True, False]
         assert [m["sampled_ahead"] for m in ahead["rollouts"]] == [False, True, False]
         assert ahead["rollouts"][1]["sample_ahead_s"] > 0
