@@ -6,7 +6,8 @@ whether the rollouts were taken from the update's sampling ahead, and that both 
     python3 bench/check_sample_ahead.py --iterations 4 [--device cuda] [--out FILE]
 
 On the dev box's CPU (2 cores) the thread's sampling competes with the export and hashing for the same cores; on a
-GPU host it runs on the device while the host exports (``--device cuda``: bf16 engine, as the gpu environment).
+GPU host it runs on the device while the host exports (``--device cuda``: bf16 static engine, as the gpu environment;
+not run on a GPU yet — ``bench_gpu_rl_vs_trl.py --parts ahead`` is the measurement at the bench's full size).
 """
 from __future__ import annotations
 
