@@ -100,11 +100,11 @@ class RolloutConfig(dg.Config):
                                   "corrects it (needs the policy's old_logprobs: recompute and "
                                   "rollout_is_threshold). 0: on-policy")
     sample_ahead: bool = Field(False, description="on-policy: the policy update samples the next iteration's "
-                               "rollouts (seed + 1, as batchrl run numbers iterations) from its new weights while it "
-                               "exports, hashes and publishes them; the next rollouts step takes them (the same "
-                               "samples, so the same data version). Needs job-worker sampling (trainer.backend "
-                               "worker, rollout_engine.in_subprocess, not vLLM): elsewhere it is off, and the "
-                               "update's metadata says why")
+                               "rollouts (the seed `batchrl run --rl-iterations N` announces for it) from its new "
+                               "weights while it exports, hashes and publishes them; the next rollouts step takes them "
+                               "(the same samples, so the same data version). Needs job-worker sampling "
+                               "(trainer.backend worker, rollout_engine.in_subprocess, not vLLM) and a next "
+                               "iteration announced: elsewhere it is off, and the update's metadata says why")
 
     @model_validator(mode="after")
     def _combinations(self):  # the library model's rules (e.g. user tools need tool_call_json), at launch
@@ -310,7 +310,7 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
     }
     position = next_iteration(context.instance, parent)
     ahead, ahead_state = sample_ahead_request(storage, rollout_engine, trainer, rollouts, parent,
-                                              context.asset_key.to_user_string())
+                                              context.asset_key.to_user_string(), context.run.tags)
     own = {"kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef}
     # the chain so far against its iteration, drawn while the update runs
     with ChainChart(context, position[CHAIN], position.get(ITERATION), {"policy_checkpoint": own}) as chart:

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import pandas as pd
 
 from batchrl.common.prefetch_key import FOLDER, request_folder, request_parts
-from batchrl.training.text import prompt_messages
 from batchrl.resources import RolloutEngineResource, StorageResource, TrainerLauncherResource
 from batchrl.resources.artifacts import Artifact, make_local
+from batchrl.training.text import prompt_messages
 
 PROMPTS_FILE = "prompts.parquet"  # the prompts asset's table
+# a run's tag: the rollouts seed of the RL iteration that follows it (`batchrl run --rl-iterations N` sets it)
+NEXT_ROLLOUTS_SEED_TAG = "batchrl/next_rollouts_seed"
 STALE_S = 3600.0  # a prefetch nobody took within an hour is removed when the next one starts
 
 
@@ -79,20 +81,24 @@ def start_prefetch(storage: StorageResource, engine: RolloutEngineResource, laun
 
 
 def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
-                         rollouts: Artifact, parent: Artifact, asset: str) -> tuple[dict | None, str]:
+                         rollouts: Artifact, parent: Artifact, asset: str, tags: dict) -> tuple[dict | None, str]:
     """``(request, why)``: the next iteration's rollouts request, for the update of ``rollouts`` (trained from
-    ``parent``, published as ``asset``) to sample from its new weights while it exports them — the request the next
-    rollouts step makes when ``batchrl run`` numbers it (seed + 1) — or None where that step could not take them."""
+    ``parent``, published as ``asset``, in a run of ``tags``) to sample from its new weights while it exports them —
+    the request the next rollouts step makes with the seed the run announced (``NEXT_ROLLOUTS_SEED_TAG``) — or None
+    where no next iteration is known or its step could not take them."""
     config = rollouts.lineage.get("config", {})
     if not config.get("sample_ahead"):
         return None, "off"
     if not engine.can_prefetch(launcher):
         return None, ("off: sampling ahead needs the rollouts in the job worker (trainer.backend worker, "
                       "rollout_engine.in_subprocess, an engine other than vLLM)")
-    table = prompt_subset(make_local(storage, rollouts.input_ref("prompts"), files={"table": PROMPTS_FILE}).read_table(),
-                          config.get("max_prompts"), config["seed"] + 1)
+    if NEXT_ROLLOUTS_SEED_TAG not in tags:  # a run from the UI, a sensor's, the last of `batchrl run`'s iterations
+        return None, "off: no next RL iteration announced in this run (batchrl run --rl-iterations N announces them)"
+    seed = int(tags[NEXT_ROLLOUTS_SEED_TAG])
+    prompts_table = make_local(storage, rollouts.input_ref("prompts"), files={"table": PROMPTS_FILE}).read_table()
+    table = prompt_subset(prompts_table, config.get("max_prompts"), seed)
     prompts, messages = list(table["prompt"]), prompt_messages(table.to_dict("records"))
-    n, seed, agent = config["samples_per_prompt"], config["seed"] + 1, config.get("agent")
+    n, agent = config["samples_per_prompt"], config.get("agent")
     remove_stale(storage)
     return {"engine": engine.engine_options(parent.path, storage.cache_dir), "prompts": prompts,
             "messages": messages, "n": n, "seed": seed, "agent": agent,

@@ -82,6 +82,18 @@ def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list
     return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]
 
 
+def announced_next(plan: list[tuple[str, list[str] | None, dict]], position: int) -> dict[str, str]:
+    """The tags of execution ``position``: when an RL iteration follows it, that iteration's rollouts seed (what a
+    policy update with ``rollouts.sample_ahead`` samples ahead; a run without the tag has no next iteration known)."""
+    from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
+
+    following = plan[position + 1] if position + 1 < len(plan) else None
+    if following is None or not following[0].startswith("RL iteration"):
+        return {}
+    seed = following[2].get("ops", {}).get("rollouts", {}).get("config", {}).get("seed", 0)
+    return {NEXT_ROLLOUTS_SEED_TAG: str(int(seed))}
+
+
 def _runs_jobs(defs, jobs: list) -> bool:
     """Some asset of ``jobs`` launches jobs (needs the ``trainer`` resource)."""
     graph = defs.resolve_asset_graph()
@@ -195,7 +207,8 @@ def _run(args: argparse.Namespace) -> int:
                 assets = {k.to_user_string() for k in job_of(selection).asset_layer.executable_asset_keys}
                 with RunProgress(instance, run_id, assets, out) as progress:
                     progress.total = counts[position]
-                    result = execute_assets(defs, instance, selection, config, run_id=run_id, tags=tags,
+                    result = execute_assets(defs, instance, selection, config, run_id=run_id,
+                                            tags={**tags, **announced_next(plan, position)},
                                             on_run=progress.follow, concurrent_steps=args.concurrent_steps)
                 done += progress.done
                 if not result.success:

@@ -6,6 +6,7 @@ import signal
 
 import dagster as dg
 
+from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
 from batchrl.common.storage_layout import cache_dir_of, catalog_path_of
 from batchrl.definitions import build_definitions
 from batchrl.resources import (
@@ -33,8 +34,9 @@ def local_resources(root: str, landing: LandingResource | None = None, **overrid
 
 
 def run_assets(resources: dict, instance: dg.DagsterInstance, selection: list[str] | None = None,
-               run_config: dict | None = None) -> dg.ExecuteInProcessResult:
-    return execute_assets(build_definitions(resources), instance, selection, run_config)
+               run_config: dict | None = None, tags: dict | None = None) -> dg.ExecuteInProcessResult:
+    return execute_assets(build_definitions(resources), instance, selection, run_config,
+                          **({"tags": tags} if tags else {}))
 
 
 def latest_metadata(instance: dg.DagsterInstance, asset: str) -> dict:
@@ -88,7 +90,8 @@ def two_rl_iterations(root: str, home: str, cache_gb: str, run_config: dict = SM
 def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int, rollouts_in_worker: bool,
                          env: dict | None = None, before=None) -> dict[str, list[dict]]:
     """``iterations`` RL iterations on the upstream assets in ``root`` and ``home`` (the ``upstream_copy``
-    fixture's), numbered as ``batchrl run --rl-iterations`` numbers them (iteration i samples with seed i), every
+    fixture's), numbered and announced as ``batchrl run --rl-iterations`` does (iteration i samples with seed i; a
+    run tagged with the next one's seed, ``cli.run_command.announced_next``), every
     training stage a job in the warm worker (``env`` on top of its settings); the rollouts sampled by the job worker
     or in the Dagster process (``before(seed)``: called before each): per RL stage and the base model, each
     materialisation's metadata (oldest first)."""
@@ -101,7 +104,8 @@ def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int
             if before is not None:
                 before(seed)
             rollouts = {"config": {**ops["rollouts"]["config"], "seed": seed}}
-            assert run_assets(resources, instance, RL_LOOP, {"ops": {**ops, "rollouts": rollouts}}).success
+            following = {NEXT_ROLLOUTS_SEED_TAG: str(seed + 1)} if seed + 1 < iterations else {}
+            assert run_assets(resources, instance, RL_LOOP, {"ops": {**ops, "rollouts": rollouts}}, following).success
         history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
                            for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
                    for stage in RL_LOOP}

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from pipeline_helpers import seeded_rl_iterations, stop_workers
 
-from batchrl.assets.rollout_prefetch import prompt_subset, sample_ahead_request
+from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG, prompt_subset, sample_ahead_request
 from batchrl.common.prefetch_key import AHEAD_MARK, FOLDER, STATS_FILE
 from batchrl.common.storage_layout import cache_dir_of
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
@@ -28,6 +28,7 @@ AHEAD = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipe
     "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
 }}
 ITERATIONS = 3
+NO_NEXT = "off: no next RL iteration announced in this run (batchrl run --rl-iterations N announces them)"
 LORA = {"ops": {**AHEAD["ops"], "policy_checkpoint": {"config": {
     "micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lr": 1.0e-3}}}}
 
@@ -55,17 +56,16 @@ def test_rollouts_sampled_ahead_by_the_update_are_the_ones_the_next_step_would_s
                                              env={"BATCHRL_WEIGHT_CACHE_GB": "1"}, before=_left_incomplete(root))}
     ahead = history["ahead"]
     try:
-        # each update sampled the next iteration (seed + 1) from its new weights; iteration 2 took those samples,
-        # iteration 3 found them cut short and sampled itself
-        assert [m["sample_ahead"] for m in ahead["policy_checkpoint"]] == ["started"] * ITERATIONS
-        assert [m["sample_ahead_seed"] for m in ahead["policy_checkpoint"]] == ["1", "2", "3"]  # text: not plotted
+        # each update with a next iteration announced sampled it (its seed) from its new weights; iteration 2 took
+        # those samples, iteration 3 found them cut short and sampled itself; the last run announced none
+        assert [m["sample_ahead"] for m in ahead["policy_checkpoint"]] == ["started", "started", NO_NEXT]
+        assert [m.get("sample_ahead_seed") for m in ahead["policy_checkpoint"]] == ["1", "2", None]  # text: no plot
         assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True, False]
         assert [m["sampled_ahead"] for m in ahead["rollouts"]] == [False, True, False]
         assert ahead["rollouts"][1]["sample_ahead_s"] > 0
         assert all(m["staleness"] == 0 for m in ahead["rollouts"])  # on-policy: the promoted checkpoint's samples
-        # the last update's samples (seed 3) wait, complete, for an iteration that did not come
-        folder = ahead["policy_checkpoint"][-1]["sample_ahead_folder"]
-        assert os.path.exists(os.path.join(folder, STATS_FILE)) and os.path.exists(os.path.join(folder, AHEAD_MARK))
+        # nothing was sampled for an iteration that was not coming
+        assert not glob.glob(os.path.join(cache_dir_of(root), FOLDER, "*", AHEAD_MARK))
     finally:
         stop_workers(history)
     # iterations 2 and 3's samples are those a rollouts step draws itself, in the Dagster process, from the published
@@ -103,12 +103,30 @@ def _table(root: str, asset: str, data_version: str = "*") -> pd.DataFrame:
 def test_sample_ahead_is_off_where_the_rollouts_are_not_in_the_job_worker():
     """In the Dagster process nothing could take the samples: the update is not asked, and its metadata says why."""
     rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": True}})
+    following = {NEXT_ROLLOUTS_SEED_TAG: "1"}
     request, why = sample_ahead_request(None, RolloutEngineResource(in_subprocess=False),
-                                        TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy")
+                                        TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy",
+                                        following)
     assert request is None and why.startswith("off: sampling ahead needs the rollouts in the job worker")
-    rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": False}})
+    off = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": False}})
     assert sample_ahead_request(None, RolloutEngineResource(in_subprocess=True),
-                                TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy") == (None, "off")
+                                TrainerLauncherResource(backend="worker"), off, off, "policy", following) == (None, "off")
+
+
+def test_batchrl_run_announces_each_next_iteration_and_its_seed(tmp_path):
+    """What a policy update samples ahead is the seed the CLI gives the next iteration; the last RL iteration (then
+    the evaluation) announces none."""
+    import argparse
+
+    from batchrl.cli.run_command import _plan, announced_next
+    from batchrl.definitions import build_definitions
+    from pipeline_helpers import local_resources
+
+    defs = build_definitions(local_resources(str(tmp_path / "s")))
+    replicate = {"ops": {"rollouts": {"config": {"seed": 5000}}}}
+    plan = _plan(defs, argparse.Namespace(select="*"), replicate, 3)
+    assert [announced_next(plan, i).get(NEXT_ROLLOUTS_SEED_TAG) for i in range(len(plan))] == \
+        ["5001", "5002", None, None]
 
 
 @pytest.mark.parametrize("filled_by", ["a process that died", "this process's thread, which failed"])

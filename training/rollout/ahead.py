@@ -4,17 +4,17 @@ and published while iteration k+1 already samples"; verl's hybrid engine keeps t
 rollouts the same way).
 
 The next iteration samples, by definition, the promoted policy — the one this update is about to publish — with the
-seed ``batchrl run`` numbers it (this iteration's + 1) and a prompt subset drawn from it: a function of this job's
-weights and of config. So the update's job, after its last optimiser step, copies its weights into the job worker's
-rollout engine (``resident.engine_with_weights``: device to device, cast as a load of the export casts) and samples
-that request on a thread, while the main thread writes the export and hashes it (a LoRA update: once its adapter,
-megabytes, is exported, the engine's base with the adapter merged, as a load of the published adapter). Once
-hashed, the samples' folder is named by the request the next rollouts step will make (``common/prefetch_key.py``:
-the policy's data version is in it), the samples and then their statistics are written there, and the step takes
-them — the same samples it would have drawn itself, so the same data version; the lineage is unchanged (the
-rollouts' input is the published checkpoint). Every checkpoint is still published before anything samples from it in the asset graph: a crash at
-any point loses no published iteration and leaves at worst a folder without statistics, which the next rollouts
-job ignores and samples itself.
+seed ``batchrl run --rl-iterations N`` announces for it (a run tag; nothing is sampled ahead without one) and a
+prompt subset drawn from it: a function of this job's weights and of config. So the update's job, after its last
+optimiser step, copies its weights into the job worker's rollout engine (``resident.engine_with_weights``: device to
+device, cast as a load of the export casts) and samples that request on a thread, while the main thread writes the
+export and hashes it (a LoRA update: once its adapter, megabytes, is exported, the engine's base with the adapter
+merged, as a load of the published adapter). Once hashed, the samples' folder is named by the request the next
+rollouts step will make (``common/prefetch_key.py``: the policy's data version is in it), the samples and then their
+statistics are written there, and the step takes them — the same samples it would have drawn itself, so the same
+data version; the lineage is unchanged (the rollouts' input is the published checkpoint). Every checkpoint is still
+published before anything samples from it in the asset graph: a crash at any point loses no published iteration and
+leaves at worst a folder without statistics, which the next rollouts job ignores and samples itself.
 
 The worker waits for a sampling ahead to finish before it starts its next job (``wait``): the engine and the
 global RNG state the sampling forks are this thread's until then. Pure torch + stdlib.
