@@ -53,6 +53,8 @@ def _arm(template: str, folder: str, ahead: bool, iterations: int, device: str) 
     import dagster as dg
     from pipeline_helpers import run_assets, stop_workers
 
+    from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
+
     shutil.copytree(template, folder)
     root, home = os.path.join(folder, "storage"), os.path.join(folder, "home")
     resources = _resources(root, device)
@@ -60,7 +62,9 @@ def _arm(template: str, folder: str, ahead: bool, iterations: int, device: str) 
     with dg.DagsterInstance.local_temp(home) as instance:
         for seed in range(iterations):
             started = time.perf_counter()
-            assert run_assets(resources, instance, RL_LOOP, _run_config(ahead, seed)).success
+            # as `batchrl run --rl-iterations N`: each run announces the next iteration's seed
+            following = {NEXT_ROLLOUTS_SEED_TAG: str(seed + 1)} if seed + 1 < iterations else None
+            assert run_assets(resources, instance, RL_LOOP, _run_config(ahead, seed), following).success
             walls.append(round(time.perf_counter() - started, 2))
         history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
                            for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=100).records)]
