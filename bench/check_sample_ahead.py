@@ -21,23 +21,20 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))  # pipeline_helpers: the tests' way of running the graph
-PREP = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model"]
-RL_LOOP = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
+from pipeline_helpers import RL_LOOP, UPSTREAM as PREP, rl_history, run_assets, stop_workers  # noqa: E402
 
 
 def _resources(root: str, device: str) -> dict:
     from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
     from batchrl.resources.environments import environment_resources
-    from batchrl.resources.profiles import apply_resource_overrides
 
     os.environ["BATCHRL_STORAGE"] = root
-    resources = environment_resources("local", "real")
     gpu = device.startswith("cuda")
-    return apply_resource_overrides({**resources, "rollout_engine": RolloutEngineResource(
+    return {**environment_resources("local", "real"), "rollout_engine": RolloutEngineResource(
         kind="static" if gpu else "transformers", device=device, dtype="bfloat16" if gpu else "float32",
         max_new_tokens=48, batch_size=64, in_subprocess=True),
         "trainer": TrainerLauncherResource(backend="worker", worker_idle_s=120,
-                                           env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": "4"})}, {})
+                                           env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": "4"})}
 
 
 def _run_config(ahead: bool, seed: int) -> dict:
@@ -51,7 +48,6 @@ def _run_config(ahead: bool, seed: int) -> dict:
 
 def _arm(template: str, folder: str, ahead: bool, iterations: int, device: str) -> dict:
     import dagster as dg
-    from pipeline_helpers import run_assets, stop_workers
 
     from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
 
@@ -66,9 +62,7 @@ def _arm(template: str, folder: str, ahead: bool, iterations: int, device: str) 
             following = {NEXT_ROLLOUTS_SEED_TAG: str(seed + 1)} if seed + 1 < iterations else None
             assert run_assets(resources, instance, RL_LOOP, _run_config(ahead, seed), following).success
             walls.append(round(time.perf_counter() - started, 2))
-        history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
-                           for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=100).records)]
-                   for stage in RL_LOOP}
+        history = rl_history(instance, limit=iterations)
     stop_workers({"arm": history})
     keep = ("data_version", "generate_s", "engine_load_s", "prefetched", "sampled_ahead", "sample_ahead_s",
             "prefetch_take_s", "job_wall_s", "sample_ahead", "sample_ahead_copy_s", "hash_s")
@@ -83,7 +77,6 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import dagster as dg
-    from pipeline_helpers import run_assets
 
     work = tempfile.mkdtemp(prefix="sample_ahead_")
     template = os.path.join(work, "template")

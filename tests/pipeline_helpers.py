@@ -66,25 +66,34 @@ SMALL = {"ops": {
 }}
 
 
+def worker_resources(root: str, rollouts_in_worker: bool = True, env: dict | None = None) -> dict:
+    """Resources with every model stage a job in the warm worker (as on a GPU host; ``env`` on top of its settings),
+    the rollouts sampled by the job worker or in the Dagster process."""
+    return local_resources(
+        root, rollout_engine=RolloutEngineResource(in_subprocess=rollouts_in_worker),
+        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": root, **(env or {})}))
+
+
+def rl_history(instance: dg.DagsterInstance, limit: int = 10) -> dict[str, list[dict]]:
+    """Per RL stage, each materialisation's metadata (oldest first, the last ``limit``)."""
+    return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
+                    for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=limit).records)]
+            for stage in RL_LOOP}
+
+
 def two_rl_iterations(root: str, home: str, cache_gb: str, run_config: dict = SMALL, env: dict | None = None,
-          upstream_built: bool = False) -> dict[str, list[dict]]:
+                      upstream_built: bool = False) -> dict[str, list[dict]]:
     """Two RL iterations with every model stage a job in the warm worker (as on a GPU host), its weight cache at
     ``cache_gb`` (and ``env``): per RL stage, each materialisation's metadata (oldest first). ``upstream_built``:
     the root and home already hold the upstream assets (the ``upstream_copy`` fixture's)."""
-    resources = local_resources(
-        root, rollout_engine=RolloutEngineResource(in_subprocess=True),
-        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60,
-                                        env={"BATCHRL_STORAGE": root, "BATCHRL_WEIGHT_CACHE_GB": cache_gb,
-                                             **(env or {})}))
+    resources = worker_resources(root, env={"BATCHRL_WEIGHT_CACHE_GB": cache_gb, **(env or {})})
     os.makedirs(home, exist_ok=True)
     with dg.DagsterInstance.local_temp(home) as instance:
         if not upstream_built:
             assert run_assets(resources, instance, UPSTREAM, run_config).success
         for _ in range(2):  # each update promotes its checkpoint: the next rollouts sample from it
             assert run_assets(resources, instance, RL_LOOP, run_config).success
-        return {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
-                        for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
-                for stage in RL_LOOP}
+        return rl_history(instance)
 
 
 def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int, rollouts_in_worker: bool,
@@ -95,9 +104,7 @@ def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int
     training stage a job in the warm worker (``env`` on top of its settings); the rollouts sampled by the job worker
     or in the Dagster process (``before(seed)``: called before each): per RL stage and the base model, each
     materialisation's metadata (oldest first)."""
-    resources = local_resources(
-        root, rollout_engine=RolloutEngineResource(in_subprocess=rollouts_in_worker),
-        trainer=TrainerLauncherResource(backend="worker", worker_idle_s=60, env={"BATCHRL_STORAGE": root, **(env or {})}))
+    resources = worker_resources(root, rollouts_in_worker, env)
     ops = run_config["ops"]
     with dg.DagsterInstance.local_temp(home) as instance:
         for seed in range(iterations):
@@ -106,8 +113,6 @@ def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int
             rollouts = {"config": {**ops["rollouts"]["config"], "seed": seed}}
             following = {NEXT_ROLLOUTS_SEED_TAG: str(seed + 1)} if seed + 1 < iterations else {}
             assert run_assets(resources, instance, RL_LOOP, {"ops": {**ops, "rollouts": rollouts}}, following).success
-        history = {stage: [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
-                           for r in reversed(instance.fetch_materializations(dg.AssetKey(stage), limit=10).records)]
-                   for stage in RL_LOOP}
+        history = rl_history(instance)
         history["base_model"] = [latest_metadata(instance, "base_model")]
         return history

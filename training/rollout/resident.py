@@ -52,6 +52,21 @@ def _reusable(kept: dict, options: dict) -> bool:
     return same_settings and same_model_files(kept["model_path"], options["model_path"])
 
 
+def _reusable_kept(options: dict[str, Any]) -> Any | None:
+    """The kept engine when ``options`` may take it over (same settings, same model but for its weights), else None."""
+    with _lock:
+        kept = _kept
+    return kept[1] if kept is not None and _reusable(kept[0], options) else None
+
+
+def _new_engine(options: dict[str, Any]) -> Any:
+    """A new engine for ``options``; the kept one's memory goes first (another model or settings)."""
+    from batchrl.training.rollout import make_rollout_engine
+
+    release()
+    return make_rollout_engine(options["kind"], **{k: v for k, v in options.items() if k != "kind"})
+
+
 def engine_for(options: dict[str, Any]) -> tuple[Any, bool]:
     """``(engine, reused)`` for ``make_rollout_engine(**options)`` (``kind`` among them): the kept engine with
     ``options["model_path"]``'s weights copied in when it can be, else a new one."""
@@ -62,34 +77,25 @@ def engine_for(options: dict[str, Any]) -> tuple[Any, bool]:
     if options["kind"] not in RESIDENT_KINDS or not weight_cache.enabled():
         kind = options.pop("kind")
         return make_rollout_engine(kind, **options), False
-    with _lock:
-        kept = _kept
-    if kept is not None and _reusable(kept[0], options) and load_checkpoint_in_place(
-            kept[1].model, options["model_path"], dtype=options.get("dtype", "float32"),
-            device=options.get("device", "cpu")):
-        return kept[1], True
-    release()  # another model or settings: the kept engine's memory goes before the new one loads
-    engine = make_rollout_engine(options["kind"], **{k: v for k, v in options.items() if k != "kind"})
-    return engine, False
+    kept = _reusable_kept(options)
+    if kept is not None and load_checkpoint_in_place(kept.model, options["model_path"],
+                                                     dtype=options.get("dtype", "float32"),
+                                                     device=options.get("device", "cpu")):
+        return kept, True
+    return _new_engine(options), False
 
 
 def engine_with_weights(options: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[Any, bool] | None:
     """``(engine, reused)`` for ``options`` with ``tensors`` (a trainer's state dict: another checkpoint of
     ``options["model_path"]``'s model) copied in, cast as a load of their export would cast them: the kept engine
     when it can be, else a new one built from ``options["model_path"]``. None when the weights do not fit it."""
-    from batchrl.training.rollout import make_rollout_engine
     from batchrl.training.weights import load_weights_in_place
 
-    with _lock:
-        kept = _kept
-    if kept is not None and _reusable(kept[0], options):
-        engine, reused = kept[1], True
-    else:
-        release()
-        engine, reused = make_rollout_engine(options["kind"], **{k: v for k, v in options.items() if k != "kind"}), \
-            False
+    kept = _reusable_kept(options)
+    engine = kept if kept is not None else _new_engine(options)
     with torch.no_grad():
-        return (engine, reused) if load_weights_in_place(engine.model, options["model_path"], tensors) else None
+        return (engine, kept is not None) if load_weights_in_place(engine.model, options["model_path"], tensors) \
+            else None
 
 
 def keep(options: dict[str, Any], engine: Any) -> bool:

@@ -57,4 +57,3 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
             "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
             "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
             "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0, **agent_stats}
-
