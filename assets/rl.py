@@ -17,7 +17,8 @@ from batchrl.assets.policy_chain import (
 )
 from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
 from batchrl.assets.rollout_prefetch import (
-    PROMPTS_FILE, SamplingRequest, prefetched_folder, prompt_subset, sample_ahead_request, start_prefetch,
+    NO_NEXT_ITERATION, NO_PREFETCH_WORKER, PROMPTS_FILE, SamplingRequest, announced_next_seed, prefetched_folder,
+    prompt_subset, sample_ahead_request, start_prefetch,
 )
 from batchrl.assets.run_rules import check_run_config, kl_placement
 from batchrl.common import fsutil
@@ -95,7 +96,8 @@ class RolloutConfig(dg.Config):
                                             "as a turn; unset: one turn per rollout")
     off_policy_steps: int = Field(0, ge=0, le=1, description="1: one-step off-policy (verl's one_step_off_policy): "
                                   "sample from the promoted policy's parent, one update behind, so that the job "
-                                  "worker samples the next iteration's rollouts (seed + 1) while this iteration's "
+                                  "worker samples the next iteration's rollouts (the seed `batchrl run --rl-iterations N` "
+                                  "announces for it) while this iteration's "
                                   "update trains; the staleness is in the rollouts' lineage and the update "
                                   "corrects it (needs the policy's old_logprobs: recompute and "
                                   "rollout_is_threshold). 0: on-policy")
@@ -171,12 +173,16 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                                                cache_dir=storage.cache_dir, messages=messages, agent=request.agent,
                                                prefetched=prefetched_folder(storage, rollout_engine, request))
         ahead = {}
-        if config.off_policy_steps and rollout_engine.can_prefetch(trainer):  # the next iteration's, from `promoted`
-            table_next = prompt_subset(all_prompts, config.max_prompts, config.seed + 1)
-            pid = start_prefetch(storage, rollout_engine, trainer, SamplingRequest(
-                promoted, list(table_next["prompt"]), prompt_messages(table_next.to_dict("records")), request.n,
-                config.seed + 1, request.agent))
-            ahead = {"prefetch_seed": config.seed + 1, "prefetch_worker_pid": pid}
+        if config.off_policy_steps:  # the next iteration's, from `promoted`, with the seed the run announced
+            next_seed = announced_next_seed(context.run.tags)
+            if next_seed is None or not rollout_engine.can_prefetch(trainer):
+                ahead = {"prefetch": NO_NEXT_ITERATION if next_seed is None else NO_PREFETCH_WORKER}
+            else:
+                table_next = prompt_subset(all_prompts, config.max_prompts, next_seed)
+                pid = start_prefetch(storage, rollout_engine, trainer, SamplingRequest(
+                    promoted, list(table_next["prompt"]), prompt_messages(table_next.to_dict("records")),
+                    request.n, next_seed, request.agent))
+                ahead = {"prefetch": "started", "prefetch_seed": next_seed, "prefetch_worker_pid": pid}
         if config.greedy_baseline:
             from batchrl.training.remax import add_greedy_baselines, greedy_engine
 

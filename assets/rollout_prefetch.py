@@ -5,8 +5,8 @@ With ``rollouts.off_policy_steps: 1`` an iteration's rollouts are, by definition
 parent — the policy one update behind — with the iteration's seed and prompt subset: a function of published
 artifacts and config, whoever computes it. That is what lets them be computed early: the iteration before, right
 after its own rollouts, hands the next iteration's request (its promoted policy, which is the next one's parent;
-seed + 1, as ``batchrl run`` numbers its iterations) to the job worker's rollouts worker, which samples it while
-this iteration's rewards, advantages and update run. The next iteration's rollouts step asks that worker for the
+the seed the run announced for it, ``NEXT_ROLLOUTS_SEED_TAG``; none announced, nothing is sampled ahead) to the job
+worker's rollouts worker, which samples it while this iteration's rewards, advantages and update run. The next iteration's rollouts step asks that worker for the
 same request with the folder it was handed: the worker answers after the prefetch (it runs one job at a time), and
 the job takes the finished samples instead of sampling. A request that differs (another seed, prompts, policy or
 engine), a prefetch that failed or a worker that was restarted is sampled then and there: the same samples, later.
@@ -28,6 +28,10 @@ from batchrl.training.text import prompt_messages
 PROMPTS_FILE = "prompts.parquet"  # the prompts asset's table
 # a run's tag: the rollouts seed of the RL iteration that follows it (`batchrl run --rl-iterations N` sets it)
 NEXT_ROLLOUTS_SEED_TAG = "batchrl/next_rollouts_seed"
+# why nothing was sampled ahead (rollouts' `prefetch`, the policy update's `sample_ahead` metadata)
+NO_NEXT_ITERATION = "off: no next RL iteration announced in this run (batchrl run --rl-iterations N announces them)"
+NO_PREFETCH_WORKER = ("off: sampling ahead needs the rollouts in the job worker (trainer.backend worker, "
+                      "rollout_engine.in_subprocess, an engine other than vLLM)")
 STALE_S = 3600.0  # a prefetch nobody took within an hour is removed when the next one starts
 
 
@@ -39,6 +43,12 @@ class SamplingRequest:
     n: int
     seed: int
     agent: dict | None
+
+
+def announced_next_seed(tags: dict) -> int | None:
+    """The rollouts seed of the RL iteration after this run's, or None where the run announced none (a run from the
+    UI, a sensor's, the last of `batchrl run`'s iterations): then nothing is sampled ahead for nobody to take."""
+    return int(tags[NEXT_ROLLOUTS_SEED_TAG]) if NEXT_ROLLOUTS_SEED_TAG in tags else None
 
 
 def prompt_subset(table: pd.DataFrame, max_prompts: int | None, seed: int) -> pd.DataFrame:
@@ -90,11 +100,10 @@ def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource
     if not config.get("sample_ahead"):
         return None, "off"
     if not engine.can_prefetch(launcher):
-        return None, ("off: sampling ahead needs the rollouts in the job worker (trainer.backend worker, "
-                      "rollout_engine.in_subprocess, an engine other than vLLM)")
-    if NEXT_ROLLOUTS_SEED_TAG not in tags:  # a run from the UI, a sensor's, the last of `batchrl run`'s iterations
-        return None, "off: no next RL iteration announced in this run (batchrl run --rl-iterations N announces them)"
-    seed = int(tags[NEXT_ROLLOUTS_SEED_TAG])
+        return None, NO_PREFETCH_WORKER
+    seed = announced_next_seed(tags)
+    if seed is None:
+        return None, NO_NEXT_ITERATION
     prompts_table = make_local(storage, rollouts.input_ref("prompts"), files={"table": PROMPTS_FILE}).read_table()
     table = prompt_subset(prompts_table, config.get("max_prompts"), seed)
     prompts, messages = list(table["prompt"]), prompt_messages(table.to_dict("records"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from pipeline_helpers import RL_LOOP, seeded_rl_iterations, stop_workers
 
+from batchrl.assets.rollout_prefetch import NO_NEXT_ITERATION, NO_PREFETCH_WORKER
 from batchrl.assets.run_rules import check_run_config
 from batchrl.runs.run_config import RunConfigError
 
@@ -36,9 +37,12 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
         assert [m["policy"].rstrip("/").rsplit("/", 1)[-1] for m in ahead["rollouts"]] == [base, base, policies[0]]
         # the samples of iterations 2 and 3 were taken from the prefetch, sampled while the update before trained
         assert [m["prefetched"] for m in ahead["rollouts"]] == [False, True, True]
-        assert [m["prefetch_seed"] for m in ahead["rollouts"]] == ["1", "2", "3"]  # a seed: text, not a series
+        # with the seeds the runs announced; the last run announced no next iteration: nothing sampled for nobody
+        assert [m.get("prefetch_seed") for m in ahead["rollouts"]] == ["1", "2", None]  # a seed: text, not a series
+        assert [m["prefetch"] for m in ahead["rollouts"]] == ["started", "started", NO_NEXT_ITERATION]
         assert not any(m["prefetched"] for m in fresh["rollouts"])
         assert not any("prefetch_seed" in m for m in fresh["rollouts"])
+        assert [m["prefetch"] for m in fresh["rollouts"]] == [NO_PREFETCH_WORKER] * 2 + [NO_NEXT_ITERATION]
         # each update trains the promoted policy (not the samples' own) and corrects the staleness by importance
         # weights against the engine's log-probs, which differ from 1 once the samples are one update behind
         weights = [m["final/rollout_is_weight_mean"] for m in ahead["policy_checkpoint"]]
