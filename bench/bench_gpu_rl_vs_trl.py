@@ -23,6 +23,9 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   against the bf16 engine's numbers;
 - ``ahead``: the same with ``rollouts.sample_ahead`` (the update samples the next iteration from its new weights
   while it exports, hashes and publishes them; the next rollouts step takes the samples: same data versions);
+- ``carry``: the same with ``policy_checkpoint.carry_optimizer_state`` (each update takes up the AdamW state the
+  update before published with its checkpoint: one optimiser over the run, as TRL's; the answer to ``trl_reset``'s
+  question from batchrl's side);
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
   ``train()`` (the model already built), stopped at the first round boundary after M minutes;
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
@@ -59,7 +62,9 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
                "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}},
                # on-policy: each update samples the next iteration from its new weights while it exports them
-               "ahead": {"ops": {"rollouts": {"config": {"sample_ahead": True}}}}}
+               "ahead": {"ops": {"rollouts": {"config": {"sample_ahead": True}}}},
+               # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
+               "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
 
 
 def _arm_env(state: str, arm: str) -> dict[str, str]:

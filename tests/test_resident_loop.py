@@ -37,9 +37,12 @@ def test_resident_loop_gives_the_data_versions_and_loss_curves_of_the_loop_that_
 def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jobs(tmp_path, upstream_copy):
     """LoRA (adapter artifacts, the reference = the base with the adapter off): the second update takes over the
     first one's PEFT model and engine and publishes the adapter a fresh job would (same data versions, curves) —
-    with the kept engine renewed, and with a new engine built around the kept module (what a bf16 engine gets)."""
+    with the kept engine renewed, and with a new engine built around the kept module (what a bf16 engine gets).
+    The second update takes up the first one's AdamW state from its published adapter (``carry_optimizer_state``)
+    into the kept engine's new optimiser as a fresh job does."""
     # dropout on the adapters: the kept trainer's steps draw the random stream a fresh job's do
-    adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3}
+    adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3,
+               "carry_optimizer_state": True}
     lora = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
     variants = {"renewed": ("1", {}), "rebuilt": ("1", {resident_trainer.REBUILD_ENV: "1"}), "files": ("0", {})}
     histories = {name: two_rl_iterations(*upstream_copy(tmp_path / name), gb, lora, env, upstream_built=True)
@@ -54,6 +57,9 @@ def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jo
             assert [m["loss_curve"] for m in resident["policy_checkpoint"]] == \
                 [m["loss_curve"] for m in from_files["policy_checkpoint"]], name
             assert [m["trainer_reused"] for m in resident["policy_checkpoint"]] == [False, True], name
+            carried = [m["optimizer_state"] for m in resident["policy_checkpoint"]]
+            steps = resident["policy_checkpoint"][0]["optimizer_state_step"]
+            assert carried[0].startswith("new:") and carried[1] == f"carried from step {steps}" and steps > 0, name
         assert not any(m["trainer_reused"] for m in from_files["policy_checkpoint"])
     finally:
         stop_workers(histories)

@@ -233,6 +233,11 @@ class PolicyConfig(TrainerConfig):
                                                "log-probs in the batch: the loss is reweighted by truncated importance "
                                                "weights min(pi_old / pi_rollout, this) for the engine mismatch; "
                                                "none = off")
+    carry_optimizer_state: bool = Field(
+        False, description="take up AdamW's moments and step count from the update that produced the policy trained "
+        "here (published with its checkpoint, in its data version), as one optimiser over the RL iterations (verl, "
+        "TRL) instead of a new one each iteration; 8 bytes per trainable parameter per checkpoint; needs zero_stage "
+        "0 and precision fp32 or bf16_amp")
     lr: float = Field(1e-3, gt=0)
     micro_batch_size: int = Field(16, ge=1)
     # critic (PPO with GAE): a value model trained after the policy in the same job, ppo_epochs passes
@@ -248,6 +253,15 @@ class PolicyConfig(TrainerConfig):
         if self.critic and not needs_values:
             raise ValueError(f"critic: true but adv_estimator={self.adv_estimator} does not use values "
                              "(use gae, or critic: false)")
+        return self
+
+    @model_validator(mode="after")
+    def _carried_state_is_the_trainers(self):
+        # ZeRO partitions AdamW's state and DeepSpeed's bf16 optimiser keeps its own fp32 copies of the weights
+        if self.carry_optimizer_state and (self.zero_stage or self.precision == "bf16"):
+            raise ValueError(f"carry_optimizer_state: true needs the trainer's own AdamW over the model's parameters: "
+                             f"zero_stage 0 (got {self.zero_stage}) and precision fp32 or bf16_amp (got "
+                             f"{self.precision!r})")
         return self
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ from batchrl.training.trainer.batching import epoch_order, step_micro_batches, s
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
                                                  save_checkpoint, seed_everything, write_completion,
                                                  write_train_record)
-from batchrl.training.trainer import resident_trainer
+from batchrl.training.trainer import optimizer_state, resident_trainer
 from batchrl.training.trainer.config import TrainerConfig
 from batchrl.training.trainer.engine import (frozen_base_placement, init_deepspeed, make_optimizer, make_scheduler,
                                             trainer_clips)
@@ -156,6 +156,11 @@ class TrainLoop:
         self.state: dict[str, Any] = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "history": [],
                                       "run_key": self.run_key, "world_size": world()[1]}
         self.resumed_from: int | None = None
+        # carry_optimizer_state: the AdamW step count taken up from model_path's checkpoint (None: a new AdamW)
+        self.optimizer_carried_from: int | None = None
+        self.optimizer_state_step: int | None = None  # the step count the export's optimiser state holds
+        if getattr(cfg, "carry_optimizer_state", False):
+            self.optimizer_carried_from = optimizer_state.load(self.engine.optimizer, self.engine.module, model_path)
         self._lr, self._grad_norm = float("nan"), None
         self._sums: dict[str, Any] = {}  # this step's metrics so far (device tensors)
         self._pending: list[tuple[int, dict]] = []  # finished steps whose metrics the host has not read yet
@@ -333,9 +338,12 @@ class TrainLoop:
                 export_hf_model(self.engine, self.tokenizer, out, record)
                 if self.cfg.zero_stage < 3 and world()[1] == 1:  # whole, plain weights: the next job may copy them
                     resident.offer(out, self.engine.module)
-                return out
-            write_train_record(out, {**record, "adapter_base": lora.base_reference(self.lora_base)})
-            return lora.save_adapter(self.engine, out, self.lora_base)  # the adapter only: MBs, not the base
+            else:
+                write_train_record(out, {**record, "adapter_base": lora.base_reference(self.lora_base)})
+                out = lora.save_adapter(self.engine, out, self.lora_base)  # the adapter only: MBs, not the base
+            if getattr(self.cfg, "carry_optimizer_state", False) and world()[0] == 0:  # for the next update
+                self.optimizer_state_step = optimizer_state.save(self.engine.optimizer, self.engine.module, out)
+            return out
 
     def complete(self, result: dict[str, Any]) -> dict[str, Any]:
         """Record a finished run's result next to its checkpoints (``completed_run`` reads it back); a run

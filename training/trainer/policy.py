@@ -200,6 +200,10 @@ def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_
 
             result.update(train_critic(cfg, rows, critic_path=critic_path or model_path, out_dir=out_dir))
     result["trainer_reused"] = loop.trainer_reused
+    if cfg.carry_optimizer_state:  # lineage: whether this update continued its parent's AdamW
+        result["optimizer_state"] = "new: the trained checkpoint holds no optimiser state" \
+            if loop.optimizer_carried_from is None else f"carried from step {loop.optimizer_carried_from}"
+        result["optimizer_state_step"] = loop.optimizer_state_step
     result = loop.complete(result)
     resident_trainer.keep(loop, cfg, result)  # for the next iteration's update, when safe (the worker only)
     return result
