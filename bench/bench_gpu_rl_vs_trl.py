@@ -48,6 +48,8 @@ import subprocess
 import sys
 import time
 
+from bench_disk import OptimizerStatePruner, prune_checkpoints  # noqa: E402  (bench/ is the script's folder)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_CHAIN = "rollouts,rewards,advantages,policy_checkpoint"
 PREP = "raw_logs,cleaned_logs,validated_preferences,preference_window,prompts,base_model"  # untimed: the base and prompts
@@ -137,8 +139,9 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     if code:
         raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code}); see {log}")
     worker_s = _warm_worker(env)
-    code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
-                                *extra], log)
+    with OptimizerStatePruner(env["BATCHRL_STORAGE"]):  # the carry arm's 1.1 GB a checkpoint would fill the disk
+        code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
+                                    *extra], log)
     history = _arm_history(env)
     rl_runs = [r for r in history["runs"] if any(s.startswith("policy_checkpoint") for s in r["steps"])]
     iterations = len(history["meta"]["policy_checkpoint"])
@@ -162,16 +165,17 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
             phases[f"{stage}.{key}.count"] = len(values)
     steady = [r["end"] - r["start"] for r in ordered[1:]]  # the iterations after the first (its builds, compiles)
     phases["steady_iteration_s"] = round(sum(steady) / len(steady), 2) if steady else None
-    return {"exit_code": code, "prep_s": round(prep_s, 1), "worker_start_s": round(worker_s, 1),
+    curve = {str(k): uri for k, uri in enumerate(history["uris"]["policy_checkpoint"], 1)
+             if curve_every and k % curve_every == 0}
+    freed = prune_checkpoints(env["BATCHRL_STORAGE"], keep={history["uri"].get("policy_checkpoint"), *curve.values()})
+    return {"disk_freed_gb": freed, "exit_code": code, "prep_s": round(prep_s, 1), "worker_start_s": round(worker_s, 1),
             "wall_s": round(wall, 1), "loop_wall_s": round(loop, 1),
             "iterations": iterations, "samples": samples, "samples_per_s": round(samples / wall, 1),
             "samples_per_s_loop": round(samples / loop, 1) if loop else None, "mean_iteration_s":
             round(loop / max(iterations, 1), 2), "per_iteration": phases,
             "policy": history["uri"].get("policy_checkpoint"), "base": history["uri"].get("base_model"),
             # the policy after iteration k (1-based), every curve_every iterations: the accuracy curve's points
-            "curve": {str(k): uri for k, uri in enumerate(history["uris"]["policy_checkpoint"], 1)
-                      if curve_every and k % curve_every == 0},
-            "history": history["meta"]}
+            "curve": curve, "history": history["meta"]}
 
 
 WARM_WORKER = r"""

@@ -1,0 +1,61 @@
+"""Disk hygiene for the device benches (``bench_gpu_rl_vs_trl.py``): what a bench will not read again, removed."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+# The device has 64 GiB of disk: a six-minute arm publishes ~47 checkpoints (0.54 GB each at 135M in fp32, 1.6 GB with
+# the carried optimiser state). The bench, not batchrl, removes what it will not read again: every published file
+# stays linked from the arm's work dirs until then, so these deletions free the space (both links go).
+
+def prune_checkpoints(storage: str, keep: set) -> float:
+    """After an arm: the policy checkpoints other than ``keep`` (the final policy, the curve points) deleted with
+    their work dirs' links. Returns the GB freed."""
+    import shutil
+
+    before = shutil.disk_usage(storage).free
+    shutil.rmtree(os.path.join(storage, "_cache", "_work", "policy_checkpoint"), ignore_errors=True)
+    root = os.path.join(storage, "policy_checkpoint")
+    kept = {os.path.basename(str(uri).rstrip("/")) for uri in keep if uri}
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name not in kept:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return round((shutil.disk_usage(storage).free - before) / 1e9, 1)
+
+
+class OptimizerStatePruner:
+    """While an arm runs: the carried optimiser states of all but the newest ``KEEP`` checkpoints deleted (each is
+    read once, by the next update), every ``EVERY_S`` seconds. Those checkpoints' files then differ from their data
+    version: the bench never audits them."""
+    KEEP, EVERY_S = 2, 5.0
+
+    def __init__(self, storage: str):
+        import threading
+
+        self.storage, self.stop = storage, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import glob
+
+        while not self.stop.wait(self.EVERY_S):
+            states = {}  # a checkpoint's state: its storage link and its work dir's (the same inode)
+            for path in glob.glob(os.path.join(self.storage, "**", "optimizer", "state.safetensors"), recursive=True):
+                try:
+                    states.setdefault(os.stat(path).st_ino, []).append(path)
+                except FileNotFoundError:
+                    continue
+            by_age = sorted(states.values(), key=lambda links: os.path.getmtime(links[0]) if
+                            os.path.exists(links[0]) else 0.0)
+            for links in by_age[:-self.KEEP]:
+                for path in links:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(path)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
