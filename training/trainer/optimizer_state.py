@@ -10,7 +10,7 @@ whose data version covers the state the next update starts from (so ``reproduce`
 What is kept, per trainable parameter (by its name in the module, so the parameter order may change): AdamW's
 ``exp_avg``, ``exp_avg_sq`` (float32) and ``step`` in ``optimizer/state.safetensors`` inside the checkpoint
 folder — a subfolder, so loaders and ``batchrl export`` see an HF folder as before. The learning rate, betas and
-schedule come from the new update's config. Size: 8 bytes per trainable parameter (1.1 GB for a 135M model fully
+schedule come from the new update's config; a critic's optimiser is not carried. Size: 8 bytes per trainable parameter (1.1 GB for a 135M model fully
 fine-tuned, MBs for a LoRA adapter). Needs the trainer's own AdamW over the module's parameters: ZeRO stage 0 and
 precision fp32 or bf16_amp (``PolicyConfig`` refuses the rest when written).
 """
