@@ -39,16 +39,15 @@ class OptimizerStatePruner:
         import glob
 
         while not self.stop.wait(self.EVERY_S):
-            states = {}  # a checkpoint's state: its storage link and its work dir's (the same inode)
-            for path in glob.glob(os.path.join(self.storage, "**", "optimizer", "state.safetensors"), recursive=True):
-                try:
-                    states.setdefault(os.stat(path).st_ino, []).append(path)
-                except FileNotFoundError:
-                    continue
-            by_age = sorted(states.values(), key=lambda links: os.path.getmtime(links[0]) if
-                            os.path.exists(links[0]) else 0.0)
+            states = {}  # a checkpoint's state folders (its storage link and its work dir's), by its first shard's inode
+            for folder in glob.glob(os.path.join(self.storage, "**", "optimizer"), recursive=True):
+                shards = sorted(glob.glob(os.path.join(folder, "state-*.safetensors")))
+                with contextlib.suppress(FileNotFoundError):
+                    if shards:
+                        states.setdefault(os.stat(shards[0]).st_ino, []).append((os.path.getmtime(shards[0]), shards))
+            by_age = sorted(states.values(), key=lambda links: max(mtime for mtime, _ in links))
             for links in by_age[:-self.KEEP]:
-                for path in links:
+                for path in (path for _, shards in links for path in shards):
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(path)
 

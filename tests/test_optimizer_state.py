@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from arith_pairs import build_arith_pairs
 
@@ -46,13 +45,15 @@ def _lm_steps(model, optimizer, seed: int, steps: int = 3) -> None:
         optimizer.zero_grad()
 
 
-def test_a_saved_and_taken_up_state_steps_as_the_optimiser_that_never_stopped(base, tmp_path):
+def test_a_saved_and_taken_up_state_steps_as_the_optimiser_that_never_stopped(base, tmp_path, monkeypatch):
+    monkeypatch.setattr(optimizer_state, "SHARD_BYTES", 64 * 1024)  # several shards, written side by side
     cfg = PolicyConfig(lr=1e-2, weight_decay=0.01)
     model, _ = load_model_and_tokenizer(base)
     optimizer = make_optimizer(model, cfg)
     _lm_steps(model, optimizer, seed=0)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     assert optimizer_state.save(optimizer, model, str(tmp_path)) == 3
+    assert len(os.listdir(tmp_path / optimizer_state.FOLDER)) > 2
     _lm_steps(model, optimizer, seed=1)  # the optimiser that never stopped
 
     def continued(carry: bool):
@@ -70,7 +71,7 @@ def test_a_saved_and_taken_up_state_steps_as_the_optimiser_that_never_stopped(ba
     # a folder without a state is a new optimiser; a state of another model is refused naming the file
     assert optimizer_state.load(make_optimizer(model, cfg), model, str(tmp_path / "none")) is None
     other = torch.nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="state.safetensors.*not train"):
+    with pytest.raises(ValueError, match="optimizer: optimiser state for .* not train"):
         optimizer_state.load(make_optimizer(other, cfg), other, str(tmp_path))
 
 
@@ -81,7 +82,7 @@ def test_a_chain_of_updates_carries_its_optimiser_and_the_state_is_in_the_checkp
     first = train_policy(cfg, batch_parquet=batches[0], model_path=base, reference_model_path=base,
                          out_dir=str(tmp_path / "it0"))
     assert first["optimizer_state"].startswith("new:") and first["optimizer_state_step"] == 4
-    kept = load_file(optimizer_state.path_in(first["model_dir"]))
+    kept = optimizer_state.read(first["model_dir"])
     assert all(("lora_" in key) == lora for key in kept)  # LoRA: the adapters' moments only
     runs = {}
     for name, carry in (("carried", True), ("again", True), ("fresh", False)):
@@ -89,7 +90,7 @@ def test_a_chain_of_updates_carries_its_optimiser_and_the_state_is_in_the_checkp
                                   model_path=first["model_dir"], reference_model_path=base,
                                   out_dir=str(tmp_path / name))
     assert runs["carried"]["optimizer_state"] == "carried from step 4" and runs["carried"]["optimizer_state_step"] == 8
-    assert "optimizer_state" not in runs["fresh"] and not os.path.exists(optimizer_state.path_in(runs["fresh"]["model_dir"]))
+    assert "optimizer_state" not in runs["fresh"] and optimizer_state.read(runs["fresh"]["model_dir"]) is None
     # the same inputs give the same files (the data version); carrying changes the update
     versions = {name: tree_hash(run["model_dir"]) for name, run in runs.items()}  # as the job hashes its export
     assert versions["carried"] == versions["again"] != versions["fresh"]

@@ -8,10 +8,10 @@ would over the iterations' batches (tested bitwise on the CPU), and each checkpo
 whose data version covers the state the next update starts from (so ``reproduce`` gets the same update).
 
 What is kept, per trainable parameter (by its name in the module, so the parameter order may change): AdamW's
-``exp_avg``, ``exp_avg_sq`` (float32) and ``step`` in ``optimizer/state.safetensors`` inside the checkpoint
+``exp_avg``, ``exp_avg_sq`` (float32) and ``step`` in ``optimizer/state-*.safetensors`` inside the checkpoint
 folder — a subfolder, so loaders and ``batchrl export`` see an HF folder as before. The learning rate, betas and
-schedule come from the new update's config; a critic's optimiser is not carried. Size: 8 bytes per trainable parameter (1.1 GB for a 135M model fully
-fine-tuned, MBs for a LoRA adapter). Needs the trainer's own AdamW over the module's parameters: ZeRO stage 0 and
+schedule come from the new update's config; a critic's optimiser is not carried. Size: 8 bytes per trainable
+parameter (1.1 GB for a 135M model fully fine-tuned, MBs for a LoRA adapter). Needs the trainer's own AdamW over the module's parameters: ZeRO stage 0 and
 precision fp32 or bf16_amp (``PolicyConfig`` refuses the rest when written).
 """
 from __future__ import annotations
@@ -21,12 +21,25 @@ import os
 import torch
 
 FOLDER = "optimizer"
-FILE = "state.safetensors"
+SHARD_BYTES = 256 * 2**20  # shards written by several threads, each hashed as it is written (as the export's)
+FORMAT = "batchrl-adamw-1"
 MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def path_in(checkpoint: str) -> str:
-    return os.path.join(checkpoint, FOLDER, FILE)
+def _shard_name(index: int, count: int) -> str:
+    return f"state-{index:05d}-of-{count:05d}.safetensors"
+
+
+def read(checkpoint: str) -> dict[str, torch.Tensor] | None:
+    """The state ``save`` wrote into ``checkpoint`` (``<parameter>/<moment>`` -> tensor), or None where it holds none."""
+    from safetensors.torch import load_file
+
+    folder = os.path.join(checkpoint, FOLDER)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")) if os.path.isdir(folder) else []
+    state: dict[str, torch.Tensor] = {}
+    for name in names:
+        state.update(load_file(os.path.join(folder, name)))
+    return state if names else None
 
 
 def _named_indices(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> dict[int, str]:
@@ -41,20 +54,32 @@ def _named_indices(optimizer: torch.optim.Optimizer, module: torch.nn.Module) ->
 
 
 def save(optimizer: torch.optim.Optimizer, module: torch.nn.Module, checkpoint: str) -> int:
-    """Write the optimiser's state into ``checkpoint``; returns the step count it holds (0: never stepped)."""
-    from safetensors.torch import save_file
+    """Write the optimiser's state into ``checkpoint`` (shards of ~``SHARD_BYTES``, copied off the device and hashed
+    by a thread pool as the export's shards are); returns the step count it holds (0: never stepped)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from batchrl.training.trainer.safetensors_writer import write_safetensors
 
     state = optimizer.state_dict()["state"]
-    tensors = {}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
     for index, name in _named_indices(optimizer, module).items():
         for key in MOMENTS if index in state else ():
             value = state[index][key]
-            tensors[f"{name}/{key}"] = (value if torch.is_tensor(value) else torch.tensor(float(value))) \
-                .detach().to("cpu", torch.float32).contiguous()
+            tensor = (value if torch.is_tensor(value) else torch.tensor(float(value))).detach().float()
+            if size and size + tensor.numel() * 4 > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][f"{name}/{key}"] = tensor
+            size += tensor.numel() * 4
     folder = os.path.join(checkpoint, FOLDER)
     os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, FILE), metadata={"format": "batchrl-adamw-1"})
-    steps = [int(t) for k, t in tensors.items() if k.endswith("/step")]
+    with ThreadPoolExecutor(8, thread_name_prefix="optimizer-state") as pool:
+        writes = [pool.submit(write_safetensors, shard, os.path.join(folder, _shard_name(i + 1, len(shards))),
+                              {"format": FORMAT}) for i, shard in enumerate(shards)]
+        for write in writes:
+            write.result()
+    steps = [int(t) for shard in shards for k, t in shard.items() if k.endswith("/step")]
     return max(steps, default=0)
 
 
@@ -62,12 +87,10 @@ def load(optimizer: torch.optim.Optimizer, module: torch.nn.Module, checkpoint: 
     """Take up the state ``save`` wrote into ``checkpoint`` (None: it holds none — a base model, or a checkpoint of
     an update that did not carry its state); returns the step count it resumes from. A state that does not fit the
     module (another parameter set or shape) is an error naming the file and the parameter."""
-    from safetensors.torch import load_file
-
-    path = path_in(checkpoint)
-    if not os.path.exists(path):
+    saved = read(checkpoint)
+    if saved is None:
         return None
-    saved = load_file(path)
+    path = os.path.join(checkpoint, FOLDER)
     indices = _named_indices(optimizer, module)
     params = {name: p for name, p in module.named_parameters()}
     kept_names = {key.rsplit("/", 1)[0] for key in saved}
