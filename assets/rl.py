@@ -96,8 +96,8 @@ class RolloutConfig(dg.Config):
                                             "as a turn; unset: one turn per rollout")
     off_policy_steps: int = Field(0, ge=0, le=1, description="1: one-step off-policy (verl's one_step_off_policy): "
                                   "sample from the promoted policy's parent, one update behind, so that the job "
-                                  "worker samples the next iteration's rollouts (the seed `batchrl run --rl-iterations N` "
-                                  "announces for it) while this iteration's "
+                                  "worker samples the next iteration's rollouts (with the seed `batchrl run "
+                                  "--rl-iterations N` announces for it) while this iteration's "
                                   "update trains; the staleness is in the rollouts' lineage and the update "
                                   "corrects it (needs the policy's old_logprobs: recompute and "
                                   "rollout_is_threshold). 0: on-policy")

@@ -4,12 +4,13 @@ AReaL's bounded staleness), and the request of on-policy sampling ahead (``train
 With ``rollouts.off_policy_steps: 1`` an iteration's rollouts are, by definition, sampled from the promoted policy's
 parent — the policy one update behind — with the iteration's seed and prompt subset: a function of published
 artifacts and config, whoever computes it. That is what lets them be computed early: the iteration before, right
-after its own rollouts, hands the next iteration's request (its promoted policy, which is the next one's parent;
-the seed the run announced for it, ``NEXT_ROLLOUTS_SEED_TAG``; none announced, nothing is sampled ahead) to the job
-worker's rollouts worker, which samples it while this iteration's rewards, advantages and update run. The next iteration's rollouts step asks that worker for the
-same request with the folder it was handed: the worker answers after the prefetch (it runs one job at a time), and
-the job takes the finished samples instead of sampling. A request that differs (another seed, prompts, policy or
-engine), a prefetch that failed or a worker that was restarted is sampled then and there: the same samples, later.
+after its own rollouts, hands the next iteration's request (its promoted policy, which is the next one's parent; the
+seed the run announced for it, ``NEXT_ROLLOUTS_SEED_TAG``; none announced, nothing is sampled ahead) to the job
+worker's rollouts worker, which samples it while this iteration's rewards, advantages and update run. The next
+iteration's rollouts step asks that worker for the same request with the folder it was handed: the worker answers
+after the prefetch (it runs one job at a time), and the job takes the finished samples instead of sampling. A
+request that differs (another seed, prompts, policy or engine), a prefetch that failed or a worker that was
+restarted is sampled then and there: the same samples, later.
 """
 from __future__ import annotations
 

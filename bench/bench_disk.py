@@ -39,7 +39,7 @@ class OptimizerStatePruner:
         import glob
 
         while not self.stop.wait(self.EVERY_S):
-            states = {}  # a checkpoint's state folders (its storage link and its work dir's), by its first shard's inode
+            states = {}  # a checkpoint's state folders (its storage link, its work dir's), by the first shard's inode
             for folder in glob.glob(os.path.join(self.storage, "**", "optimizer"), recursive=True):
                 shards = sorted(glob.glob(os.path.join(folder, "state-*.safetensors")))
                 with contextlib.suppress(FileNotFoundError):

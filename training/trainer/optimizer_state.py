@@ -1,18 +1,18 @@
 """AdamW's state carried from one RL iteration's policy update into the next (``carry_optimizer_state``).
 
-Why: every RL iteration is its own update job, and each used to start a new AdamW — the moments and the bias
-correction restarted every 24 steps, where verl's actor, OpenRLHF and TRL's GRPOTrainer keep one optimiser over
+Why: every RL iteration is its own update job, and by default each starts a new AdamW — the moments and the bias
+correction restart every iteration (1.5x larger steps at the same lr, ``bench/check_optimizer_carry.py``), where verl's actor, OpenRLHF and TRL's GRPOTrainer keep one optimiser over
 the whole run. With the option on, the update publishes its optimiser state with the checkpoint and the next
 iteration's update, which trains that checkpoint, takes it up: the chain of jobs steps exactly as one optimiser
 would over the iterations' batches (tested bitwise on the CPU), and each checkpoint stays an immutable artifact
 whose data version covers the state the next update starts from (so ``reproduce`` gets the same update).
 
 What is kept, per trainable parameter (by its name in the module, so the parameter order may change): AdamW's
-``exp_avg``, ``exp_avg_sq`` (float32) and ``step`` in ``optimizer/state-*.safetensors`` inside the checkpoint
-folder — a subfolder, so loaders and ``batchrl export`` see an HF folder as before. The learning rate, betas and
-schedule come from the new update's config; a critic's optimiser is not carried. Size: 8 bytes per trainable
-parameter (1.1 GB for a 135M model fully fine-tuned, MBs for a LoRA adapter). Needs the trainer's own AdamW over the module's parameters: ZeRO stage 0 and
-precision fp32 or bf16_amp (``PolicyConfig`` refuses the rest when written).
+``exp_avg``, ``exp_avg_sq`` (float32) and ``step`` in ``optimizer/state-*.safetensors`` inside the checkpoint folder
+— a subfolder, so loaders and ``batchrl export`` see an HF folder as before. The learning rate, betas and schedule
+come from the new update's config; a critic's optimiser is not carried. Size: 8 bytes per trainable parameter (1.1
+GB for a 135M model fully fine-tuned, MBs for a LoRA adapter). Needs the trainer's own AdamW over the module's
+parameters: ZeRO stage 0 and precision fp32 or bf16_amp (``PolicyConfig`` refuses the rest when written).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _shard_name(index: int, count: int) -> str:
 
 
 def read(checkpoint: str) -> dict[str, torch.Tensor] | None:
-    """The state ``save`` wrote into ``checkpoint`` (``<parameter>/<moment>`` -> tensor), or None where it holds none."""
+    """The state ``save`` wrote into ``checkpoint`` (``<parameter>/<moment>`` -> tensor), or None: it holds none."""
     from safetensors.torch import load_file
 
     folder = os.path.join(checkpoint, FOLDER)
