@@ -21,8 +21,9 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
 - ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``old_logprobs:
   rollout``): no old-policy pass before the update (0.78 s of a 8.8 s iteration on the H200), the ratio taken
   against the bf16 engine's numbers;
-- ``ahead``: the same with ``rollouts.sample_ahead`` (the update samples the next iteration from its new weights
-  while it exports, hashes and publishes them; the next rollouts step takes the samples: same data versions);
+- ``no_ahead``: the same without ``rollouts.sample_ahead`` (on in the profile since the twenty-fifth session: the
+  update samples the next iteration from its new weights while it exports them; the next rollouts step takes the
+  samples: same data versions);
 - ``carry``: the same with ``policy_checkpoint.carry_optimizer_state`` (each update takes up the AdamW state the
   update before published with its checkpoint: one optimiser over the run, as TRL's; the answer to ``trl_reset``'s
   question from batchrl's side);
@@ -62,9 +63,9 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
                "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
-               "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}},
-               # on-policy: each update samples the next iteration from its new weights while it exports them
-               "ahead": {"ops": {"rollouts": {"config": {"sample_ahead": True}}}},
+               "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1, "sample_ahead": False}}}},
+               # each update samples the next iteration from its new weights while it exports them (the profile's)
+               "no_ahead": {"ops": {"rollouts": {"config": {"sample_ahead": False}}}},
                # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
                "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
 

@@ -73,6 +73,7 @@ def test_profile_merges_the_environment_over_the_cpu_form():
     assert gpu["rl_iterations"] > cpu["rl_iterations"]
     assert gpu["ops"]["rollouts"]["config"]["max_prompts"] > cpu["ops"]["rollouts"]["config"]["max_prompts"]
     assert gpu["ops"]["dpo_pairs"]["config"]["source"] == "self"
+    assert gpu["ops"]["rollouts"]["config"]["sample_ahead"] and "sample_ahead" not in cpu["ops"]["rollouts"]["config"]
 
 
 def test_the_gpu_profiles_rl_iterations_plan_validates(monkeypatch):
