@@ -141,6 +141,26 @@ def test_a_sampling_ahead_that_will_not_complete_is_not_waited_for(tmp_path, fil
     assert not (tmp_path / STATS_FILE).exists()
 
 
+def test_a_sampling_ahead_that_cannot_start_leaves_the_update_to_export(monkeypatch):
+    """Starting the thread failed (e.g. the engine's build ran out of GPU memory beside the trainer): the update
+    goes on to its export, says why nothing was sampled ahead, and keeps no engine the failure may have left
+    half-loaded."""
+    from types import SimpleNamespace
+
+    from batchrl.training.rollout import ahead, resident
+    from batchrl.training.trainer.policy import _start_sampling_ahead
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(ahead, "start", fail)
+    monkeypatch.setattr(resident, "_kept", ({"kind": "static"}, object()))
+    loop = SimpleNamespace(cfg=SimpleNamespace(zero_stage=0), engine=SimpleNamespace(module=None), lora_base=None)
+    said = _start_sampling_ahead(loop, {"seed": 1})["sample_ahead"]
+    assert said.startswith("off: it could not start (RuntimeError: CUDA out of memory)")
+    assert resident._kept is None
+
+
 @pytest.mark.parametrize("rollouts, refused", [
     ({"sample_ahead": True, "off_policy_steps": 1}, "the off-policy rollouts are prefetched already"),
     ({"sample_ahead": True, "policy": "base"}, "only policy: latest samples next"),

@@ -133,10 +133,15 @@ def _start_sampling_ahead(loop: TrainLoop, request: dict[str, Any], adapter: str
     shards or several ranks: no process holds the whole model."""
     if loop.cfg.zero_stage >= 3 or world()[1] > 1:
         return {"sample_ahead": "off: the trainer does not hold the whole model (ZeRO-3 or several ranks)"}
-    from batchrl.training.rollout import ahead
+    from batchrl.training.rollout import ahead, resident
 
-    return ahead.start(request, module=loop.engine.module) if adapter is None else \
-        ahead.start(request, adapter=adapter, base=loop.lora_base)
+    try:
+        return ahead.start(request, module=loop.engine.module) if adapter is None else \
+            ahead.start(request, adapter=adapter, base=loop.lora_base)
+    except Exception as error:  # an optimisation only: the update is done and its export must go on
+        resident.release()  # an engine the failure may have left half-loaded is not kept for the next job
+        return {"sample_ahead": f"off: it could not start ({type(error).__name__}: {error}); the next rollouts step "
+                                "samples itself"}
 
 
 def train_policy(cfg: PolicyConfig, *, batch_parquet: str, model_path: str, out_dir: str,
