@@ -11,7 +11,7 @@ from batchrl.assets.charts import grouped_bars
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.data_quality import printable
 from batchrl.assets.dpo import ReferenceConfig
-from batchrl.assets.rl import AgentRunConfig
+from batchrl.assets.rl import AgentRunConfig, PromptFormatConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
@@ -20,13 +20,16 @@ from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.prompts import load_prompts
 
 
-class EvaluationConfig(dg.Config):
+class EvaluationConfig(PromptFormatConfig):
     """Greedy evaluation on the held-out prompts. ``reward``: what counts as correct (a registered
     reward: ``arith_exact`` = first integer, ``final_answer`` = the final number / after ``####``)."""
 
     max_new_tokens: int = Field(12, description="greedy decoding length per answer")
     reward: str = Field("arith_exact", description="the registered reward that decides correct (e.g. arith_exact, "
                         "final_answer)")
+    format_reward: Optional[str] = Field(None, description="a registered reward that decides whether an answer is in "
+                                         "the task's format (format_rate; e.g. format_gsm8k: '#### N' or a boxed "
+                                         "number); unset: no format_rate")
     max_eval_prompts: int | None = Field(None, description="evaluate the first N held-out prompts (all when unset)")
     num_examples: int = Field(3, description="sample answers per model shown in the UI")
     seed: int = Field(0, description="seed of evaluation's sampling")
@@ -48,7 +51,8 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
                catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
     for the base, policy and DPO checkpoints (and the offline objectives' once materialised), side by side."""
-    eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options)
+    eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options, shape=config.shape,
+                                suffix=config.prompt_suffix)
     if config.max_eval_prompts:
         eval_prompts = eval_prompts.head(config.max_eval_prompts)
     fs, path = fsutil.filesystem_for(landing.eval_prompts, landing.storage_options)
@@ -61,7 +65,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     pair_max_length, base_is_reference = reference_pass(reference_logprobs, base_model, compute)
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,
-                   seed=config.seed, reward=config.reward, num_examples=config.num_examples, device=compute.device,
+                   seed=config.seed, reward=config.reward, format_reward=config.format_reward, num_examples=config.num_examples, device=compute.device,
                    dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine,
                    agent=None if config.agent is None else config.agent.model_dump())
     with storage.staging_dir("evaluation_work") as workdir:

@@ -1,7 +1,7 @@
 """RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint (→ promoted_policy → rollouts)."""
 
 import os
-from typing import Optional
+from typing import Literal, Optional
 
 import dagster as dg
 import pandas as pd
@@ -29,6 +29,7 @@ from batchrl.resources import (
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.agent.config import AgentConfig
+from batchrl.training.prompt_shapes import PromptQuarantine
 from batchrl.training.prompts import load_prompts
 from batchrl.training.phases import PhaseClock
 from batchrl.training.rewards import REWARD_MODEL, RULE, RewardConfig
@@ -39,7 +40,19 @@ RewardRunConfig = run_config_for(RewardConfig, "RewardRunConfig")
 PolicyRunConfig = run_config_for(PolicyConfig, "PolicyRunConfig")
 
 
-class PromptsConfig(dg.Config):
+class PromptFormatConfig(dg.Config):
+    """How a prompt file's rows read (``training/prompt_shapes.py``); the training and held-out sets share it."""
+
+    shape: Literal["plain", "gsm8k"] = Field("plain", description="plain: rows carry prompt (+ answer) after "
+                                             "field_mapping; gsm8k: the original GSM8K jsonl (prompt = question + "
+                                             "prompt_suffix, gold = the number after '####'; a row without it is "
+                                             "quarantined with reason missing_gold_answer)")
+    prompt_suffix: Optional[str] = Field(None, description="text appended to every prompt; unset: none for plain, "
+                                         "verl's ' Let's think step by step and output the final answer after "
+                                         "\"####\".' for gsm8k")
+
+
+class PromptsConfig(PromptFormatConfig):
     """``field_mapping``: ``{source field (dotted path into nested records): prompt field}``, e.g. verl
     Parquet ``{"reward_model.ground_truth": "answer"}``, GSM8K ``{"question": "prompt"}``."""
 
@@ -120,23 +133,31 @@ AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 RolloutConfig.library_model = _check_rollout_config
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts"), kinds={"parquet"},
-          metadata=declared_files(table=PROMPTS_FILE))
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts", "batchrl.training.prompt_shapes",
+                                                    config=PromptsConfig), kinds={"parquet"},
+          metadata=declared_files(table=PROMPTS_FILE, quarantine="quarantine.parquet"))
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
             storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
     data_sources = known_data_sources(config, context.run.run_config or {})
+    quarantine = PromptQuarantine()
     table = load_prompts(landing.prompts, landing.storage_options, mapping=config.field_mapping,
-                         data_sources=data_sources)
+                         data_sources=data_sources, shape=config.shape, suffix=config.prompt_suffix,
+                         quarantine=quarantine)
     fs, path = fsutil.filesystem_for(landing.prompts, landing.storage_options)
     source = {"uri": landing.prompts, "sha256": fsutil.sha256_file(fs, path)}
     with storage.staging_dir("prompts") as staging:
         table.to_parquet(output_file(context, staging), index=False)
+        if quarantine.rows:  # nothing lost: each left-out row with where, why and its raw text
+            pd.DataFrame(quarantine.rows).to_parquet(output_file(context, staging, "quarantine"), index=False)
         return publish(context, storage, catalog, staging,
                        config={"landing": landing.prompts, "field_mapping": config.field_mapping,
-                               "data_sources": data_sources},
+                               "data_sources": data_sources, "shape": config.shape,
+                               "prompt_suffix": config.prompt_suffix},
                        input_files=[source],
-                       metadata={"rows": len(table), "categories": table["category"].value_counts().to_dict()})
+                       metadata={"rows": len(table), "rows_in": len(table) + len(quarantine.rows),
+                                 "quarantined": len(quarantine.rows), "reasons": quarantine.reasons(),
+                                 "categories": table["category"].value_counts().to_dict()})
 
 
 def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:

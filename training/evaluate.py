@@ -5,7 +5,8 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 - ``arith_accuracy`` = mean of the ``reward`` function (default ``arith_exact``; ``final_answer``
   for the real task) over greedy responses, ``accuracy/<category>`` the same per prompt category;
   ``arith_mean_reward`` = mean ``arith_partial``; ``arith_format_rate`` = fraction of responses
-  containing an integer;
+  containing an integer; ``format_rate`` = mean of the ``format_reward`` (e.g. ``format_gsm8k``) when one is
+  given; ``truncation_rate``, ``loop_rate``, ``mean_answer_tokens`` (``training.answer_stats``);
 - ``preference_accuracy`` = mean 1[log pi(chosen|x) > log pi(rejected|x)] and
   ``preference_margin`` = mean (log pi(chosen|x) - log pi(rejected|x)), log-probs summed over the
   completion tokens (eos included), the DPO convention;
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from batchrl.training.answer_stats import answer_stats
 from batchrl.training.batch_layout import encode_pairs, pair_logprobs
 from batchrl.training.phases import phase
 from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
@@ -32,7 +34,8 @@ from batchrl.training.tiny_model import cached_in_worker, load_checkpoint_in_pla
 from batchrl.training.weights import read_weights, same_model_files
 
 
-def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> dict[str, Any]:
+def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str,
+                   format_reward: str | None = None) -> dict[str, Any]:
     exact, partial = get_reward_function(reward), REWARD_FUNCTIONS["arith_partial"]
     rows = [(s, arith_eval[s["prompt_index"]]) for s in samples]
     correct = [exact(s["prompt"], s["response"], row) for s, row in rows]
@@ -48,6 +51,9 @@ def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str) -> 
         "arith_format_rate": float(np.mean([first_integer(s["response"]) is not None for s, _ in rows])),
         "arith_stop_rate": float(np.mean([s["finish_reason"] == "stop" for s in samples])),
         "mean_response_tokens": float(np.mean([len(s["response_ids"]) for s in samples])),
+        **answer_stats(samples),
+        **({} if format_reward is None else {"format_rate": float(np.mean(
+            [get_reward_function(format_reward)(s["prompt"], s["response"], row) for s, row in rows]))}),
     }
 
 
@@ -83,6 +89,7 @@ def _evaluate(
     num_examples: int = 5,
     reference: pd.DataFrame | None = None,
     reward: str = "arith_exact",
+    format_reward: str | None = None,
     encoded: dict[str, list[dict]] | None = None,
     pairs_key: str = "",
     pairs_from_reference: bool = False,
@@ -98,7 +105,7 @@ def _evaluate(
     if arith_eval:
         with phase("generate"):
             samples = engine.generate([row["prompt"] for row in arith_eval], n=1, seed=seed)
-        results.update(_arith_metrics(samples, arith_eval, reward))
+        results.update(_arith_metrics(samples, arith_eval, reward, format_reward))
         shown: dict[str, int] = {}
         results["examples"] = []
         for s in samples:

@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from batchrl.common import fsutil
+from batchrl.training.prompt_shapes import PromptQuarantine, QuarantinedPrompt, shape_row
 
 PROMPT_COLUMNS = ["prompt_id", "prompt", "answer", "category"]
 # Optional per-prompt fields carried to the rewards: where the prompt comes from (reward routing,
@@ -92,10 +93,10 @@ def _chat(where: str, prompt: Any) -> tuple[Any, str | None]:
 
 
 def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None,
-               data_sources: frozenset[str] | None = None) -> dict:
+               data_sources: frozenset[str] | None = None, shape: str = "plain", suffix: str | None = None) -> dict:
     if not isinstance(row, dict):
         raise PromptFileError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    row = apply_mapping(row, mapping)
+    row = shape_row(apply_mapping(row, mapping), shape, suffix)
     prompt, messages = _chat(where, row.get("prompt"))
     if not isinstance(prompt, str) or not prompt.strip():
         raise PromptFileError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
@@ -120,30 +121,41 @@ def _check_row(where: str, row: Any, mapping: dict[str, str] | None = None,
 
 
 def load_prompts(uri: str, storage_options: dict | None = None, mapping: dict[str, str] | None = None,
-                 data_sources=None) -> pd.DataFrame:
-    """Read a JSONL or Parquet prompt file (local or s3://), failing on the first bad line/row with
-    file:line (or row):field; ``mapping`` and ``data_sources`` as in the module docstring."""
+                 data_sources=None, shape: str = "plain", suffix: str | None = None,
+                 quarantine: PromptQuarantine | None = None) -> pd.DataFrame:
+    """Read a JSONL (``.gz`` too) or Parquet prompt file (local or s3://), failing on the first bad line/row with
+    file:line (or row):field; ``mapping`` and ``data_sources`` as in the module docstring; ``shape`` and
+    ``suffix`` as in ``training.prompt_shapes``. A row the shape quarantines (e.g. a GSM8K row without ``####``)
+    goes to ``quarantine`` with its reason when one is given, else fails the load naming it."""
     data_sources = None if data_sources is None else frozenset(data_sources)
     fs, path = fsutil.filesystem_for(uri, storage_options)
-    rows = []
+    options = dict(mapping=mapping, data_sources=data_sources, shape=shape, suffix=suffix)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         with fs.open(path, "rb") as f:
             records = pq.read_table(f).to_pylist()
-        rows = [_check_row(f"{uri}: row {i}", record, mapping, data_sources)
-                for i, record in enumerate(records, start=1)]
+        located = ((f"{uri}: row {i}", record, json.dumps(record, default=str)) for i, record in enumerate(records, 1))
     else:
-        rows = _read_jsonl(fs, path, uri, mapping, data_sources)
+        located = _jsonl_records(fs, path, uri)
+    rows = []
+    for where, record, raw in located:
+        try:
+            rows.append(_check_row(where, record, **options))
+        except QuarantinedPrompt as err:
+            if quarantine is None:
+                raise PromptFileError(f"{where}: {err}") from None
+            quarantine.add(where, err.reason, err.detail, raw)
     if not rows:
-        raise PromptFileError(f"{uri}: no prompts")
+        raise PromptFileError(f"{uri}: no prompts" + (f" ({len(quarantine.rows)} quarantined: {quarantine.reasons()})"
+                                                      if quarantine and quarantine.rows else ""))
     table = pd.DataFrame(rows, columns=PROMPT_COLUMNS + PROMPT_EXTRAS)
     return table.drop(columns=[c for c in PROMPT_EXTRAS if table[c].isna().all()])
 
 
-def _read_jsonl(fs, path: str, uri: str, mapping: dict[str, str] | None, data_sources=None) -> list[dict]:
-    rows = []
-    with fs.open(path, "rb") as f:
+def _jsonl_records(fs, path: str, uri: str):
+    """(where, parsed row, raw line) of each non-empty line; gzip when the name ends in ``.gz``."""
+    with fs.open(path, "rb", compression="gzip" if path.endswith(".gz") else None) as f:
         for line_no, raw in enumerate(f, start=1):
             text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8").strip()
             if not text:
@@ -152,5 +164,4 @@ def _read_jsonl(fs, path: str, uri: str, mapping: dict[str, str] | None, data_so
                 row = json.loads(text)
             except json.JSONDecodeError as err:
                 raise PromptFileError(f"{uri}:{line_no}: invalid JSON ({err.msg} at column {err.colno})") from err
-            rows.append(_check_row(f"{uri}:{line_no}", row, mapping, data_sources))
-    return rows
+            yield f"{uri}:{line_no}", row, text

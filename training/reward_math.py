@@ -202,3 +202,29 @@ def format_answer_tag(prompt: str, response: str, meta: dict) -> float:
 def format_final_mark(prompt: str, response: str, meta: dict) -> float:
     """1.0 iff the response states a GSM8K final answer ``#### N`` (the strict format)."""
     return float(gsm8k_answer(response, "strict") is not None)
+
+
+def gsm8k_benchmark_answer(response: str) -> str | None:
+    """The answer the GSM8K benchmark reads: the number after the last ``####``, else the number in the last
+    ``\\boxed{}`` (an instruct model's habit: "\\boxed{18}", "\\boxed{\\$1,200}"), else the last number."""
+    marked = gsm8k_answer(response, "strict")
+    if marked is not None:
+        return marked
+    boxed = last_boxed(response)
+    numbers = _NUMBER.findall(boxed) if boxed else []
+    return numbers[-1] if numbers else final_number_text(response)
+
+
+@register_reward("gsm8k", needs=("answer",))
+def gsm8k_benchmark(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff ``gsm8k_benchmark_answer(response)`` equals the gold answer's final number (``same_number``):
+    ``#### 18``, ``\\boxed{18}`` and "... so 18 eggs." all score 1 for gold "... #### 18"."""
+    return float(same_number(gsm8k_benchmark_answer(response), gold_number_text(meta)))
+
+
+@register_reward("format_gsm8k")
+def format_gsm8k(prompt: str, response: str, meta: dict) -> float:
+    """1.0 iff the response states its final answer in a format the benchmark reads first: ``#### N`` or a
+    ``\\boxed{}`` holding a number (the last-number fallback is not a format)."""
+    boxed = last_boxed(response)
+    return float(gsm8k_answer(response, "strict") is not None or bool(boxed and _NUMBER.search(boxed)))
