@@ -1,0 +1,77 @@
+"""A GGUF shipped as ordered parts in several data-only packages (issue 48): joined once into the cache,
+every part checked against its wheel's RECORD hash, the whole against the expected sha256; a missing or
+corrupt part fails before anything loads, naming the part and the hash."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+
+import pytest
+from test_gguf_source import _write_tiny_gguf
+
+from batchrl.training.gguf_parts import join_parts, joined_path, resolve_parts
+from batchrl.training.gguf_source import GgufSourceError, cached_hf_from_gguf
+
+
+def _install_part(site, dist: str, rel: str, data: bytes) -> str:
+    """A data-only distribution as pip leaves it: the file plus a dist-info whose RECORD hashes it."""
+    target = site / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+    info = site / f"{dist.replace('-', '_')}-0.9.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.9.0\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    (info / "RECORD").write_text(f"{rel},sha256={digest},{len(data)}\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    return f"{dist}:{rel}"
+
+
+@pytest.fixture()
+def parts(tmp_path, monkeypatch):
+    gguf = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(str(gguf))
+    data = gguf.read_bytes()
+    site = tmp_path / "site"
+    cut = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    specs = [_install_part(site, f"tiny-model-part{i + 1}", f"tiny_model_part{i + 1}/data/part0{i + 1}.bin",
+                           data[cut[i]:cut[i + 1]]) for i in range(3)]
+    monkeypatch.syspath_prepend(str(site))
+    return {"specs": specs, "sha256": hashlib.sha256(data).hexdigest(), "site": site, "bytes": len(data)}
+
+
+def test_joined_once_verified_and_converted(parts, tmp_path):
+    path, provenance = join_parts(parts["specs"], parts["sha256"], str(tmp_path / "cache"))
+    assert path == joined_path(str(tmp_path / "cache"), parts["sha256"]) and os.path.getsize(path) == parts["bytes"]
+    assert [p["package"] for p in provenance["parts"]] == ["tiny-model-part1", "tiny-model-part2", "tiny-model-part3"]
+    assert all(p["package_version"] == "0.9.0" and len(p["sha256"]) == 64 for p in provenance["parts"])
+    mtime = os.path.getmtime(path)
+    again, _ = join_parts(parts["specs"], parts["sha256"].upper(), str(tmp_path / "cache"))
+    assert again == path and os.path.getmtime(path) == mtime  # content-addressed: joined once
+    folder, info = cached_hf_from_gguf(path, str(tmp_path / "cache"))
+    assert info["gguf_sha256"] == parts["sha256"] and os.path.isfile(os.path.join(folder, "config.json"))
+
+
+def test_a_corrupt_part_is_named_with_the_hash_its_package_records(parts, tmp_path):
+    victim = parts["site"] / "tiny_model_part2/data/part02.bin"
+    data = bytearray(victim.read_bytes())
+    data[10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(GgufSourceError, match=r"GGUF part 2 .*tiny-model-part2.* is corrupt: .*records [0-9a-f]{64}"):
+        join_parts(parts["specs"], parts["sha256"], str(tmp_path / "cache"))
+    assert not os.listdir(tmp_path / "cache" / "gguf-parts")  # no half-joined file left behind
+
+
+def test_wrong_order_or_wrong_hash_names_the_expected_hash(parts, tmp_path):
+    wrong = [parts["specs"][1], parts["specs"][0], parts["specs"][2]]
+    with pytest.raises(GgufSourceError, match=f"expected {parts['sha256']}: a part is wrong, missing or out of order"):
+        join_parts(wrong, parts["sha256"], str(tmp_path / "cache"))
+    with pytest.raises(GgufSourceError, match="64-hex-digit sha256"):
+        join_parts(parts["specs"], "abc", str(tmp_path / "cache"))
+
+
+def test_a_missing_part_fails_before_anything_is_read(parts):
+    with pytest.raises(GgufSourceError, match=r"part 4 of 4 \('tiny-model-part4:.*'\) is missing: .*not installed"):
+        resolve_parts(parts["specs"] + ["tiny-model-part4:tiny_model_part4/data/part04.bin"])
+    with pytest.raises(GgufSourceError, match=r"part 2 of 3 .* is missing: .*is not a file of distribution"):
+        resolve_parts([parts["specs"][0], "tiny-model-part2:elsewhere.bin", parts["specs"][2]])
