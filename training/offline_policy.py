@@ -73,7 +73,8 @@ class OfflinePolicyConfig(PolicyConfig):
 
 def has_logged_logprobs(table, field: str) -> bool:
     """Whether a scored-logs table (pandas or Arrow) carries ``field``, as a column or in its extra column."""
-    columns = list(table.columns) if hasattr(table, "columns") else table.column_names
+    # an Arrow table's ``columns`` are its arrays, not their names
+    columns = table.column_names if hasattr(table, "column_names") else list(table.columns)
     if field in columns:
         return True
     extra = table["extra"].to_pylist() if "extra" in columns and not hasattr(table, "iloc") else (
