@@ -92,6 +92,8 @@ def _dagster_type(annotation: Any) -> Any:
         return type(args[0])
     if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
         return run_config_for(annotation, f"{annotation.__name__}RunConfig")
+    if typing.get_origin(annotation) is dict and typing.get_origin(args[0]) in (typing.Union, types.UnionType):
+        return typing.Any  # keys of several types (YAML's {1: false, "5": true}): a Dagster map takes one key type
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         widened = tuple(_dagster_type(a) for a in args)
         return typing.Optional[widened[0]] if len(widened) == 2 and type(None) in widened else annotation

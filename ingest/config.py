@@ -12,6 +12,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from batchrl.ingest.labels import canonical_label_values
+
 #: Contract fields per kind (strings, required) and the optional metadata kept through the pipeline.
 REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
@@ -41,11 +43,13 @@ REASONS = {
                 "Parquet/Arrow footer, content not matching its extension, permission denied, S3 object "
                 "unreadable, header without the contract columns; source_line 0, detail gives the cause",
     "nested_value": "a contract/metadata value is an object or list (records must be flat)",
-    "wrong_type": "a value has the wrong type (e.g. number for a text field, text for score)",
+    "wrong_type": "a value has the wrong type (e.g. number for a text field, text for score, a messages field "
+                  "that is not a list of {role, content} objects)",
     "reader_error": "a custom reader rejected the record",
     # log shapes (ingest/shapes.py)
     "unparsable_transcript": "a transcript (IngestConfig.transcript) without turn markers, with text before the "
-                             "first marker, or without a user turn before the answer",
+                             "first marker, or without a user turn before the answer; also a record shaped like "
+                             "HH-RLHF (chosen and rejected only, no prompt) whose sides carry no turn markers",
     "no_final_assistant": "a conversation / transcript / message list whose last turn is not the assistant's: "
                           "nothing to train on (detail names the last role)",
     "context_mismatch": "chosen and rejected continue different conversations (their turns before the final "
@@ -53,13 +57,15 @@ REASONS = {
     "unknown_label": "a feedback label that is not a known thumbs value (true/false, 1/0, up/down, ...; add "
                      "yours in IngestConfig.label_values)",
     # validate_* / scored_to_pairs: the pandera contract and filters
-    "empty_field": "a text field is empty after cleaning (e.g. whitespace only)",
+    "empty_field": "a text field is empty after cleaning (e.g. whitespace only), or an empty list where text or "
+                   "messages belong (``rejected: []``)",
     "chosen_equals_rejected": "chosen and rejected are identical after cleaning",
     "non_finite_score": "score is NaN or infinite",
     "prompt_too_long": "prompt longer than max_prompt_tokens with the configured tokenizer",
     "single_response": "scored prompt with fewer than two responses: no pair",
     "below_margin": "best - worst score is 0 or below pair_min_margin",
-    "duplicate": "exact duplicate (content hash) of an earlier row; counted in .duplicates",
+    "duplicate": "equal to an earlier row in every field of IngestConfig.dedupe_key (default: every logged "
+                 "value); counted in .duplicates",
 }
 
 
@@ -128,13 +134,20 @@ class IngestConfig(BaseModel):
     transcript: TranscriptFormat | None = Field(None, description="parse chosen/rejected as whole dialogue "
                                                 "transcripts (HH-RLHF); `transcript: {}` takes the HH markers, which are also "
                                                 "recognised without it (no prompt, both sides open with '\\n\\nHuman:')")
-    label_values: dict[str, bool] = Field(default_factory=dict, description="feedback labels written as text, "
-                                          "beside the built-in true/false, 1/0, up/down, thumbs_up/thumbs_down, "
-                                          "good/bad, like/dislike, positive/negative, yes/no (case-insensitive)")
+    label_values: dict[bool | int | float | str, bool] = Field(default_factory=dict, description=(
+        "feedback labels -> true/false, e.g. {1: false, 2: false, 4: true, 5: true} for 1-5 ratings; keys are "
+        "matched by value (5, '5' and 5.0 are one label; text is case-insensitive) and win over the built-in "
+        "true/false, 1/0, up/down, thumbs_up/thumbs_down, good/bad, like/dislike, positive/negative, yes/no"))
     score_values: dict[str, float] = Field(default_factory=dict, description="scores written as text that is "
                                            "not a number, e.g. {up: 1, down: 0} or {'★★★★★': 5}")
     drop_fields: list[str] = Field(default_factory=list, description="source fields dropped before the contract "
                                    "is checked")
+    dedupe_key: list[str] | None = Field(None, description=(
+        "the fields whose values together make a row a duplicate of an earlier one (counted in duplicates, the "
+        "first kept). Default: every logged value, i.e. the contract fields, prompt_messages and extra (log-probs, "
+        "rewards and any other field kept beside the contract), so rows that differ in any of them are all kept; "
+        "e.g. [prompt, response] keeps one logged completion per prompt and text. Names: the contract fields, "
+        "id, category, source, timestamp, prompt_messages, extra"))
     reader: str | None = Field(None, description="a custom reader (module:Class) for formats the built-in readers "
                                "do not know")
     batch_rows: int = Field(65536, description="rows per processing batch (outputs do not depend on it)")
@@ -191,7 +204,14 @@ class IngestConfig(BaseModel):
             raise ValueError(f"label_values map feedback labels; kind is {self.kind!r} (kind: feedback)")
         if self.score_values and self.kind != "scored":
             raise ValueError(f"score_values map scores; kind is {self.kind!r} (kind: scored)")
+        if self.dedupe_key is not None:
+            check_dedupe_key(self.dedupe_key, self.kind)
         return self
+
+    @field_validator("label_values", mode="after")
+    @classmethod
+    def _canonical_labels(cls, values: dict) -> dict[str, bool]:
+        return canonical_label_values(values)
 
     @property
     def required(self) -> tuple[str, ...]:
@@ -200,6 +220,29 @@ class IngestConfig(BaseModel):
     @property
     def metadata(self) -> tuple[str, ...]:
         return METADATA_FIELDS[self.kind]
+
+    @property
+    def duplicate_key(self) -> tuple[str, ...]:
+        """The fields that identify a duplicate row: ``dedupe_key``, or every logged value."""
+        return tuple(self.dedupe_key) if self.dedupe_key is not None else default_dedupe_key(self.kind)
+
+
+#: beside the contract, the values a row's duplicate key covers by default (lineage never: a re-sent row is a copy)
+LOGGED_VALUES = ("prompt_messages", "extra")
+
+
+def default_dedupe_key(kind: str) -> tuple[str, ...]:
+    return REQUIRED_FIELDS[kind] + LOGGED_VALUES
+
+
+def check_dedupe_key(names: list[str], kind: str) -> None:
+    """A duplicate key names at least one field of the kind's rows, each once (lineage is not a row value)."""
+    allowed = REQUIRED_FIELDS[kind] + METADATA_FIELDS[kind] + LOGGED_VALUES
+    unknown = [n for n in names if n not in allowed]
+    if not names or unknown or len(set(names)) != len(names):
+        problem = f"{unknown} are not fields of {kind} rows" if unknown else "names no field" if not names \
+            else "names a field twice"
+        raise ValueError(f"dedupe_key {names}: {problem}; choose from {', '.join(allowed)}")
 
 
 #: where each kind lands and which asset publishes it: (landing folder, asset)

@@ -75,7 +75,8 @@ def _split(batch: pa.Table, min_margin: float) -> tuple[pa.Table, pa.Table]:
 
 def scored_to_pairs(scored_parquet: str, out_dir: str, cfg: IngestConfig | None = None) -> StageReport:
     """scored.parquet (file or folder) -> pairs.parquet + quarantine.parquet (see module doc)."""
-    cfg = (cfg or IngestConfig()).model_copy(update={"kind": "preference"})
+    # the pairs' duplicate key is every value of a pair (a scored config's dedupe_key names scored fields)
+    cfg = (cfg or IngestConfig()).model_copy(update={"kind": "preference", "dedupe_key": None})
     files = cleaned_files(scored_parquet, cfg.storage_options, stem="scored")
     con = duckdb_for(files, cfg.storage_options)
     sources = ", ".join("'" + f.replace("'", "''") + "'" for f in files)

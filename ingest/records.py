@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.ingest.config import IngestConfig, IngestError
-from batchrl.ingest.shapes import ShapeMapper, get_path
+from batchrl.ingest.shapes import ShapeMapper, carried_fields, get_path, nested_error
 from batchrl.schemas import ARROW_SCHEMAS, VALUE_FIELDS
 
 
@@ -116,6 +116,7 @@ class RecordStructurer:
         self.shape = ShapeMapper(cfg)
         self.allowed = set(cfg.required) | set(cfg.metadata)
         self.mapping = dict(cfg.field_mapping)
+        self.carried = carried_fields(cfg)
         self.consumed = {p.split(".")[0] for p in self.mapping} | set(cfg.drop_fields)
         if cfg.chat_mapping and cfg.chat_mapping.messages_field:
             self.consumed.add(cfg.chat_mapping.messages_field.split(".")[0])
@@ -136,6 +137,8 @@ class RecordStructurer:
             return [], []
         extra = self._extra(obj)
         missing = [f for f in self.cfg.required if f not in row]
+        if missing and self.shape_refusal(obj, row, extra) is not None:
+            return [], []  # a malformed row, quarantined with its own reason, not a file that maps wrongly
         return missing, (extra if missing or self.cfg.extra_fields == "error" else [])
 
     def _map(self, obj: dict) -> dict:
@@ -147,23 +150,41 @@ class RecordStructurer:
         row["__route"] = self.shape.apply(obj, row)
         return row
 
+    def shape_refusal(self, obj: dict, row: dict, extra: list[str]) -> RowError | None:
+        """Why a record lacks contract fields when its shape says more than missing_field (ShapeMapper)."""
+        try:
+            return self.shape.why_missing(obj, row, extra)
+        except RowError as e:
+            return e
+
+    def _extra_text(self, obj: dict, extra: list[str]) -> str | None:
+        """The ``extra`` JSON: the unknown fields under ``extra_fields: keep``, and the mapped fields outside the
+        contract (``carried_fields``) whatever the policy."""
+        kept = {k: obj[k] for k in extra} if self.cfg.extra_fields == "keep" else {}
+        for path, name in self.carried.items():
+            found, value = get_path(obj, path)
+            if found:
+                kept[name] = value
+        return extra_json(kept)
+
     def __call__(self, obj: Any) -> dict:
         if not isinstance(obj, dict):
             raise RowError("not_object", f"record is a JSON {type(obj).__name__}, expected an object")
         extra = self._extra(obj)
-        extra_text = None
         if extra:
-            self.extras.add({k: 1 for k in extra if obj[k] is not None})
-            if self.cfg.extra_fields in ("quarantine", "error"):
-                raise RowError("extra_field", "extra fields: " + ", ".join(extra))
-            if self.cfg.extra_fields == "keep":
-                extra_text = extra_json({k: obj[k] for k in extra})
+            present = [k for k in extra if obj[k] is not None]  # a null is no value (a columnar file's other rows)
+            self.extras.add({k: 1 for k in present})
+            if present and self.cfg.extra_fields in ("quarantine", "error"):
+                raise RowError("extra_field", "extra fields: " + ", ".join(present))
         row = self._map(obj)
         missing = [f for f in self.cfg.required if row.get(f) is None]
         if missing:
+            refusal = self.shape_refusal(obj, row, extra)
+            if refusal is not None:
+                raise refusal
             hint = f" (the record has other fields: {', '.join(extra)}; map them with field_mapping)" if extra else ""
             raise RowError("missing_field", "missing or null fields: " + ", ".join(missing) + hint)
-        out: dict[str, Any] = {"extra": extra_text, "prompt_messages": row.get("prompt_messages")}
+        out: dict[str, Any] = {"extra": self._extra_text(obj, extra), "prompt_messages": row.get("prompt_messages")}
         for name in self.text_fields:
             out[name] = self._text(name, row[name])
         if self.cfg.kind == "scored":
@@ -173,7 +194,7 @@ class RecordStructurer:
         for name in self.cfg.metadata:
             value = row.get(name)
             if isinstance(value, (dict, list)):
-                raise RowError("nested_value", f"{name} is an object/list; records must be flat")
+                raise nested_error(name, value)
             out[name] = None if value is None else (_encodable(name, value) if isinstance(value, str)
                                                     else json.dumps(value))
         self.extras.route(row["__route"])
@@ -181,6 +202,8 @@ class RecordStructurer:
 
     @staticmethod
     def _text(name: str, value: Any) -> str:
+        if isinstance(value, (dict, list)) and not value:
+            raise nested_error(name, value)  # rejected: [] is empty, not nested
         if isinstance(value, (dict, list)):
             raise RowError("nested_value", f"{name} is an object/list; records must be flat "
                                            "(message lists need 'role'/'content' keys or a chat_mapping)")

@@ -28,14 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.ingest.config import ChatMapping, IngestConfig, TranscriptFormat
+from batchrl.ingest.labels import BUILTIN_LABELS, thumbs  # noqa: F401 (BUILTIN_LABELS: re-exported)
 
-#: thumbs values understood without config (case-insensitive; ``IngestConfig.label_values`` adds more)
-BUILTIN_LABELS: dict[str, bool] = {
-    "true": True, "false": False, "1": True, "0": False, "up": True, "down": False,
-    "thumbs_up": True, "thumbs_down": False, "thumbsup": True, "thumbsdown": False, "+1": True, "-1": False,
-    "good": True, "bad": False, "like": True, "dislike": False, "positive": True, "negative": False,
-    "yes": True, "no": False, "\U0001f44d": True, "\U0001f44e": False,
-}
 COMPLETIONS = {"preference": ("chosen", "rejected"), "scored": ("response",), "feedback": ("completion",)}
 AUTO_MESSAGES_FIELD = "messages"
 
@@ -64,7 +58,7 @@ class ShapeMapper:
         self.chat = cfg.chat_mapping or ChatMapping()
         self.messages_field = self.chat.messages_field
         self.completions = COMPLETIONS[cfg.kind]
-        self.labels = {**BUILTIN_LABELS, **{k.strip().lower(): v for k, v in cfg.label_values.items()}}
+        self.labels = dict(cfg.label_values)  # canonical keys (ingest.labels), looked up before the built-in ones
         self.scores = {k.strip().lower(): v for k, v in cfg.score_values.items()}
         # HH transcripts are parsed when configured, and recognised without config (the HH markers) in a
         # preference record with no prompt whose chosen and rejected both open with "\n\nHuman:"
@@ -123,6 +117,39 @@ class ShapeMapper:
         elif row.get("prompt") is None and context:
             row["prompt"], row["prompt_messages"] = self._render("prompt", context)
         return route
+
+    # -- why contract fields are missing ---------------------------------------------------------
+    def why_missing(self, obj: dict, row: dict, extra: list[str]):
+        """A ``RowError`` that says better than missing_field why a record gave no contract fields, or None:
+        its conversation field is not a message list, or it is shaped like HH-RLHF (chosen and rejected only)
+        but its sides are not transcripts."""
+        field = self.messages_field or (AUTO_MESSAGES_FIELD if "prompt" not in obj and AUTO_MESSAGES_FIELD not in
+                                        self.cfg.field_mapping else None)
+        found, value = get_path(obj, field) if field else (False, None)
+        if found and not self.is_messages(value):
+            return self._not_messages(field, value)
+        if self._hh_shaped(row) and not extra:
+            for name in ("chosen", "rejected"):
+                self.parse_transcript(name, row[name])  # raises with where the transcript breaks
+            return _row_error("unparsable_transcript", "chosen/rejected are transcripts but do not open with "
+                                                       f"{self.hh_opening!r}: set transcript: {{}} to parse them")
+        return None
+
+    def _not_messages(self, field: str, value: Any):
+        keys = f"{{{self.chat.role_key}, {self.chat.content_key}}}"
+        if isinstance(value, list) and not value:
+            return _row_error("empty_field", f"{field} is an empty list: no message to train on")
+        if not isinstance(value, list):
+            return _row_error("wrong_type", f"{field} must be a list of {keys} messages, got a "
+                                            f"{type(value).__name__}")
+        bad = next(i for i, m in enumerate(value) if not (isinstance(m, dict) and self.chat.role_key in m
+                                                         and self.chat.content_key in m))
+        return _row_error("wrong_type", f"{field}[{bad}] is not a {keys} message (set chat_mapping for other keys)")
+
+    def _hh_shaped(self, row: dict) -> bool:
+        # no prompt field at all nor one mapped (a null or unfound one is missing_field), both sides text
+        return (self.cfg.kind == "preference" and "prompt" not in row and "prompt" not in self.cfg.field_mapping.values()
+                and all(isinstance(row.get(n), str) for n in ("chosen", "rejected")))
 
     def _looks_like_hh(self, row: dict) -> bool:
         return (self.cfg.kind == "preference" and row.get("prompt") is None
@@ -192,22 +219,19 @@ class ShapeMapper:
 
     # -- values --------------------------------------------------------------------------------
     def label(self, value: Any) -> bool:
-        """A thumbs value as a bool (True = desirable)."""
-        if isinstance(value, bool):
-            return value
+        """A thumbs value as a bool (True = desirable): ``label_values`` first, whatever the label's type."""
         if isinstance(value, (dict, list)):
-            raise _row_error("nested_value", "label is an object/list")
-        if isinstance(value, (int, float)) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in self.labels:
-            return self.labels[value.strip().lower()]
-        raise _row_error("unknown_label", f"label {value!r} is not a known thumbs value (true/false, 1/0, up/down, "
-                                          "...): add it to label_values")
+            raise nested_error("label", value)
+        flag = thumbs(value, self.labels)
+        if flag is None:
+            raise _row_error("unknown_label", f"label {value!r} is not a known thumbs value (true/false, 1/0, "
+                                              "up/down, ...): add it to label_values")
+        return flag
 
     def score(self, value: Any) -> float:
         """A rating as a float: numbers as they are, text through ``score_values`` or as a number."""
         if isinstance(value, (dict, list)):
-            raise _row_error("nested_value", "score is an object/list")
+            raise nested_error("score", value)
         if isinstance(value, str) or isinstance(value, bool):
             key = str(value).strip().lower()
             if key in self.scores:
@@ -237,7 +261,7 @@ class ShapeMapper:
 
     def label_column(self, col: pa.Array) -> tuple[pa.Array, np.ndarray]:
         """(bool labels, rows that are not a thumbs value) of a bool, number or text column."""
-        if pa.types.is_boolean(col.type):
+        if pa.types.is_boolean(col.type) and not {"true", "false"} & set(self.labels):
             return col, np.zeros(len(col), bool)
         values = col.to_pylist()
         out, bad = [], np.zeros(len(values), bool)
@@ -252,10 +276,26 @@ class ShapeMapper:
 
 def flat_shape(cfg: IngestConfig) -> bool:
     """Whether every valid record of this config is flat text + numbers the vectorised paths map exactly
-    (JSONL blocks, columnar tables): no chat mapping, dotted paths, transcripts, labels or text ratings.
+    (JSONL blocks, columnar tables): no chat mapping, dotted paths, transcripts, labels, text ratings or
+    mapped fields carried in ``extra``.
     Other records (message lists, a ``messages`` conversation) are nested and go to the per-record path."""
     return (cfg.chat_mapping is None and cfg.transcript is None and cfg.kind != "feedback"
-            and not cfg.score_values and not any("." in k for k in cfg.field_mapping))
+            and not cfg.score_values and not any("." in k for k in cfg.field_mapping)
+            and not carried_fields(cfg))
+
+
+def carried_fields(cfg: IngestConfig) -> dict[str, str]:
+    """{source path: name} of mapped fields outside contract + metadata: they travel in ``extra`` under the
+    mapped name whatever ``extra_fields`` says (the mapping asks for them; e.g. logged log-probs -> logprobs)."""
+    known = set(cfg.required) | set(cfg.metadata)
+    return {path: name for path, name in cfg.field_mapping.items() if name not in known}
+
+
+def nested_error(name: str, value: Any):
+    """The refusal of an object/list where a flat value belongs; an empty one says so (nothing to train on)."""
+    if not value:
+        return _row_error("empty_field", f"{name} is an empty {'list' if isinstance(value, list) else 'object'}")
+    return _row_error("nested_value", f"{name} is an object/list; records must be flat")
 
 
 def text_number(text: str) -> float | None:

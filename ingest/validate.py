@@ -2,11 +2,12 @@
 
 Per batch, in worker threads (``ContractValidator.check``, order-independent): reason codes from the
 Arrow twin of the schema's checks (``schemas.contract_violations``), pandera on every row that passes
-(check names are reason codes), prompt token filter, content key = DuckDB ``hash()`` over the contract
-fields (64 bits, pinned DuckDB => stable; ``id`` when absent is the 128-bit hex of two such hashes).
-Then, in input order (``dedupe``): exact dedupe against every earlier row (first occurrence wins) and
-the writes. Quarantined and duplicate rows go to quarantine.parquet with ``raw`` = the cleaned record
-as JSON (its origin is ``source_file``/``source_line``).
+(check names are reason codes), prompt token filter, duplicate key = DuckDB ``hash()`` over the fields of
+``IngestConfig.dedupe_key`` (default: the contract fields, ``prompt_messages`` and ``extra``, so rows that
+differ in a logged value such as log-probs are not merged; 64 bits, pinned DuckDB => stable; ``id`` when
+absent is the 128-bit hex of two such hashes). Then, in input order (``dedupe``): dedupe against every
+earlier row (first occurrence wins) and the writes. Quarantined and duplicate rows go to quarantine.parquet
+with ``raw`` = the cleaned record as JSON (its origin is ``source_file``/``source_line``).
 """
 from __future__ import annotations
 
@@ -25,14 +26,20 @@ import pyarrow.compute as pc
 import pandera.pandas as pandera
 
 from batchrl.common.fsutil import filesystem_for, join
-from batchrl.ingest.config import KIND_OUTPUTS, IngestConfig, StageReport
+from batchrl.ingest.config import KIND_OUTPUTS, IngestConfig, StageReport, default_dedupe_key
 from batchrl.ingest.dedupe import SeenKeys
 from batchrl.ingest.sink import ParquetSink, QuarantineSink, RowGroupReader
 from batchrl.schemas import ARROW_SCHEMAS, PANDERA_SCHEMAS, QUARANTINE_ARROW, contract_violations, to_pandas
 
-#: contract fields hashed for the content key, per kind
+#: contract fields of each kind (the content id of a duplicate key made of ``id`` alone)
 KEY_FIELDS = {"preference": ("prompt", "chosen", "rejected"), "scored": ("prompt", "response", "score"),
               "feedback": ("prompt", "completion", "label")}
+
+
+def duplicate_key(kind: str, cfg: IngestConfig) -> tuple[str, ...]:
+    """The fields hashed for the duplicate key: the config's for its own kind (``IngestConfig.dedupe_key``,
+    default every logged value), every logged value for another (pairs made from scored logs)."""
+    return cfg.duplicate_key if cfg.kind == kind else default_dedupe_key(kind)
 FULL_GC_EVERY = 16
 CHECK_ALIASES = {"not_nullable": "missing_field"}
 REASON_ORDER = ("missing_field", "empty_field", "non_finite_score", "chosen_equals_rejected", "prompt_too_long")
@@ -100,10 +107,13 @@ class ContractValidator:
         self.con = duckdb.connect(config={"threads": 1})
         self.local = threading.local()
         self.batches = itertools.count()
-        key = ", ".join(KEY_FIELDS[kind])
+        fields = duplicate_key(kind, cfg)
+        key = ", ".join(fields)
         self.key_sql = f"SELECT hash({key}) AS k FROM contract_batch"
-        self.id_sql = (f"SELECT lower(lpad(to_hex(hash({key})), 16, '0') || "
-                       f"lpad(to_hex(hash({key}, 'batchrl.id')), 16, '0')) AS cid FROM contract_batch")
+        # a content id covers the duplicate key, so rows kept apart by it never share an id
+        id_key = ", ".join([f for f in fields if f != "id"] or KEY_FIELDS[kind])
+        self.id_sql = (f"SELECT lower(lpad(to_hex(hash({id_key})), 16, '0') || "
+                       f"lpad(to_hex(hash({id_key}, 'batchrl.id')), 16, '0')) AS cid FROM contract_batch")
 
     def _sql(self, sql: str, table: pa.Table) -> pa.Table:
         cursor = getattr(self.local, "cursor", None)

@@ -109,11 +109,10 @@ def test_hh_transcripts_are_recognised_without_config(tmp_path):
     _, report = ingest_logs(discover_inputs(folder), str(tmp_path / "out"), IngestConfig(kind="preference"),
                             keep_cleaned=False)
     assert report.valid == hh.valid and report.extra["mapped"] == {"hh_transcript": hh.valid + 1}
-    # the row with text before its first marker does not open as a transcript: without the config it is a
-    # pair that lacks its prompt (with `transcript: {}` it is an unparsable transcript)
-    expected = {**hh.reasons, "missing_field": 1}
-    del expected["unparsable_transcript"]
-    assert report.reasons == expected
+    # the row with text before its first marker does not open as a transcript, but a record of chosen and
+    # rejected alone is read as one: an unparsable transcript, as with `transcript: {}` (issue 47, not a
+    # pair that lacks its prompt)
+    assert report.reasons == hh.reasons
 
 
 def test_scored_pairs_honour_pair_min_margin(tmp_path):
