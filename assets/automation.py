@@ -20,10 +20,12 @@ ingest_job = dg.define_asset_job("ingest", selection=dg.AssetSelection.groups("d
 
 def _listing(landing: LandingResource) -> dict[str, tuple[dict, object, str]]:
     """Every landed log (preferences, scored, feedback, prompts; folders, files or s3:// prefixes):
-    uri -> (info, fs, path)."""
+    uri -> (info, fs, path). A location with nothing landed holds no logs (a team may land only some kinds)."""
     out = {}
     for uri in (landing.preferences, landing.scored, landing.feedback, landing.prompts):
         fs, path = fsutil.filesystem_for(uri, landing.storage_options)
+        if not fs.exists(path):
+            continue
         files = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
         prefix = uri.split("://", 1)[0] + "://" if "://" in uri else ""
         for name, info in sorted(files.items()):

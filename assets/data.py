@@ -21,6 +21,7 @@ from batchrl.ingest.config import FeedbackLogsConfig, PreferenceDropConfig, Scor
 from batchrl.ingest.pairs import PairsConfig
 from batchrl.ingest.window import combine_drops
 from batchrl.resources import Artifact, CatalogResource, LandingResource, StorageResource
+from batchrl.resources.landing import landing_input
 
 INGEST_CODE = code_version("batchrl.ingest", "batchrl.schemas")
 IngestRunConfig = run_config_for(PreferenceDropConfig, "IngestRunConfig")
@@ -58,9 +59,9 @@ def _clean_report(clean: StageReport) -> dict:
     return report
 
 
-def _out(kinds: set[str], description: str, **files: str) -> dg.AssetOut:
+def _out(kinds: set[str], description: str, reads: dict | None = None, **files: str) -> dg.AssetOut:
     return dg.AssetOut(group_name="data", code_version=INGEST_CODE, kinds=kinds, description=description,
-                       metadata=declared_files(**files))
+                       metadata={**declared_files(**files), **(reads or {})})
 
 
 def _drop_check(name: str, description: str) -> dg.AssetCheckSpec:
@@ -75,7 +76,7 @@ def _drop_check(name: str, description: str) -> dg.AssetCheckSpec:
 
 @dg.multi_asset(
     outs={"raw_logs": _out({"jsonl"}, "Manifest of the drop's landed files: uri, size, sha256, format.",
-                           manifest="manifest.json"),
+                           reads=landing_input("preferences"), manifest="manifest.json"),
           "cleaned_logs": _out({"parquet"}, "The cleaning stage of the drop: decoded, BOM/control-char "
                                "stripped, NFC, field-mapped; row accounting and quarantine reasons.",
                                report=REPORT_FILE),
@@ -203,14 +204,16 @@ def preference_window(context: dg.AssetExecutionContext, config: WindowConfig,
                                  "drops_outside_window": [d for d in landed if d not in window]})
 
 
-def _ingest_landing(context: dg.AssetExecutionContext, cfg: IngestConfig, landing_uri: str, landing: LandingResource,
+def _ingest_landing(context: dg.AssetExecutionContext, cfg: IngestConfig, location: str, landing: LandingResource,
                     storage: StorageResource, catalog: CatalogResource, config: dg.Config) -> dg.Output:
-    """One landing folder (every file in it) cleaned and validated against ``cfg.kind``'s contract in one
-    pass; the quarantine and the report (accounting, reasons, how rows were mapped) beside the table."""
+    """One landing location (every file in it) cleaned and validated against ``cfg.kind``'s contract in one
+    pass; the quarantine and the report (accounting, reasons, how rows were mapped) beside the table. Nothing
+    landed there fails naming the path (never another location's logs)."""
+    asset = context.asset_key.to_user_string()
+    landing_uri = landing.require(location, asset)
     cfg = cfg.model_copy(update={"storage_options": landing.storage_options})
     inputs = discover_inputs(landing_uri, landing.storage_options)
     files = _describe(inputs)
-    asset = context.asset_key.to_user_string()
     with storage.staging_dir(asset) as staging:
         _, stage = ingest_logs(inputs, staging, cfg, keep_cleaned=False)
         report = _report(stage)
@@ -225,24 +228,26 @@ def _ingest_landing(context: dg.AssetExecutionContext, cfg: IngestConfig, landin
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"},
-          metadata=declared_files(table="scored.parquet", quarantine="quarantine.parquet"))
+          metadata={**declared_files(table="scored.parquet", quarantine="quarantine.parquet"),
+                    **landing_input("scored")})
 def scored_logs(context: dg.AssetExecutionContext, config: ScoredLogsRunConfig, landing: LandingResource,
                 storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Scored interaction logs (prompt/response/score) cleaned and validated against their contract; the
     same mapping config as a log drop (field_mapping e.g. {rating: score}, score_values for text ratings,
     chat_mapping, ...), its kind fixed to scored."""
-    return _ingest_landing(context, to_library_config(config, ScoredLogsConfig), landing.scored, landing,
+    return _ingest_landing(context, to_library_config(config, ScoredLogsConfig), "scored", landing,
                            storage, catalog, config)
 
 
 @dg.asset(group_name="data", code_version=INGEST_CODE, kinds={"parquet", "pandera"},
-          metadata=declared_files(table="feedback.parquet", quarantine="quarantine.parquet"))
+          metadata={**declared_files(table="feedback.parquet", quarantine="quarantine.parquet"),
+                    **landing_input("feedback")})
 def feedback_logs(context: dg.AssetExecutionContext, config: FeedbackLogsRunConfig, landing: LandingResource,
                   storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Unpaired binary feedback (thumbs): prompt / completion / label (bool, True = desirable) + metadata,
     validated against its contract, for KTO-style trainers. Labels may be true/false, 1/0, up/down, ...
     (``label_values`` adds more); a conversation's last assistant message is the completion."""
-    return _ingest_landing(context, to_library_config(config, FeedbackLogsConfig), landing.feedback, landing,
+    return _ingest_landing(context, to_library_config(config, FeedbackLogsConfig), "feedback", landing,
                            storage, catalog, config)
 
 

@@ -17,6 +17,7 @@ from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
+from batchrl.resources.landing import landing_input
 from batchrl.training.prompts import load_prompts
 
 
@@ -43,7 +44,8 @@ OFFLINE_MODELS = ("offline_policy_checkpoint", "kto_checkpoint")  # compared onc
 
 @dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", "batchrl.training.agent",
                                                                        config=EvaluationConfig),
-          kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in OFFLINE_MODELS})
+          kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in OFFLINE_MODELS},
+          metadata=landing_input("eval_prompts"))
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: Artifact,
                dpo_checkpoint: Artifact, base_model: Artifact, reward_model: Artifact, dpo_pairs: Artifact,
                reference_logprobs: Artifact, offline_policy_checkpoint: Optional[Artifact],
@@ -51,6 +53,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
                catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
     """Greedy held-out accuracy (overall and per category), preference accuracy/margin and RM score
     for the base, policy and DPO checkpoints (and the offline objectives' once materialised), side by side."""
+    landing.require("eval_prompts", "evaluation")  # a missing file: one line naming it, not a traceback
     eval_prompts = load_prompts(landing.eval_prompts, landing.storage_options, shape=config.shape,
                                 suffix=config.prompt_suffix)
     if config.max_eval_prompts:

@@ -27,6 +27,7 @@ from batchrl.resources import (
     TrackingResource, TrainerLauncherResource,
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
+from batchrl.resources.landing import landing_input
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.agent.config import AgentConfig
 from batchrl.training.prompt_shapes import PromptQuarantine
@@ -135,10 +136,11 @@ RolloutConfig.library_model = _check_rollout_config
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts", "batchrl.training.prompt_shapes",
                                                     config=PromptsConfig), kinds={"parquet"},
-          metadata=declared_files(table=PROMPTS_FILE, quarantine="quarantine.parquet"))
+          metadata={**declared_files(table=PROMPTS_FILE, quarantine="quarantine.parquet"), **landing_input("prompts")})
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
             storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Rollout prompts (with gold answers for the rule reward), checked at the boundary."""
+    landing.require("prompts", "prompts")  # a missing file: one line naming it, not a traceback
     data_sources = known_data_sources(config, context.run.run_config or {})
     quarantine = PromptQuarantine()
     table = load_prompts(landing.prompts, landing.storage_options, mapping=config.field_mapping,

@@ -155,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from batchrl.common.run_config_error import RunConfigError
     from batchrl.definitions import build_definitions
+    from batchrl.resources.landing import check_landing_inputs
     from batchrl.runs.execute import execute_assets, selected_job
     from batchrl.runs.log_drops import drops_to_ingest
     from batchrl.runs.run_config import config_file_tags, validate_plan
@@ -172,6 +173,7 @@ def _run(args: argparse.Namespace) -> int:
     try:  # every distinct execution's config, before the first asset runs
         validate_plan(defs, run_config, [(job_of(sel), config) for sel, config in _distinct_executions(plan)],
                       ", ".join(args.config or []))
+        check_landing_inputs(defs, list(jobs.values()))  # the selected assets' landed inputs (LandingInputMissing)
     except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
         print(f"batchrl run: {error}", file=sys.stderr)
         return 2

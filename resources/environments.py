@@ -14,14 +14,11 @@ from batchrl.resources.profiles import apply_resource_overrides, load_profile
 
 
 def _landing(storage_options: dict | None = None) -> LandingResource:
-    """``BATCHRL_LANDING`` (a folder or ``s3://`` prefix holding ``preferences/``, ``scored/`` and
-    ``arith/{train,eval}.jsonl``): where the team's logs land; unset: the shipped samples."""
-    landing = os.environ.get("BATCHRL_LANDING", "").rstrip("/")
-    if not landing:
-        return LandingResource()
-    return LandingResource(preferences=f"{landing}/preferences", scored=f"{landing}/scored",
-                           prompts=f"{landing}/arith/train.jsonl", eval_prompts=f"{landing}/arith/eval.jsonl",
-                           storage_options=storage_options or {})
+    """``BATCHRL_LANDING`` (a folder or ``s3://`` prefix laid out as ``resources.landing.LAYOUT``: ``preferences/``,
+    ``scored/``, ``feedback/``, ``arith/{train,eval}.jsonl``): where the team's logs land, every location under it
+    (one missing fails the assets that read it, never falls back to the samples); unset: the shipped samples."""
+    landing = os.environ.get("BATCHRL_LANDING", "")
+    return LandingResource.under(landing, storage_options) if landing.rstrip("/") else LandingResource()
 
 
 def _local() -> dict:
