@@ -3,6 +3,7 @@
 import os
 import shutil
 import warnings
+from typing import Optional
 
 import dagster as dg
 import pandas as pd
@@ -11,6 +12,7 @@ from pydantic import Field
 from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish, work_dir
 from batchrl.ingest.window import first_drop
 from batchrl.resources import Artifact, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
+from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.training.trainer.config import RewardModelConfig
 
 
@@ -18,9 +20,10 @@ class BaseModelConfig(dg.Config):
     """The base model, from one source: ``model_path`` (an HF model folder), ``gguf_file`` (a GGUF
     file path, or ``distribution:relative/path`` inside an installed package, converted once into a
     cached HF folder), or neither: the tiny default built offline from the data (dims below): the
-    prompts and the first log drop of the training window, so that retraining on a new drop keeps the
-    base model and continues its policy chain (with ``last_drops: K`` the base model changes, and a new
-    chain starts, when its drop leaves the window)."""
+    first log drop of the training window and the prompts (whichever is materialised), so that retraining
+    on a new drop keeps the base model and continues its policy chain (with ``last_drops: K`` the base model
+    changes, and a new chain starts, when its drop leaves the window). A model from a path or GGUF reads no
+    data: it needs neither the window nor the prompts."""
 
     model_path: str | None = Field(None, description="an HF causal-LM folder to use as the base model")
     gguf_file: str | None = Field(None, description="a GGUF file (path or distribution:relative/path in an "
@@ -35,38 +38,35 @@ class BaseModelConfig(dg.Config):
 RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 
 
+#: what the tiny default trains its tokenizer on; optional: a base model from a path or GGUF reads neither, so a team
+#: with only thumbs, scored logs or prompts trains without log drops (and a DPO-only run without a prompts file)
+TOKENIZER_CORPUS = ("preference_window", "prompts")
+
+
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source",
                                                       "batchrl.ingest.window", config=BaseModelConfig),
-          kinds={"pytorch"})
-def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: Artifact,
-               prompts: Artifact, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder)."""
+          kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in TOKENIZER_CORPUS})
+def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: Optional[Artifact],
+               prompts: Optional[Artifact], storage: StorageResource, catalog: CatalogResource) -> dg.Output:
+    """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder / GGUF)."""
     if config.model_path and config.gguf_file:
         raise dg.Failure("base_model: set model_path or gguf_file, not both")
-    input_files = []
+    inputs, input_files = {}, []
     with storage.staging_dir("base_model") as staging:
         if config.gguf_file:
-            from batchrl.training.gguf_source import cached_hf_from_gguf
-
-            folder, info = cached_hf_from_gguf(config.gguf_file, storage.cache_dir)
-            shutil.copytree(folder, staging, dirs_exist_ok=True)
-            input_files = [{"uri": config.gguf_file, "sha256": info["gguf_sha256"], "bytes": info["gguf_bytes"],
-                            "package": info.get("package"), "package_version": info.get("package_version")}]
+            info, input_files = _from_gguf(config.gguf_file, storage, staging)
         elif config.model_path:
             shutil.copytree(config.model_path, staging, dirs_exist_ok=True)
             info = {"source": config.model_path}
         else:
             from batchrl.training.tiny_model import build_tiny_model  # torch: only to build the tiny default
 
-            # the window's first drop only: a new drop rebuilds the same model (same version, same policy chain)
-            prefs = first_drop(preference_window.read_table())
-            texts = [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"], *prompts.read_table()["prompt"]]
-            dims = config.model_dump(exclude={"model_path", "gguf_file"})
-            info = build_tiny_model(texts, staging, **dims)
+            texts, inputs = _tokenizer_corpus(preference_window, prompts)
+            info = build_tiny_model(texts, staging, **config.model_dump(exclude={"model_path", "gguf_file"}))
         shown = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
         in_staging = {k for k, v in shown.items() if isinstance(v, str) and v.startswith(staging)}
         output = publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
-                         inputs={"preference_window": preference_window, "prompts": prompts}, input_files=input_files,
+                         inputs=inputs, input_files=input_files,
                          metadata={k: v for k, v in shown.items() if k not in in_staging})
         # the builder's paths (path, model_file, tokenizer_file) named the staging folder, gone once published
         published = {k: dg.MetadataValue.path(output.value["uri"] + shown[k][len(staging):]) for k in in_staging}
@@ -74,6 +74,34 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
             warnings.simplefilter("ignore", dg.BetaWarning)
             return dg.Output(output.value, output_name=output.output_name, data_version=output.data_version,
                              metadata={**output.metadata, **published})
+
+
+def _from_gguf(gguf_file: str, storage: StorageResource, staging: str) -> tuple[dict, list[dict]]:
+    """The GGUF's cached HF folder copied into ``staging``: (its info, the GGUF as the lineage's input file)."""
+    from batchrl.training.gguf_source import cached_hf_from_gguf
+
+    folder, info = cached_hf_from_gguf(gguf_file, storage.cache_dir)
+    shutil.copytree(folder, staging, dirs_exist_ok=True)
+    return info, [{"uri": gguf_file, "sha256": info["gguf_sha256"], "bytes": info["gguf_bytes"],
+                   "package": info.get("package"), "package_version": info.get("package_version")}]
+
+
+def _tokenizer_corpus(preference_window: Artifact | None, prompts: Artifact | None) -> tuple[list[str], dict]:
+    """The tiny default's texts and the inputs they came from: the window's first drop only (a new drop rebuilds
+    the same model: same version, same policy chain), then the prompts; whichever of the two is materialised."""
+    texts = []
+    if preference_window is not None:
+        prefs = first_drop(preference_window.read_table())
+        texts += [*prefs["prompt"], *prefs["chosen"], *prefs["rejected"]]
+    if prompts is not None:
+        texts += list(prompts.read_table()["prompt"])
+    inputs = {name: artifact for name, artifact in zip(TOKENIZER_CORPUS, (preference_window, prompts))
+              if artifact is not None}
+    if not inputs:
+        raise dg.Failure("base_model: the tiny default model trains its tokenizer on the preference window's first "
+                         "drop and the prompts, and neither is materialised: materialise one of them, or set "
+                         "base_model's model_path or gguf_file")
+    return texts, inputs
 
 
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.jobs.train_reward_model", "batchrl.training.reward_model",
