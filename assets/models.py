@@ -7,7 +7,7 @@ from typing import Optional
 
 import dagster as dg
 import pandas as pd
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish, work_dir
 from batchrl.ingest.window import first_drop
@@ -28,13 +28,32 @@ class BaseModelConfig(dg.Config):
     model_path: str | None = Field(None, description="an HF causal-LM folder to use as the base model")
     gguf_file: str | None = Field(None, description="a GGUF file (path or distribution:relative/path in an "
                                   "installed package), converted once into a cached HF folder")
+    gguf_parts: list[str] | None = Field(None, description="a GGUF shipped as raw parts, in order (each a path or "
+                                         "distribution:relative/path): joined once into the cache, each part checked "
+                                         "against its package's RECORD hash, the whole against gguf_sha256")
+    gguf_sha256: str | None = Field(None, description="the joined GGUF's sha256 (64 hex digits); needed with "
+                                    "gguf_parts")
     vocab_size: int = Field(1024, description="tiny default: BPE vocabulary size")
     hidden_size: int = Field(256, description="tiny default: hidden size")
     intermediate_size: int = Field(512, description="tiny default: MLP size")
     num_layers: int = Field(4, description="tiny default: transformer layers")
     seed: int = Field(0, description="tiny default: seed of the weights' initialisation")
 
+    @model_validator(mode="after")
+    def _split_gguf_names_its_hash(self):
+        """A split GGUF names its joined hash (nothing else says the parts make one whole file); whether each part
+        is installed is checked before a run that builds the base model starts (``assets.run_rules``), not here:
+        a profile's config stays checkable on a machine without the weights."""
+        if self.gguf_sha256 and not self.gguf_parts:
+            raise ValueError("gguf_sha256 is set without gguf_parts (a single gguf_file is hashed when converted)")
+        if self.gguf_parts:
+            from batchrl.training.gguf_parts import check_expected_sha256
 
+            check_expected_sha256(self.gguf_sha256)
+        return self
+
+
+TINY_DIMS = {"vocab_size", "hidden_size", "intermediate_size", "num_layers", "seed"}  # the tiny default's knobs
 RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 
 
@@ -44,16 +63,20 @@ TOKENIZER_CORPUS = ("preference_window", "prompts")
 
 
 @dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source",
-                                                      "batchrl.ingest.window", config=BaseModelConfig),
+                                                      "batchrl.training.gguf_parts", "batchrl.ingest.window",
+                                                      config=BaseModelConfig),
           kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in TOKENIZER_CORPUS})
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: Optional[Artifact],
                prompts: Optional[Artifact], storage: StorageResource, catalog: CatalogResource) -> dg.Output:
     """Tiny Qwen2 + byte-level BPE tokenizer trained offline on the data (or a user-supplied HF folder / GGUF)."""
-    if config.model_path and config.gguf_file:
-        raise dg.Failure("base_model: set model_path or gguf_file, not both")
+    sources = [name for name in ("model_path", "gguf_file", "gguf_parts") if getattr(config, name)]
+    if len(sources) > 1:
+        raise dg.Failure(f"base_model: set one of model_path, gguf_file, gguf_parts, not {' and '.join(sources)}")
     inputs, input_files = {}, []
     with storage.staging_dir("base_model") as staging:
-        if config.gguf_file:
+        if config.gguf_parts:
+            info, input_files = _from_gguf_parts(config.gguf_parts, config.gguf_sha256, storage, staging)
+        elif config.gguf_file:
             info, input_files = _from_gguf(config.gguf_file, storage, staging)
         elif config.model_path:
             shutil.copytree(config.model_path, staging, dirs_exist_ok=True)
@@ -62,7 +85,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
             from batchrl.training.tiny_model import build_tiny_model  # torch: only to build the tiny default
 
             texts, inputs = _tokenizer_corpus(preference_window, prompts)
-            info = build_tiny_model(texts, staging, **config.model_dump(exclude={"model_path", "gguf_file"}))
+            info = build_tiny_model(texts, staging, **config.model_dump(include=TINY_DIMS))
         shown = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
         in_staging = {k for k, v in shown.items() if isinstance(v, str) and v.startswith(staging)}
         output = publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
@@ -84,6 +107,23 @@ def _from_gguf(gguf_file: str, storage: StorageResource, staging: str) -> tuple[
     shutil.copytree(folder, staging, dirs_exist_ok=True)
     return info, [{"uri": gguf_file, "sha256": info["gguf_sha256"], "bytes": info["gguf_bytes"],
                    "package": info.get("package"), "package_version": info.get("package_version")}]
+
+
+def _from_gguf_parts(parts: list[str], sha256: str | None, storage: StorageResource,
+                     staging: str) -> tuple[dict, list[dict]]:
+    """The parts joined (once, verified) and converted like a GGUF file; the lineage names every part's package,
+    version, bytes and sha256 beside the joined file's hash."""
+    from batchrl.training.gguf_parts import join_parts
+    from batchrl.training.gguf_source import GgufSourceError
+
+    try:
+        joined, provenance = join_parts(parts, sha256, storage.cache_dir)
+    except GgufSourceError as err:
+        raise dg.Failure(f"base_model.gguf_parts: {err}") from None
+    info, _ = _from_gguf(joined, storage, staging)
+    files = [{"uri": part["spec"], "sha256": part["sha256"], "bytes": part["bytes"], "package": part["package"],
+              "package_version": part["package_version"]} for part in provenance["parts"]]
+    return {**info, "gguf_spec": f"{len(parts)} parts", "gguf_parts": len(parts)}, files
 
 
 def _tokenizer_corpus(preference_window: Artifact | None, prompts: Artifact | None) -> tuple[list[str], dict]:

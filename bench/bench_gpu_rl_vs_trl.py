@@ -58,6 +58,10 @@ ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 192, 8, 64, 96
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # a CPU check of this script's paths: the real profile's CPU size
 if SMOKE:
     ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
+# the task: ``real`` (SmolLM2 on sample_data/real) or ``gsm8k`` (profiles/gsm8k.yaml's model on the GSM8K release
+# under --gsm8k: train for the arms, all 1,319 test questions greedy at 512 tokens for the evaluation)
+TASK = {"name": "real", "profile": "real", "reward": "final_answer", "eval_tokens": NEW_TOKENS, "lr": 1e-5, "beta": 0.01}
+GSM8K_TASK = {"name": "gsm8k", "profile": "gsm8k", "reward": "gsm8k", "eval_tokens": 16 if SMOKE else 512, "lr": 2e-6, "beta": 0.001}
 # the batchrl arms other than ``full``: the run config over the profile's
 ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
@@ -80,7 +84,7 @@ def _batchrl(env: dict[str, str], args: list[str], log: str) -> tuple[int, float
     started = time.monotonic()
     with open(log, "a") as out:
         code = subprocess.call([sys.executable, "-c", "import sys; from batchrl.cli.main import console_main; "
-                                "sys.exit(console_main(sys.argv[1:]))", "run", "--profile", "real", *args],
+                                "sys.exit(console_main(sys.argv[1:]))", "run", "--profile", TASK["profile"], *args],
                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     return code, time.monotonic() - started
 
@@ -194,7 +198,7 @@ def _warm_worker(env: dict[str, str]) -> float:
     torch, transformers and TRL before its clock starts (its model and trainer built too, which batchrl's first
     iteration still pays on the clock). Returns the seconds it took."""
     started = time.monotonic()
-    subprocess.run([sys.executable, "-c", WARM_WORKER], env={**env, "BATCHRL_PROFILE": "real"}, check=True, cwd=REPO)
+    subprocess.run([sys.executable, "-c", WARM_WORKER], env={**env, "BATCHRL_PROFILE": TASK["profile"]}, check=True, cwd=REPO)
     return time.monotonic() - started
 
 
@@ -217,15 +221,16 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from batchrl.training.rewards import final_answer
+    from batchrl.training.rewards import get_reward_function
 
     state_dir = state
-    rows = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/train.jsonl"))]
+    rows = task_prompts("train")
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
                               for r in rows])
+    rule = get_reward_function(TASK["reward"])
 
     def reward(completions, answer, **_):  # the same rule batchrl's rewards stage scores with
-        return [final_answer("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+        return [rule("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
 
     steps_per_round = ROUND_PROMPTS * SAMPLES_PER_PROMPT // MICRO_BATCH
     clock = {"saves_s": 0.0}
@@ -251,7 +256,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     config = GRPOConfig(
         output_dir=os.path.join(state, "trl_out"), per_device_train_batch_size=MICRO_BATCH,
         num_generations=SAMPLES_PER_PROMPT, steps_per_generation=steps_per_round, max_completion_length=NEW_TOKENS,
-        temperature=1.0, learning_rate=1e-5, lr_scheduler_type="constant", beta=0.01, bf16=not SMOKE,
+        temperature=1.0, learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["beta"], bf16=not SMOKE,
         gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
         max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
         seed=seed, dataloader_num_workers=0)
@@ -280,23 +285,57 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
 def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
     from batchrl.training.evaluate import evaluate_models
 
-    heldout = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/heldout.jsonl"))]
+    heldout = task_prompts("eval")
     heldout = heldout[:8] if SMOKE else heldout
     device = {"engine": "transformers", "device": "cpu", "dtype": "float32"} if SMOKE else \
         {"engine": "static", "device": "cuda", "dtype": "bfloat16"}
     results = {}
     for name, folder in models.items():  # one at a time: an adapter, a TRL folder and a checkpoint share nothing
         started = time.monotonic()
-        metrics = evaluate_models({name: folder}, arith_eval=heldout, max_new_tokens=NEW_TOKENS, batch_size=256,
-                                  reward="final_answer", **device,
+        metrics = evaluate_models({name: folder}, arith_eval=heldout, max_new_tokens=TASK["eval_tokens"],
+                                  batch_size=384 if TASK["name"] == "gsm8k" else 256, reward=TASK["reward"],
+                                  format_reward="format_gsm8k" if TASK["name"] == "gsm8k" else None, **device,
                                   num_examples=2)[name]
         results[name] = {k: v for k, v in metrics.items() if k.startswith(("arith_accuracy", "accuracy/", "n/",
-                                                                           "mean_response", "arith_stop"))}
+                                                                           "mean_response", "arith_stop", "format_rate",
+                                                                           "truncation_rate", "loop_rate",
+                                                                           "mean_answer_tokens"))}
         results[name]["eval_s"] = round(time.monotonic() - started, 1)
         results[name]["examples"] = metrics.get("examples", [])[:4]
         if verbose:
             print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
     return results
+
+
+def use_gsm8k(folder: str, state: str) -> None:
+    """The gsm8k task: profiles/gsm8k.yaml with its landing pointed at the release in ``folder`` (a profile file
+    in ``state``: the arms run it by path), the eval set and rewards switched."""
+    import yaml
+
+    with open(os.path.join(REPO, "profiles", "gsm8k.yaml")) as f:
+        profile = yaml.safe_load(f)
+    if not SMOKE:
+        profile["resources"]["landing"] = {"prompts": os.path.join(os.path.abspath(folder), "train.jsonl.gz"),
+                                           "eval_prompts": os.path.join(os.path.abspath(folder), "test.jsonl.gz")}
+    path = os.path.join(state, "gsm8k_bench.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(profile, f)
+    global ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS
+    if not SMOKE:  # the profile's gpu size
+        ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 128, 8, 32, 512
+    TASK.update(GSM8K_TASK, profile=path, landing=profile["resources"]["landing"])
+
+
+def task_prompts(split: str) -> list[dict]:
+    """The task's training (``train``) or held-out (``eval``) prompts, as the prompts asset reads them."""
+    from batchrl.training.prompt_shapes import PromptQuarantine
+    from batchrl.training.prompts import load_prompts
+
+    if TASK["name"] == "real":
+        name = "train.jsonl" if split == "train" else "heldout.jsonl"
+        return [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "real", name))]
+    uri = TASK["landing"]["prompts" if split == "train" else "eval_prompts"]
+    return load_prompts(uri, shape="gsm8k", quarantine=PromptQuarantine()).to_dict("records")
 
 
 def main() -> None:
@@ -307,10 +346,15 @@ def main() -> None:
                         "many iterations / rounds (0: the final policies only)")
     parser.add_argument("--seed", type=int, default=0, help="a replicate's seed: batchrl's rollouts (iteration i: "
                         "seed + i) and update order, TRL's seed")
+    parser.add_argument("--task", choices=("real", "gsm8k"), default="real")
+    parser.add_argument("--gsm8k", default=os.path.join(REPO, "..", "shared", "data", "gsm8k"),
+                        help="the GSM8K release's folder (train.jsonl.gz, test.jsonl.gz) for --task gsm8k")
     parser.add_argument("--state", default="/tmp/rl_vs_trl")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = parser.parse_args()
     os.makedirs(args.state, exist_ok=True)
+    if args.task == "gsm8k":
+        use_gsm8k(args.gsm8k, args.state)
     os.makedirs(args.out, exist_ok=True)
     record_path = os.path.join(args.state, "record.json")
     record = json.load(open(record_path)) if os.path.exists(record_path) else {"minutes": args.minutes, "arms": {}}
