@@ -15,7 +15,7 @@ from batchrl.assets.policy_chain import (
     CHAIN, ITERATION, PROMOTED, PROMOTED_POLICY_IN, behaviour_policy, chain_base, current_policy, input_iteration,
     next_iteration, parent_policy, promote,
 )
-from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs
+from batchrl.assets.rl_algorithm import critic_inputs, critic_job_inputs, kl_in_reward_inputs, response_length_limit
 from batchrl.assets.rollout_prefetch import (
     NO_NEXT_ITERATION, NO_PREFETCH_WORKER, PROMPTS_FILE, SamplingRequest, announced_next_seed, prefetched_folder,
     prompt_subset, sample_ahead_request, start_prefetch,
@@ -28,12 +28,12 @@ from batchrl.resources import (
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.resources.landing import landing_input
-from batchrl.training.advantages import AdvantageSettings
+from batchrl.training.advantages import ALL_GROUPS_KEPT_NOTE, AdvantageSettings
 from batchrl.training.agent.config import AgentConfig
 from batchrl.training.prompt_shapes import PromptQuarantine
 from batchrl.training.prompts import load_prompts
 from batchrl.training.phases import PhaseClock
-from batchrl.training.rewards import REWARD_MODEL, RULE, RewardConfig
+from batchrl.training.rewards import OVERLONG_PENALTY, REWARD_MODEL, RULE, RewardConfig
 from batchrl.training.text import prompt_messages
 from batchrl.training.trainer.config import PolicyConfig
 
@@ -256,6 +256,7 @@ def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts
         out = output_file(context, staging)
         compute.run(context, trainer, "rewards", {
             "rollouts_parquet": rollouts.file(), "reward_config": reward_config.model_dump(),
+            "max_response_length": response_length_limit(rollouts),  # L_max of the overlong buffer
             "reward_model_path": reward_model.path if "reward_model" in inputs else None,
             "device": compute.device, "dtype": compute.dtype, "out_parquet": out},
             workdir=workdir, uses_models=reward_config.needs_reward_model)
@@ -272,6 +273,9 @@ def reward_headline(scored: pd.DataFrame, components: list[str]) -> dict[str, fl
     numbers = {"samples": len(scored), "mean_reward": float(reward.mean()), "reward_std": float(reward.std(ddof=0)),
                "reward_min": float(reward.min()), "reward_max": float(reward.max())}
     numbers.update({f"mean_reward/{name}": float(scored[name].mean()) for name in components})
+    if OVERLONG_PENALTY in scored:  # DAPO's soft overlong punishment: how many paid it, and how much
+        numbers.update({"overlong/penalised": int((scored[OVERLONG_PENALTY] < 0).sum()),
+                        "overlong/mean_penalty": float(scored[OVERLONG_PENALTY].mean())})
     by_category = scored.groupby(scored["category"].fillna("none"))["reward"].mean()
     numbers.update({f"mean_reward_by_category/{category}": float(mean) for category, mean in by_category.items()})
     return numbers
@@ -303,6 +307,9 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
             "device": compute.device, "out_parquet": output_file(context, staging)}, workdir=workdir,
             uses_models=bool(kl_inputs or critic_config))
         metrics = result["metrics"]
+        if metrics.get("dynamic_sampling/all_groups_identical"):
+            context.log.warning(f"advantages: {ALL_GROUPS_KEPT_NOTE}")
+            metrics = {**metrics, "dynamic_sampling": ALL_GROUPS_KEPT_NOTE}
         lineage_config = settings.model_dump()
         if settings.use_kl_in_reward:  # the controller's state, read back by the next iteration
             lineage_config["kl_ctrl_state"] = {k: metrics[k] for k in ("kl_coef_applied", "kl_coef_next")}

@@ -1,6 +1,7 @@
 """What the RL assets need from lineage for KL in the reward and critic values: the reference model, the KL
-controller's state carried over from the previous iteration (through the promoted policy), and the critic the
-advantages were valued with (where the KL term lives is ``assets.run_rules.kl_placement``'s)."""
+controller's state carried over from the previous iteration (through the promoted policy), the rollouts' token
+limit (DAPO's overlong punishment), and the critic the advantages were valued with (where the KL term lives is
+``assets.run_rules.kl_placement``'s)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +13,15 @@ from batchrl.resources import Artifact, ArtifactRef, StorageResource
 from batchrl.training.advantages import AdvantageSettings
 
 _CONTROLLER_FIELDS = ("kl_ctrl", "target_kl", "kl_horizon", "kl_penalty")
+
+
+def response_length_limit(rollouts: Artifact) -> int | None:
+    """The token limit the rollouts were sampled under (the L_max of DAPO's overlong punishment): an agent's
+    ``max_total_tokens`` (a trajectory's tokens, the observations' included), else the engine's
+    ``max_new_tokens``; None when their lineage names neither."""
+    config = rollouts.lineage.get("config", {})
+    limit = (config.get("agent") or {}).get("max_total_tokens") or (config.get("engine") or {}).get("max_new_tokens")
+    return None if limit is None else int(limit)
 
 
 def _previous_kl_state(storage: StorageResource, settings: AdvantageSettings, base_model: Artifact,

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     import torch
 
 GROUP_COLUMNS = ("group_id", "uid", "prompt_index", "prompt_id", "prompt")
+GROUP_ESTIMATORS = tuple(name for name, needs in ADV_ESTIMATOR_NEEDS.items() if "groups" in needs)
+ALL_GROUPS_DROPPED = ("keep_batch", "fail")  # what dynamic sampling does when no group has a reward spread
+ALL_GROUPS_KEPT_NOTE = ("dynamic_sampling: every group's rewards were identical, so the whole batch was kept "
+                        "(when_all_groups_dropped: keep_batch): zero group-relative advantages, the update moves by "
+                        "its KL/entropy terms only")
 
 
 class AdvantageSettings(BaseModel):
@@ -50,11 +55,32 @@ class AdvantageSettings(BaseModel):
                            "value)")
     target_kl: float = Field(0.1, gt=0, description="adaptive controller: KL it steers towards")
     kl_horizon: int = Field(10000, gt=0, description="adaptive controller: horizon in samples")
+    overlong_filter: bool = Field(False, description="DAPO's overlong filtering: a sample cut at the token limit "
+                                  "(finish_reason length) leaves the policy loss (its loss_mask all 0) but still "
+                                  "counts in its group's statistics; metadata overlong_filtered")
+    dynamic_sampling: bool = Field(False, description="DAPO's dynamic sampling: a group (one prompt's samples) whose "
+                                   "rewards are all identical carries no group-relative advantage and leaves the "
+                                   "update batch before the estimator (a group of one stays); metadata "
+                                   "dynamic_sampling/groups_kept, groups_dropped. Group estimators only")
+    when_all_groups_dropped: Literal[ALL_GROUPS_DROPPED] = Field(  # type: ignore[valid-type]
+        "keep_batch", description="dynamic_sampling when every group's rewards are identical: keep_batch trains on the "
+        "whole batch (zero advantages: the update moves by its KL/entropy terms only; metadata "
+        "dynamic_sampling/all_groups_dropped 1), fail stops the advantages step saying so")
 
     @model_validator(mode="after")
     def _kl_switches_agree(self):
         if self.use_kl_in_reward and self.kl_coef == 0:
             raise ValueError("use_kl_in_reward: true with kl_coef: 0 subtracts nothing; set kl_coef > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_needs_groups(self):
+        if self.dynamic_sampling and "groups" not in estimator_needs(self.estimator):
+            raise ValueError(f"dynamic_sampling drops groups whose rewards are identical, which carry no advantage "
+                             f"only under a group estimator ({', '.join(GROUP_ESTIMATORS)}); estimator "
+                             f"{self.estimator} has none")
+        if self.when_all_groups_dropped != "keep_batch" and not self.dynamic_sampling:
+            raise ValueError("when_all_groups_dropped is set but dynamic_sampling is off: set dynamic_sampling: true")
         return self
 
 
@@ -103,20 +129,73 @@ def _padded(column: pd.Series, width: int) -> torch.Tensor:
     return out
 
 
+def drop_identical_reward_groups(sampled: pd.DataFrame, baselines: np.ndarray | None, reward_column: str,
+                                 when_all_dropped: str = "keep_batch") -> tuple[pd.DataFrame, np.ndarray | None, dict]:
+    """DAPO's dynamic sampling (``algos.dapo.dynamic_sampling_keep``): the rows (and their baselines) of the
+    groups whose rewards differ, with metrics ``dynamic_sampling/*``. When no group's do, ``when_all_dropped``:
+    ``keep_batch`` keeps every row (``all_groups_identical`` 1), ``fail`` raises saying so."""
+    import torch  # here, not at module level: the definitions load this module without torch
+
+    from batchrl.training.algos.dapo import dynamic_sampling_keep
+
+    groups = pd.Series(group_index(sampled))
+    keep = dynamic_sampling_keep(torch.as_tensor(sampled[reward_column].to_numpy(dtype=np.float64)),
+                                 groups.to_numpy()).numpy()
+    total, varied = groups.nunique(), groups[keep].nunique()
+    everything_dropped = total > 0 and varied == 0
+    if everything_dropped and when_all_dropped == "fail":
+        raise ValueError(f"advantages: dynamic_sampling: all {total} groups have identical rewards within the group "
+                         f"(mean reward {sampled[reward_column].mean():.4g}), so no sample carries a group-relative "
+                         "advantage: sample more per prompt or other prompts, or set when_all_groups_dropped: "
+                         "keep_batch")
+    if everything_dropped:  # the whole batch stays: zero advantages, the update moves by KL/entropy only
+        keep = np.ones(len(sampled), dtype=bool)
+    kept = groups[keep].nunique()
+    metrics = {"dynamic_sampling/groups_identical": total - varied, "dynamic_sampling/groups_kept": kept,
+               "dynamic_sampling/groups_dropped": total - kept, "dynamic_sampling/samples_dropped": int((~keep).sum()),
+               "dynamic_sampling/all_groups_identical": int(everything_dropped)}
+    kept_baselines = None if baselines is None else baselines[keep]
+    return sampled[keep].reset_index(drop=True), kept_baselines, metrics
+
+
+def mask_truncated_samples(out: pd.DataFrame, mask: torch.Tensor, lengths: list[int]) -> tuple[pd.DataFrame, dict]:
+    """DAPO's overlong filtering (``algos.dapo.overlong_filter_mask``): ``loss_mask`` of every row, all 0 for
+    a sample cut at the token limit (``finish_reason`` length), else its response mask (a trajectory's own
+    tokens); metrics ``overlong_filtered`` (samples) and ``overlong_filtered_rate``."""
+    import torch  # here, not at module level: the definitions load this module without torch
+
+    from batchrl.training.algos.dapo import overlong_filter_mask
+
+    if "finish_reason" not in out.columns:
+        raise ValueError("advantages.overlong_filter needs the rollouts' finish_reason column")
+    truncated = (out["finish_reason"] == "length").to_numpy()
+    filtered = overlong_filter_mask(mask, torch.as_tensor(truncated))
+    out["loss_mask"] = [filtered[i, :n].tolist() for i, n in enumerate(lengths)]
+    return out, {"overlong_filtered": int(truncated.sum()), "overlong_filtered_rate": float(truncated.mean())}
+
+
 def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_column: str = "reward",
-                       kl: dict[str, Any] | None = None, **kw: Any) -> pd.DataFrame:
+                       kl: dict[str, Any] | None = None, dynamic_sampling: bool = False,
+                       when_all_groups_dropped: str = "keep_batch", overlong_filter: bool = False,
+                       **kw: Any) -> pd.DataFrame:
     """Return the sampled rows of ``table`` (greedy baseline rows removed) with ``advantages`` and
     ``returns`` (float lists, one per response token); ``out.attrs["metrics"]`` holds batch metrics.
 
     ``kw`` goes to the estimator (gamma, lam, epsilon, norm_adv_by_std ...). ``kl``, when given:
     ``{"ref_logprobs": [...] per row of table, "controller": ..., "kind": ...}`` (old log-probs are
     the ``rollout_logprobs`` column). Missing inputs of the estimator are errors that say where
-    they come from."""
+    they come from. DAPO's batch shaping: ``dynamic_sampling`` drops the groups of identical rewards
+    before the estimator (``drop_identical_reward_groups``), ``overlong_filter`` takes truncated samples
+    out of the loss after it (``mask_truncated_samples``)."""
     import torch  # here, not at module level: the definitions load this module without torch
 
     if kl is not None:
         table = table.assign(_ref_logprobs=list(kl["ref_logprobs"]))
     sampled, baselines = split_baselines(table.reset_index(drop=True), reward_column)
+    metrics: dict[str, Any] = {}
+    if dynamic_sampling:
+        sampled, baselines, metrics = drop_identical_reward_groups(sampled, baselines, reward_column,
+                                                                   when_all_groups_dropped)
     out = sampled.copy()
     needs = estimator_needs(estimator)
     if "reward_baselines" in needs and baselines is None:
@@ -124,7 +203,6 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
                          "config greedy_baseline: true")
     if "values" in needs and "values" not in out.columns:
         raise ValueError(f"advantages.estimator={estimator} needs critic values: the batch has no 'values' column")
-    metrics: dict[str, Any] = {}
     if len(out) == 0:
         out = out.drop(columns=["_ref_logprobs"], errors="ignore").assign(advantages=[], returns=[])
         out.attrs["metrics"] = metrics
@@ -133,8 +211,9 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
     if kl is not None:
         from batchrl.training.kl_reward import fold_kl_into_rewards
 
-        rewards, metrics = fold_kl_into_rewards(rewards, mask, list(out["rollout_logprobs"]),
-                                                list(out["_ref_logprobs"]), kl["controller"], kl.get("kind", "kl"))
+        rewards, kl_metrics = fold_kl_into_rewards(rewards, mask, list(out["rollout_logprobs"]),
+                                                   list(out["_ref_logprobs"]), kl["controller"], kl.get("kind", "kl"))
+        metrics.update(kl_metrics)
         out = out.drop(columns=["_ref_logprobs"])
     extra: dict[str, Any] = {}
     if "values" in out.columns:
@@ -147,6 +226,9 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
     lengths = [len(ids) for ids in out["response_ids"]]  # not mask.sum: a trajectory's mask has holes
     out["advantages"] = [adv[i, :n].tolist() for i, n in enumerate(lengths)]
     out["returns"] = [ret[i, :n].tolist() for i, n in enumerate(lengths)]
+    if overlong_filter:
+        out, filter_metrics = mask_truncated_samples(out, mask, lengths)
+        metrics.update(filter_metrics)
     out.attrs["metrics"] = metrics
     return out
 
@@ -174,4 +256,7 @@ def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
 
         table = table.assign(values=predict_values(critic_path, table, device=device))
     return compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,
-                              norm_adv_by_std=settings.norm_adv_by_std, kl=kl)
+                              norm_adv_by_std=settings.norm_adv_by_std, kl=kl,
+                              dynamic_sampling=settings.dynamic_sampling,
+                              when_all_groups_dropped=settings.when_all_groups_dropped,
+                              overlong_filter=settings.overlong_filter)

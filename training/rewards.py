@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from batchrl.training.phases import beside_load, phase
 from batchrl.training.text import Messages, prompt_messages
@@ -214,6 +214,20 @@ def mix_rewards(
 
 
 UNFINISHED = ("max_turns", "length")  # a trajectory's finish reasons that are not its own end (training/agent)
+OVERLONG_PENALTY = "overlong_penalty"  # the column of the soft overlong punishment, when configured
+
+
+class OverlongBuffer(BaseModel):
+    """DAPO's soft overlong punishment (``algos.dapo.compute_overlong_penalty``; verl's
+    ``reward_model.overlong_buffer``): the last ``length`` tokens before the rollouts' token limit are a buffer
+    through which the reward falls linearly, by up to ``penalty_factor``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    length: int = Field(..., gt=0, description="L_cache: tokens before the rollouts' limit (max_new_tokens; an "
+                        "agent's max_total_tokens) where the penalty starts; must be smaller than that limit")
+    penalty_factor: float = Field(1.0, gt=0, allow_inf_nan=False, description="the penalty at the limit: a "
+                                  "response of limit - length tokens or fewer gets 0, one at the limit -penalty_factor")
 
 
 class RewardConfig(BaseModel):
@@ -249,6 +263,10 @@ class RewardConfig(BaseModel):
         "allowed turn still called a tool; length: the token budget), whatever its answer, e.g. 0: a policy is not "
         "paid for echoing results in tool calls until the turn budget (seen on the tool task, bench/RESULTS.md). "
         "None: the mix, as for every row. Single-turn rollouts carry no finish_reason and are never affected"))
+    overlong_buffer: OverlongBuffer | None = Field(None, description=(
+        "DAPO's soft overlong punishment added to the reward: {length: L_cache, penalty_factor}; a response longer "
+        "than the rollouts' token limit minus length loses up to penalty_factor, linearly (column overlong_penalty). "
+        "None: off"))
     rm_batch_size: int = Field(32, description="sequences per reward-model forward pass")
     rm_max_length: int = Field(256, description="tokens of prompt + response the reward model reads; longer "
                                "ones are truncated")
@@ -262,14 +280,32 @@ class RewardConfig(BaseModel):
         return self.weighs(REWARD_MODEL)
 
 
+def overlong_penalty(frame: pd.DataFrame, buffer: OverlongBuffer, max_response_length: int | None) -> np.ndarray:
+    """Each row's soft overlong punishment (``algos.dapo.compute_overlong_penalty``) over its ``response_ids``
+    count, against ``max_response_length`` (the rollouts' token limit)."""
+    from batchrl.training.algos.dapo import compute_overlong_penalty  # torch: only when configured
+
+    if max_response_length is None:
+        raise ValueError("rewards.overlong_buffer needs the rollouts' token limit (max_response_length): the "
+                         "rollouts' lineage names no max_new_tokens")
+    if buffer.length >= max_response_length:
+        raise ValueError(f"rewards.overlong_buffer.length {buffer.length} must be smaller than the rollouts' token "
+                         f"limit {max_response_length}")
+    lengths = [len(ids) for ids in frame["response_ids"]]
+    return compute_overlong_penalty(lengths, max_response_length=max_response_length, buffer_length=buffer.length,
+                                    penalty_factor=buffer.penalty_factor).double().numpy()
+
+
 def compute_rewards(
     rows: list[dict] | pd.DataFrame, cfg: RewardConfig | None = None, *, reward_model_path: str | None = None,
-    device: str = "cpu", dtype: str = "float32",
+    device: str = "cpu", dtype: str = "float32", max_response_length: int | None = None,
 ) -> pd.DataFrame:
     """The input rows (needs ``prompt``, ``response``; ``category``/``answer`` etc. go to ``meta``) plus
     one float column per component (``rule``, each ``custom`` name, ``reward_model`` if the mix weighs
     the RM) and ``reward``, the mix. ``reward_model_path``, when given, overrides ``cfg.reward_model_path``.
-    A row's ``prompt_messages`` (a multi-turn prompt) is the conversation the RM scores the response after."""
+    A row's ``prompt_messages`` (a multi-turn prompt) is the conversation the RM scores the response after.
+    With ``cfg.overlong_buffer`` the soft overlong punishment against ``max_response_length`` (the rollouts'
+    token limit) is added to the mix and kept as column ``overlong_penalty``."""
     cfg = cfg or RewardConfig()
     if reward_model_path:
         cfg = cfg.model_copy(update={"reward_model_path": reward_model_path})
@@ -292,6 +328,9 @@ def compute_rewards(
     key = cfg.route_by
     categories = [c if isinstance(c, str) else None for c in frame[key]] if key in frame else None
     reward = mix_rewards(components, cfg.weights, category=categories, routing=cfg.routing)
+    if cfg.overlong_buffer is not None:
+        components[OVERLONG_PENALTY] = overlong_penalty(frame, cfg.overlong_buffer, max_response_length)
+        reward = reward + components[OVERLONG_PENALTY]
     if cfg.unfinished_reward is not None and "finish_reason" in frame:
         reward = np.where(frame["finish_reason"].isin(UNFINISHED).to_numpy(), cfg.unfinished_reward, reward)
     out = frame.copy()

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # never executed; code versions (lineage.module_closure reads imports statically) follow
     # every module below from whatever imports this package, as when they were imported eagerly
-    from . import advantages, kl, logprobs, names, offline, policy_loss, preference, registry, utils  # noqa: F401
+    from . import advantages, dapo, kl, logprobs, names, offline, policy_loss, preference, registry, utils  # noqa: F401
 
 _EXPORTS = {
     "advantages": ("compute_drgrpo_outcome_advantage", "compute_gae_advantage_return",
                    "compute_grpo_outcome_advantage", "compute_reinforce_plus_plus_baseline_outcome_advantage",
                    "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
                    "compute_rloo_outcome_advantage"),
+    "dapo": ("compute_overlong_penalty", "dynamic_sampling_keep", "overlong_filter_mask"),
     "kl": ("AdaptiveKLController", "FixedKLController", "apply_kl_penalty", "kl_loss", "kl_penalty"),
     "offline": ("awr_weights", "kto_kl_reference_point", "kto_loss", "orpo_loss", "rwr_weights", "simpo_loss",
                 "weighted_regression_loss"),

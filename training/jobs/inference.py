@@ -5,7 +5,8 @@ Config JSON: ``{"task": name, "result_json": path, **the task's fields}``. Tasks
 comes from the config):
 
 - ``rewards``: ``rollouts_parquet``, ``reward_config`` (RewardConfig fields), ``reward_model_path``,
-  ``device``, ``dtype``, ``out_parquet`` — ``compute_rewards`` over the rollouts, written to ``out_parquet``;
+  ``device``, ``dtype``, ``max_response_length`` (the rollouts' token limit, for ``overlong_buffer``),
+  ``out_parquet`` — ``compute_rewards`` over the rollouts, written to ``out_parquet``;
 - ``reference_logprobs``: ``model_path``, ``pairs_parquet``, ``out_parquet``, ``max_length``, ``batch_size``,
   ``device``, ``dtype`` — the frozen reference's summed completion log-probs of each pair;
 - ``evaluation``: ``models`` ({name: HF folder}), ``eval_prompts_parquet``, ``pairs_parquet``,
@@ -34,7 +35,8 @@ def score_rewards(config: dict) -> dict:
     table = pd.read_parquet(config["rollouts_parquet"])
     scored = compute_rewards(table, RewardConfig(**config["reward_config"]),
                              reward_model_path=config.get("reward_model_path"), device=config.get("device", "cpu"),
-                             dtype=config.get("dtype", "float32"))
+                             dtype=config.get("dtype", "float32"),
+                             max_response_length=config.get("max_response_length"))
     scored.to_parquet(config["out_parquet"], index=False)
     return {"samples": len(scored), "mean_reward": float(scored["reward"].mean()) if len(scored) else 0.0}
 
