@@ -153,7 +153,7 @@ def test_dapo_shaping_through_the_rl_stages(upstream):
     assert np.allclose(rewards["overlong_penalty"], -0.5 * np.clip((lengths - 8) / 4, 0, 1))
     assert np.allclose(rewards["reward"], rewards["rule"] + rewards["overlong_penalty"])
     reward_meta = latest_metadata(instance, "rewards")
-    assert reward_meta["overlong/penalised"] == int((lengths > 8).sum()) and len(rollouts) == 18
+    assert reward_meta["overlong/penalised"] == int((lengths > 8).sum()) > 0 and len(rollouts) == 18
 
     advantages, meta = _table(instance, root, "advantages"), latest_metadata(instance, "advantages")
     spread = rewards.groupby("prompt_index")["reward"].nunique() > 1
@@ -164,7 +164,7 @@ def test_dapo_shaping_through_the_rl_stages(upstream):
     else:  # nothing to learn from: the whole batch, said so
         assert len(advantages) == 18 and "every group's rewards were identical" in meta["dynamic_sampling"]
     truncated = advantages["finish_reason"] == "length"
-    assert meta["overlong_filtered"] == truncated.sum()
+    assert meta["overlong_filtered"] == truncated.sum() > 0
     assert all(not any(m) for m in advantages["loss_mask"][truncated])
     assert all(all(m) for m in advantages["loss_mask"][~truncated])
     assert latest_metadata(instance, "policy_checkpoint")["num_samples"] == len(advantages)
