@@ -9,7 +9,7 @@ import pandas as pd
 from pydantic import Field, field_validator
 
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
-from batchrl.assets.run_rules import self_play_missing
+from batchrl.assets.run_rules import reference_mismatch, self_play_missing
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
 from batchrl.resources import (
@@ -155,6 +155,12 @@ def reference_logprobs(context: dg.AssetExecutionContext, config: ReferenceConfi
                        metadata={k: v for k, v in stats.items() if isinstance(v, (int, float, str)) and k != "path"})
 
 
+def reference_max_length(reference_logprobs: Artifact) -> int:
+    """The truncation the reference log-probs were computed with (their recorded config)."""
+    recorded = reference_logprobs.lineage.get("config", {})
+    return int(recorded.get("max_length", ReferenceConfig.model_fields["max_length"].default))
+
+
 @dg.asset(group_name="dpo", code_version=code_version("batchrl.training.jobs.train_dpo", "batchrl.training.algos"),
           kinds={"deepspeed"})
 def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_pairs: Artifact,
@@ -162,6 +168,10 @@ def dpo_checkpoint(context: dg.AssetExecutionContext, config: DPORunConfig, dpo_
                    catalog: CatalogResource, trainer: TrainerLauncherResource,
                    tracking: TrackingResource) -> dg.Output:
     """DPO-family preference optimisation of the base model, on DeepSpeed via Pipes."""
+    # a reference from an earlier run, which no up-front check saw: refused before the job starts, not inside it
+    problem = reference_mismatch(reference_max_length(reference_logprobs), config.max_length, materialised=True)
+    if problem:
+        raise dg.Failure(problem)
     job_config = {
         "trainer": config.model_dump(),
         "pairs_parquet": dpo_pairs.file(),

@@ -6,13 +6,17 @@ the reward at ``kl_coef: 0``, ``PolicyConfig`` a critic its own ``adv_estimator`
 choice requires from another's is checked by ``check_run_config`` (``RunConfigError``, naming the fields), from
 what the estimators registered they need (``algos.registry``): a greedy baseline for ReMax, several samples per
 prompt for group estimators, a critic for GAE, one place for the KL term, reward names that resolve, a DPO pair
-source that exists and whose graph has the inputs it takes. It is called by ``runs.run_config.check_whole_run``
-(`batchrl run`'s up-front ``validate_plan``, and ``runs.execute.execute_assets`` before executing) and by the
-``rollouts`` asset for runs launched from the UI, which skip both.
+source that exists and whose graph has the inputs it takes, one truncation (``max_length``) for the reference
+log-probs and DPO; and, given the code location's resources, what the policy update takes from the rollout engine
+(its temperature; sampled-token log-probs, which vLLM reports only when asked). It is called by
+``runs.run_config.check_whole_run`` (`batchrl run`'s up-front ``validate_plan``, and ``runs.execute.execute_assets``
+before executing) and by the ``rollouts`` asset for runs launched from the UI, which skip both (without the
+resources' rules there).
 
-Two rules are applied again when their stage runs, to what its input was materialised with (an input from an
+Three rules are applied again when their stage runs, to what its input was materialised with (an input from an
 earlier run, which no up-front check saw): ``kl_placement`` by ``policy_checkpoint`` against the advantages'
-lineage, ``self_play_missing`` by ``dpo_pairs`` against its own inputs.
+lineage, ``reference_mismatch`` by ``dpo_checkpoint`` against the reference log-probs' lineage, ``self_play_missing``
+by ``dpo_pairs`` against its own inputs.
 """
 from __future__ import annotations
 
@@ -21,36 +25,45 @@ from typing import Iterable
 import dagster as dg
 import pydantic
 
-from batchrl.common.run_config_error import RunConfigError
+from batchrl.common.run_config_error import RunConfigError, pydantic_problems
 from batchrl.resources.profiles import pair_sources
 from batchrl.training.advantages import AdvantageSettings
 from batchrl.training.algos import estimator_needs
 from batchrl.training.rewards import RewardConfig, get_reward_function
-from batchrl.training.trainer.config import PolicyConfig
+from batchrl.training.trainer.config import DPOConfig, PolicyConfig
 
 
 def _config(ops: dict, asset: str, cls: type):
     try:
         return cls(**(ops.get(asset) or {}).get("config", {}))
     except pydantic.ValidationError as err:
-        fields = ", ".join(f"ops.{asset}.config.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise RunConfigError(fields) from None
+        raise RunConfigError("; ".join(pydantic_problems(err, f"ops.{asset}.config"))) from None
 
 
-def check_run_config(run_config: dict | None, selection: Iterable[str] | None = None, graph=None) -> None:
+def check_run_config(run_config: dict | None, selection: Iterable[str] | None = None, graph=None,
+                     resources: dict | None = None) -> None:
     """Raise ``RunConfigError`` naming the fields of the first impossible combination among the selected assets
     (all when ``selection`` is None). ``graph``: the code location's asset graph, for the DPO pair source's
-    inputs (None: that rule is left to the ``dpo_pairs`` step)."""
+    inputs (None: that rule is left to the ``dpo_pairs`` step); ``resources``: the code location's, for what the
+    policy update needs from the rollout engine (None: those rules are not applied)."""
     ops = (run_config or {}).get("ops", {}) or {}
-    _check_rl(ops, set(selection) if selection else None)
+    chosen = _chooser(set(selection) if selection else None)
+    _check_rl(ops, chosen)
+    _check_dpo_lengths(ops, chosen)
+    if resources is not None and "rollout_engine" in resources:
+        _check_engine(ops, chosen, resources["rollout_engine"])
     _check_pair_source(ops, graph)
 
 
-def _check_rl(ops: dict, selected: set[str] | None) -> None:
-    from batchrl.assets.rl import RolloutConfig
-
+def _chooser(selected: set[str] | None):
     def chosen(*assets: str) -> bool:
         return selected is None or all(a in selected for a in assets)
+
+    return chosen
+
+
+def _check_rl(ops: dict, chosen) -> None:
+    from batchrl.assets.rl import RolloutConfig
 
     rollouts = _config(ops, "rollouts", RolloutConfig) if chosen("rollouts") else None
     algorithm = _config(ops, "advantages", AdvantageSettings) if chosen("advantages") else None
@@ -98,6 +111,56 @@ def _check_rl(ops: dict, selected: set[str] | None) -> None:
         problem = kl_placement(algorithm.use_kl_in_reward, policy.use_kl_in_reward, policy.kl_coef)
         if problem:
             raise RunConfigError(problem)
+
+
+def _check_dpo_lengths(ops: dict, chosen) -> None:
+    """The DPO loss compares the policy's log-probs with the reference's over the same completion tokens: both
+    stages truncate pairs at the same ``max_length`` (``training.trainer.dpo.check_reference_tokens`` finds a
+    mismatch only inside the training job)."""
+    if not chosen("reference_logprobs", "dpo_checkpoint"):
+        return  # a reference from an earlier run: dpo_checkpoint checks its recorded max_length (reference_mismatch)
+    from batchrl.assets.dpo import ReferenceConfig
+
+    problem = reference_mismatch(_config(ops, "reference_logprobs", ReferenceConfig).max_length,
+                                 _config(ops, "dpo_checkpoint", DPOConfig).max_length)
+    if problem:
+        raise RunConfigError(problem)
+
+
+def reference_mismatch(reference_max_length: int, dpo_max_length: int, materialised: bool = False) -> str | None:
+    """The problem when the reference log-probs and DPO truncate pairs differently, None when they agree.
+    ``materialised``: the reference's side is what a reference_logprobs artifact was computed with."""
+    if reference_max_length == dpo_max_length:
+        return None
+    reference = (f"max_length={reference_max_length}, which the reference log-probs were computed with"
+                 if materialised else f"ops.reference_logprobs.config.max_length={reference_max_length}")
+    return (f"ops.dpo_checkpoint.config.max_length={dpo_max_length} differs from {reference}: DPO compares the two "
+            "over the same completion tokens, so both stages must truncate at the same max_length (set it on both)")
+
+
+def _check_engine(ops: dict, chosen, engine) -> None:
+    """What the policy update takes from the rollout engine: the sampling temperature, and the sampled tokens'
+    log-probs where it uses them (vLLM reports them only with ``sampled_logprobs``)."""
+    if not chosen("policy_checkpoint"):
+        return
+    policy = _config(ops, "policy_checkpoint", PolicyConfig)
+    if policy.temperature != engine.temperature:
+        raise RunConfigError(
+            f"ops.policy_checkpoint.config.temperature={policy.temperature} differs from "
+            f"resources.rollout_engine.temperature={engine.temperature}: the update computes the log-probs of the "
+            "samples at the temperature they were sampled at; set the same on both")
+    if engine.kind != "vllm" or engine.sampled_logprobs:
+        return
+    if policy.old_logprobs == "rollout":
+        raise RunConfigError("ops.policy_checkpoint.config.old_logprobs='rollout' takes the engine's sampled-token "
+                             "log-probs, which resources.rollout_engine.kind='vllm' reports only with "
+                             "resources.rollout_engine.sampled_logprobs: true (or use old_logprobs: recompute)")
+    from batchrl.assets.rl import RolloutConfig
+
+    if chosen("rollouts") and _config(ops, "rollouts", RolloutConfig).off_policy_steps:
+        raise RunConfigError("ops.rollouts.config.off_policy_steps=1 corrects the staleness with the engine's "
+                             "sampled-token log-probs, which resources.rollout_engine.kind='vllm' reports only with "
+                             "resources.rollout_engine.sampled_logprobs: true")
 
 
 def kl_placement(advantages_kl_in_reward: bool, policy_kl_in_reward: bool, policy_kl_coef: float,

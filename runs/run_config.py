@@ -9,7 +9,9 @@ import dagster as dg
 import pydantic
 from dagster._config import ConfigTypeKind
 
-from batchrl.common.run_config_error import RunConfigError
+from batchrl.common.run_config_error import RunConfigError, joined, pydantic_problems, unknown_name_rule
+from batchrl.runs.config_messages import dagster_problems
+from batchrl.runs.resource_rules import resource_problems
 
 
 def _library_model(assets_def: dg.AssetsDefinition):
@@ -35,11 +37,9 @@ def check_op_names(defs: dg.Definitions, run_config: dict, source: str = "") -> 
     step_of = {key.to_user_string(): op for op, assets_def in steps.items() for key in assets_def.keys
                if key.to_user_string() != op}
     problems = [f"ops.{name}: {name} is an asset of the step {step_of[name]}, its config belongs under "
-                f"ops.{step_of[name]}" for name in unknown if name in step_of]
-    strangers = [name for name in unknown if name not in step_of]
-    if strangers:
-        problems.append(f"no asset named {strangers}; assets: {sorted(steps)}")
-    raise RunConfigError(f"{_where(source)}: " + "; ".join(problems))
+                f"ops.{step_of[name]}" if name in step_of else
+                f"ops.{name}: {unknown_name_rule(name, sorted(steps), 'asset')}" for name in unknown]
+    raise RunConfigError(joined(_where(source), problems))
 
 
 def check_config_taken(defs: dg.Definitions, run_config: dict, source: str = "") -> None:
@@ -63,51 +63,68 @@ def _steps(defs: dg.Definitions) -> dict[str, dg.AssetsDefinition]:
             if graph.get(key).is_executable}
 
 
-def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config: dict, source: str = "") -> dict:
-    """Dagster's validation of ``run_config`` against ``job``, then each stage's library config (its
-    pydantic validators reject bad combinations), then the whole-run checks of what one stage's choice needs
-    from another's among the job's assets. Returns the resolved config (defaults filled)."""
-    where = _where(source)
-    check_op_names(defs, run_config, source)
-    check_config_taken(defs, run_config, source)
+def op_config_problems(defs: dg.Definitions, job: dg.JobDefinition, run_config: dict) -> list[str]:
+    """Every problem of each op's config in ``run_config`` on its own, one line each: Dagster's schema of ``job``
+    (unknown keys, types), then each stage's library config (its pydantic validators: ranges such as ``lr > 0``,
+    known names, bad combinations within the stage) of every op Dagster's schema did not already refuse."""
     try:
-        resolved = dg.validate_run_config(job, run_config)
-    except dg.DagsterInvalidConfigError as error:
-        raise RunConfigError(f"{where}:\n  " + "\n  ".join(e.message for e in error.errors)) from None
+        resolved, problems = dg.validate_run_config(job, run_config), []
+    except dg.DagsterInvalidConfigError as error:  # the other ops' values are still checked, as given
+        problems = dagster_problems(error, run_config, job)
+        refused = {str(item.stack.entries[1].field_name) for item in error.errors if len(item.stack.entries) > 1}
+        resolved = {"ops": {op: body for op, body in (run_config.get("ops") or {}).items() if op not in refused}}
     steps = _steps(defs)
     for op, body in (resolved.get("ops") or {}).items():
-        if op not in steps:
-            continue  # an asset check's op
-        model = _library_model(steps[op])
-        if model is None:
+        model = _library_model(steps[op]) if op in steps else None  # not in steps: an asset check's op
+        if model is None or not isinstance(body, dict):
             continue
         try:
             model(**(body.get("config") or {}))
-        except (pydantic.ValidationError, ValueError, TypeError) as error:
-            raise RunConfigError(f"{where}: ops.{op}.config: {error}") from None
+        except pydantic.ValidationError as error:
+            problems += pydantic_problems(error, f"ops.{op}.config")
+        except (ValueError, TypeError) as error:
+            problems.append(f"ops.{op}.config: {error}")
+    return problems
+
+
+def validate_run_config(defs: dg.Definitions, job: dg.JobDefinition, run_config: dict, source: str = "") -> None:
+    """Dagster's validation of ``run_config`` against ``job``, then each stage's library config (its
+    pydantic validators reject bad combinations), then the whole-run checks of what one stage's choice needs
+    from another's among the job's assets. ``RunConfigError``: one line per problem."""
+    check_op_names(defs, run_config, source)
+    check_config_taken(defs, run_config, source)
+    problems = op_config_problems(defs, job, run_config)
+    if problems:
+        raise RunConfigError(joined(_where(source), problems))
     check_whole_run(defs, run_config, [key.to_user_string() for key in job.asset_layer.executable_asset_keys], source)
-    return resolved
 
 
 def check_whole_run(defs: dg.Definitions, run_config: dict | None, selection: list[str] | None,
                     source: str = "") -> None:
     """What one stage's choice needs from another's among the ``selection`` (None: every asset), and the DPO pair
     source against the code location's graph: ``assets.run_rules.check_run_config``, the one whole-run check (the
-    ``rollouts`` asset runs it too, for runs launched from the UI)."""
+    ``rollouts`` asset runs it too, for runs launched from the UI), with the code location's resources (the
+    rollout engine the policy update's config must agree with)."""
     from batchrl.assets.run_rules import check_run_config
 
     try:
-        check_run_config(run_config, selection, defs.resolve_asset_graph())
+        check_run_config(run_config, selection, defs.resolve_asset_graph(), defs.resources)
     except RunConfigError as error:
         raise RunConfigError(f"{_where(source)}: {error}") from None
 
 
 def validate_plan(defs: dg.Definitions, run_config: dict, executions: list[tuple[dg.JobDefinition, dict]],
                   source: str = "") -> None:
-    """One command's run config, whole (its executions see only their ops), then each execution's (job, run config),
-    before the first asset runs."""
+    """One command's run config, whole, before the first asset runs: every op's config in it against the whole
+    code location (a typo or a bad value in the config of an asset outside ``--select`` is an error too), the
+    resources' config, then each execution's (job, run config), which adds what its selected stages need from
+    each other."""
     check_op_names(defs, run_config, source)
     check_config_taken(defs, run_config, source)
+    problems = op_config_problems(defs, defs.resolve_implicit_global_asset_job_def(), run_config)
+    problems += resource_problems(defs.resources)
+    if problems:
+        raise RunConfigError(joined(_where(source), problems))
     for job, config in executions:
         validate_run_config(defs, job, config, source)
 
