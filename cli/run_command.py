@@ -39,8 +39,12 @@ RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
 
 
 def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
-    """Run config and default RL iterations: the profile's, then ``-c`` files merged over it."""
-    from batchrl.resources.profiles import deep_merge, dpo_self_play, load_profile
+    """Run config and default RL iterations: the profile's, then ``-c`` files merged over it; the files'
+    ``resources`` go over the profile's the same way, in the code location this command builds. ``ProfileError``
+    (a ``RunConfigError``) for a profile or file that cannot be read."""
+    from batchrl.resources.profiles import (
+        announce_run_file_resources, deep_merge, dpo_self_play, load_profile, load_run_file,
+    )
 
     ops, iterations = {}, 1
     if args.profile:
@@ -48,12 +52,10 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
         profile = load_profile(args.profile)
         ops, iterations = profile["ops"], profile["rl_iterations"]
         print(f"=== profile {args.profile} ({os.environ.get('BATCHRL_ENV', 'local')}): {profile['description']}")
-    for path in args.config or []:
-        import yaml
-
-        with open(path) as f:
-            extra = yaml.safe_load(f) or {}
-        ops = deep_merge(ops, extra.get("ops", extra))
+    files = [(path, load_run_file(path)) for path in args.config or []]
+    for _, loaded in files:
+        ops = deep_merge(ops, loaded["ops"])
+    announce_run_file_resources([(path, loaded["resources"]) for path, loaded in files])
     if dpo_self_play(ops):  # the DPO path with its rewards input (read when the definitions build)
         os.environ["BATCHRL_DPO_SELF_PLAY"] = "1"
     return ({"ops": ops} if ops else {}), (args.rl_iterations or iterations)
@@ -124,20 +126,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     """``batchrl run``; the environment it sets for its own runs is restored when it returns (a caller in the
     same process, e.g. a test, then starts other programs with its own environment)."""
     from batchrl.common.log_file import OUTPUT_ROUTED_ENV
+    from batchrl.resources.profiles import CONFIG_RESOURCES_ENV
 
-    saved = os.environ.get(OUTPUT_ROUTED_ENV)
+    saved = {name: os.environ.get(name) for name in (OUTPUT_ROUTED_ENV, CONFIG_RESOURCES_ENV)}
     try:
         return _run(args)
     finally:
-        if saved is None:
-            os.environ.pop(OUTPUT_ROUTED_ENV, None)
-        else:
-            os.environ[OUTPUT_ROUTED_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _refused(error: Exception) -> int:
+    """A run config refused before anything ran: each of its lines (one per problem) on stderr; exit status 2."""
+    for line in str(error).splitlines():
+        print(f"batchrl run: {line}", file=sys.stderr)
+    return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    from batchrl.common.run_config_error import RunConfigError
+
     home = ensure_dagster_home()
-    run_config, iterations = _run_config(args)
+    try:
+        run_config, iterations = _run_config(args)
+    except RunConfigError as error:  # a profile or -c file that cannot be read
+        return _refused(error)
     from batchrl.cli.console import RunProgress, print_run_summary, quiet_libraries, run_log_path
     from batchrl.common.log_file import OUTPUT_ROUTED_ENV, output_to_log
 
@@ -153,14 +169,17 @@ def _run(args: argparse.Namespace) -> int:
 
     import dagster as dg
 
-    from batchrl.common.run_config_error import RunConfigError
-    from batchrl.definitions import build_definitions
     from batchrl.resources.landing import check_landing_inputs
     from batchrl.runs.execute import execute_assets, selected_job
     from batchrl.runs.log_drops import drops_to_ingest
     from batchrl.runs.run_config import config_file_tags, validate_plan
 
-    defs = build_definitions()
+    try:  # the code location builds its resources on import: the profile's and -c files' overrides (ProfileError)
+        from batchrl.definitions import build_definitions
+
+        defs = build_definitions()
+    except RunConfigError as error:
+        return _refused(error)
     plan = _plan(defs, args, run_config, iterations)
     jobs: dict[tuple, dg.JobDefinition] = {}
 
@@ -172,11 +191,10 @@ def _run(args: argparse.Namespace) -> int:
 
     try:  # every distinct execution's config, before the first asset runs
         validate_plan(defs, run_config, [(job_of(sel), config) for sel, config in _distinct_executions(plan)],
-                      ", ".join(args.config or []))
+                      _config_sources(args))
         check_landing_inputs(defs, list(jobs.values()))  # the selected assets' landed inputs (LandingInputMissing)
     except (RunConfigError, dg.DagsterInvalidSubsetError) as error:
-        print(f"batchrl run: {error}", file=sys.stderr)
-        return 2
+        return _refused(error)
     if _runs_jobs(defs, list(jobs.values())):  # every selection of the plan was validated: its job is there
         # its imports overlap the data-only first steps
         defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1,
@@ -248,6 +266,11 @@ def _import_in_background(modules: list[str]) -> None:
                 return
 
     threading.Thread(target=load, name="batchrl-imports", daemon=True).start()
+
+
+def _config_sources(args: argparse.Namespace) -> str:
+    """Where the run config came from, as its errors name it: the profile, then the ``-c`` files."""
+    return ", ".join(([f"profile {args.profile}"] if args.profile else []) + (args.config or []))
 
 
 def _distinct_executions(plan: list[tuple[str, list[str] | None, dict]]) -> list[tuple[list[str] | None, dict]]:

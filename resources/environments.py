@@ -10,7 +10,7 @@ from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource, TrackingResource,
     TrainerLauncherResource,
 )
-from batchrl.resources.profiles import apply_resource_overrides, load_profile
+from batchrl.resources.profiles import apply_run_overrides
 
 
 def _landing(storage_options: dict | None = None) -> LandingResource:
@@ -89,8 +89,9 @@ def _compile_caches(cache_dir: str) -> dict[str, str]:
 RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
 
 def environment_resources(env: str | None = None, profile: str | None = None) -> dict:
-    """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides."""
+    """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides,
+    then those of `batchrl run`'s ``-c`` files (``resources.profiles.apply_run_overrides``)."""
     env = env or os.environ.get("BATCHRL_ENV", "local")
     resources = RESOURCES_BY_ENV[env]()
     profile = profile or os.environ.get("BATCHRL_PROFILE")
-    return apply_resource_overrides(resources, load_profile(profile, env)["resources"]) if profile else resources
+    return apply_run_overrides(resources, env, profile)

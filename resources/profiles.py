@@ -1,4 +1,5 @@
-"""Run profiles: named bundles of resource overrides and run config (``profiles/<name>.yaml``).
+"""Run profiles: named bundles of resource overrides and run config (``profiles/<name>.yaml``), and the
+``batchrl run -c`` files, which take the same ``resources`` and ``ops`` and are merged over the profile.
 
 A profile's top level is its CPU (smoke-size) form; ``environments.<BATCHRL_ENV>`` is merged over it
 (e.g. bigger batches for ``gpu``). ``resources`` override fields of the environment's resources
@@ -7,19 +8,32 @@ A profile's top level is its CPU (smoke-size) form; ``environments.<BATCHRL_ENV>
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+import pydantic
 import yaml
 
 from batchrl.common.package import PACKAGE_DIR
+from batchrl.common.run_config_error import (
+    RunConfigError, joined, problem_line, pydantic_problems, unknown_name_rule,
+)
 
 PROFILE_DIR = os.path.join(PACKAGE_DIR, "profiles")
 SAMPLE_DATA = os.path.join(PACKAGE_DIR, "sample_data")
 
 
-class ProfileError(ValueError):
-    """An unknown profile or a malformed profile file (the message names the file)."""
+class ProfileError(RunConfigError):
+    """An unknown profile, a malformed profile or ``-c`` file, or resource overrides the resources do not take
+    (the message names the file, and each field on a line of its own)."""
+
+
+PROFILE_KEYS = {"description", "rl_iterations", "resources", "ops", "environments"}
+RUN_FILE_KEYS = {"resources", "ops", "environments"}  # a ``-c`` file: what a profile overrides, no defaults of its own
+# `batchrl run -c` files' resource overrides, for the code location the command (and its step processes) builds:
+# JSON [[file, {resource: {field: value}}], ...], in the order given
+CONFIG_RESOURCES_ENV = "BATCHRL_CONFIG_RESOURCES"
 
 
 def available_profiles() -> list[str]:
@@ -42,32 +56,103 @@ def _expand(value: Any) -> Any:
     return value
 
 
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ProfileError(f"{path}: {' '.join(str(error).split())}") from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{path}: a mapping of keys expected at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def _for_env(raw: dict, path: str, allowed: set[str], env: str | None) -> dict:
+    """The file's top level with ``environments.<env>`` merged over it (keys outside ``allowed`` refused)."""
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ProfileError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    env = env or os.environ.get("BATCHRL_ENV", "local")
+    return deep_merge({k: v for k, v in raw.items() if k != "environments"}, (raw.get("environments") or {}).get(env) or {})
+
+
 def load_profile(name: str, env: str | None = None) -> dict[str, Any]:
     """``{"resources": {...}, "ops": {...}, "rl_iterations": int, "description": str}`` of a profile."""
     path = name if name.endswith(".yaml") else os.path.join(PROFILE_DIR, f"{name}.yaml")
     if not os.path.exists(path):
         raise ProfileError(f"unknown profile {name!r}: no {path}; known: {available_profiles()}")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    unknown = set(raw) - {"description", "rl_iterations", "resources", "ops", "environments"}
-    if unknown:
-        raise ProfileError(f"{path}: unknown top-level keys {sorted(unknown)}")
-    env = env or os.environ.get("BATCHRL_ENV", "local")
-    merged = deep_merge({k: v for k, v in raw.items() if k != "environments"},
-                       (raw.get("environments") or {}).get(env) or {})
+    merged = _for_env(_read_yaml(path), path, PROFILE_KEYS, env)
     return {"description": merged.get("description", ""), "rl_iterations": int(merged.get("rl_iterations", 1)),
-            "resources": _expand(merged.get("resources") or {}), "ops": _expand(merged.get("ops") or {})}
+            "resources": _plain_resources(_expand(merged.get("resources") or {})),
+            "ops": _expand(merged.get("ops") or {})}
 
 
-def apply_resource_overrides(resources: dict, overrides: dict[str, dict]) -> dict:
-    """A copy of ``resources`` with fields replaced: ``{"landing": {"prompts": ...}}``."""
-    out = dict(resources)
+def load_run_file(path: str, env: str | None = None) -> dict[str, Any]:
+    """``{"ops": {...}, "resources": {...}}`` of a ``batchrl run -c`` file: ``ops`` and ``resources`` as in a
+    profile (and ``environments.<BATCHRL_ENV>`` merged over them); a file of neither key is a mapping of ops, as
+    ``dagster asset materialize -c`` takes after ``ops:``."""
+    raw = _read_yaml(path)
+    if not set(raw) & RUN_FILE_KEYS:
+        raw = {"ops": raw}
+    merged = _for_env(raw, path, RUN_FILE_KEYS, env)
+    return {"ops": _expand(merged.get("ops") or {}), "resources": _plain_resources(_expand(merged.get("resources") or {}))}
+
+
+def _plain_resources(block: dict) -> dict:
+    """Resource overrides as a profile writes them (``{rollout_engine: {kind: static}}``); Dagster's run-config
+    shape (``{rollout_engine: {config: {kind: static}}}``) is taken too (no resource has a field named config)."""
+    return {name: fields["config"] if isinstance(fields, dict) and set(fields) == {"config"} else fields
+            for name, fields in block.items()}
+
+
+def announce_run_file_resources(files: list[tuple[str, dict]]) -> None:
+    """Hand the ``-c`` files' resource overrides to the code location this process builds (``apply_run_overrides``;
+    a step process forked or started from here inherits them); none: nothing announced."""
+    if any(overrides for _, overrides in files):
+        os.environ[CONFIG_RESOURCES_ENV] = json.dumps([[path, overrides] for path, overrides in files if overrides])
+    else:
+        os.environ.pop(CONFIG_RESOURCES_ENV, None)
+
+
+def apply_run_overrides(resources: dict, env: str, profile: str | None) -> dict:
+    """``resources`` with the profile's overrides, then each ``-c`` file's over them (``CONFIG_RESOURCES_ENV``):
+    field by field, a later file's value winning, as their ``ops`` are merged."""
+    if profile:
+        resources = apply_resource_overrides(resources, load_profile(profile, env)["resources"], f"profile {profile}")
+    for path, overrides in json.loads(os.environ.get(CONFIG_RESOURCES_ENV) or "[]"):
+        resources = apply_resource_overrides(resources, overrides, path)
+    return resources
+
+
+def apply_resource_overrides(resources: dict, overrides: dict[str, dict], source: str = "profile") -> dict:
+    """A copy of ``resources`` with fields replaced: ``{"landing": {"prompts": ...}}``. ``ProfileError``: one line
+    per unknown resource or field and per value its resource refuses, each naming ``source``."""
+    out, problems = dict(resources), []
     for key, fields in overrides.items():
         if key not in out:
-            raise ProfileError(f"profile overrides unknown resource {key!r}; known: {sorted(out)}")
-        current = out[key]
-        out[key] = type(current)(**{**current.model_dump(), **fields})
+            problems.append(f"resources.{key}: {source} overrides unknown resource {key!r}; known: {sorted(out)}")
+        elif not isinstance(fields, dict):
+            problems.append(problem_line(f"resources.{key}", "a mapping of its fields expected", fields))
+        else:
+            replaced, wrong = _overridden(out[key], key, fields)
+            out[key] = replaced if replaced is not None else out[key]
+            problems += wrong
+    if problems:
+        raise ProfileError(joined(source, problems))
     return out
+
+
+def _overridden(current, key: str, fields: dict) -> tuple[Any, list[str]]:
+    """``current`` with ``fields`` replaced, or None and why not (a line per field)."""
+    known = sorted(type(current).model_fields)
+    unknown = [problem_line(f"resources.{key}.{name}", unknown_name_rule(name, known, "field"), value)
+               for name, value in fields.items() if name not in known]
+    if unknown:
+        return None, unknown
+    try:
+        return type(current)(**{**current.model_dump(), **fields}), []
+    except pydantic.ValidationError as error:
+        return None, pydantic_problems(error, f"resources.{key}")
 
 
 PAIR_SOURCES = ("logged", "scored", "self")
