@@ -17,12 +17,18 @@ import time
 from typing import IO
 
 CHECK_BLOCKED_ERROR = "DagsterAssetCheckFailedError"  # a step's error when one of its blocking checks failed
+# a Pipes job's exception, which Dagster records as an engine event of the step before failing it with only
+# "External execution process failed with code 1"
+PIPES_JOB_ERROR = "[pipes] external process pipes closed with exception"
+INGEST_COUNTS = ("rows_in", "valid", "quarantined", "duplicates")  # every input row is one of the three
+# the asset the end-of-run hint audits: the first of these the run materialised, else the last asset it did
+AUDIT_FIRST = ("policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint", "kto_checkpoint", "reward_model")
 
 # a few numbers worth a glance per asset (the rest is in the UI and the audit)
 HEADLINE = {
     "raw_logs": ("files", "bytes_in"), "cleaned_logs": ("rows_in", "quarantined"),
-    "validated_preferences": ("valid", "quarantined", "duplicates"), "scored_logs": ("valid",),
-    "scored_pairs": ("valid",), "prompts": ("rows",), "base_model": ("num_parameters",),
+    "validated_preferences": ("valid", "quarantined", "duplicates"), "scored_logs": INGEST_COUNTS,
+    "feedback_logs": INGEST_COUNTS, "scored_pairs": ("valid",), "prompts": ("rows",), "base_model": ("num_parameters",),
     "reward_model": ("pairs", "train_accuracy_after"), "rollouts": ("samples", "mean_response_tokens"),
     "rewards": ("mean_reward",), "advantages": ("estimator", "adv_abs_mean"),
     "policy_checkpoint": ("global_step", "final/pg_loss", "final/ppo_kl"), "dpo_pairs": ("pairs",),
@@ -81,6 +87,7 @@ class RunProgress:
         self._metadata: dict[str, dict] = {}
         self._checks: dict[str, list[str]] = {}  # check lines of a step still running
         self._blocking_failed: dict[str, dict[str, list[str]]] = {}  # step -> asset -> its failed blocking checks
+        self._job_errors: dict[str, str] = {}  # step -> the exception its Pipes job ended with
         self._cursor = None
         self._stop = threading.Event()
         self._lock = threading.RLock()  # the follower thread and follow()/__exit__ must not read one cursor twice
@@ -143,13 +150,16 @@ class RunProgress:
         step, kind = event.step_key, event.event_type_value
         if kind == "STEP_START":
             self._started[step] = entry.timestamp
+        elif kind == "ENGINE_EVENT" and event.message == PIPES_JOB_ERROR and event.engine_event_data.error:
+            self._job_errors[step] = event.engine_event_data.error.message
         elif kind == "ASSET_MATERIALIZATION":
             mat = event.event_specific_data.materialization
             self._metadata.setdefault(step, {})[mat.asset_key.to_user_string()] = \
                 {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
         elif kind == "STEP_FAILURE" or (kind == "STEP_SUCCESS" and (step in self.assets or step in self._metadata)):
             failure = None if kind == "STEP_SUCCESS" else event.event_specific_data.error
-            error = "" if failure is None else _root_cause(failure)
+            # a failed job's own exception says why; the step's error only that the job's process failed
+            error = "" if failure is None else self._job_errors.pop(step, None) or _root_cause(failure)
             seconds = entry.timestamp - self._started.get(step, entry.timestamp)
             # a multi-asset step (a log drop: raw_logs, cleaned_logs, validated_preferences) gives a line each
             materialised = {a: m for a, m in self._metadata.pop(step, {}).items() if a in self.assets}
@@ -287,16 +297,24 @@ def print_run_summary(done: list[dict], success: bool, seconds: float, log_path:
             out.write(f"{asset:>22}: {latest_uri(asset)}\n")
     if log_path:
         out.write(f"{'log':>22}: {log_path}\n")
-    out.write(command_hints(dagster_home or os.environ.get("DAGSTER_HOME") or ".dagster_home"))
+    out.write(command_hints(dagster_home or os.environ.get("DAGSTER_HOME") or ".dagster_home",
+                            audited=audited_asset(done)))
 
 
-def command_hints(dagster_home: str, argv0: str | None = None) -> str:
-    """The next commands, as this environment runs them: the DAGSTER_HOME in use, batchrl as it was invoked."""
+def audited_asset(done: list[dict]) -> str | None:
+    """The asset the hints audit: one this run materialised (a checkpoint first), None when it materialised none."""
+    built = [item["asset"] for item in done if item.get("ok") and item.get("asset")]
+    return next((asset for asset in AUDIT_FIRST if asset in built), built[-1] if built else None)
+
+
+def command_hints(dagster_home: str, argv0: str | None = None, audited: str | None = None) -> str:
+    """The next commands, as this environment runs them: the DAGSTER_HOME in use, batchrl as it was invoked;
+    ``audited``: the asset to audit and reproduce (one the run materialised; None: no such hint)."""
     batchrl = invoked_as(argv0)
     dagster = os.path.join(os.path.dirname(sys.executable), "dagster")  # beside this interpreter: its environment's
     dagster = _program(dagster) if os.path.exists(dagster) else "dagster"
-    return (f"audit:  {batchrl} audit policy_checkpoint    reproduce:  {batchrl} reproduce policy_checkpoint\n"
-            f"UI:     DAGSTER_HOME={shlex.quote(os.path.abspath(dagster_home))} {dagster} dev   "
+    audit = (f"audit:  {batchrl} audit {audited}    reproduce:  {batchrl} reproduce {audited}\n" if audited else "")
+    return (f"{audit}UI:     DAGSTER_HOME={shlex.quote(os.path.abspath(dagster_home))} {dagster} dev   "
             "(then open http://127.0.0.1:3000)\n")
 
 

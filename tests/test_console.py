@@ -116,7 +116,8 @@ def test_the_footer_names_the_dagster_home_and_the_batchrl_in_use(tmp_path, monk
         monkeypatch.setattr(sys, "argv", [argv0, "run"])
         monkeypatch.setenv("PATH", path)
         out = io.StringIO()
-        print_run_summary([], True, 1.0, None, lambda asset: None, out=out, dagster_home=str(home))
+        built = [{"asset": "policy_checkpoint", "ok": True, "seconds": 1.0, "metadata": {}}]  # what the hint audits
+        print_run_summary(built, True, 1.0, None, lambda asset: None, out=out, dagster_home=str(home))
         return out.getvalue()
 
     program = tmp_path / "tools" / "batchrl"
