@@ -50,18 +50,16 @@ import sys
 import time
 
 from bench_disk import OptimizerStatePruner, prune_checkpoints  # noqa: E402  (bench/ is the script's folder)
+from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_CHAIN = "rollouts,rewards,advantages,policy_checkpoint"
 PREP = "raw_logs,cleaned_logs,validated_preferences,preference_window,prompts,base_model"  # untimed: the base and prompts
+PREPARED = ".prepared"  # an arm's state folder holds its PREP already
 ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 192, 8, 64, 96
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # a CPU check of this script's paths: the real profile's CPU size
 if SMOKE:
     ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
-# the task: ``real`` (SmolLM2 on sample_data/real) or ``gsm8k`` (profiles/gsm8k.yaml's model on the GSM8K release
-# under --gsm8k: train for the arms, all 1,319 test questions greedy at 512 tokens for the evaluation)
-TASK = {"name": "real", "profile": "real", "reward": "final_answer", "eval_tokens": NEW_TOKENS, "lr": 1e-5, "beta": 0.01}
-GSM8K_TASK = {"name": "gsm8k", "profile": "gsm8k", "reward": "gsm8k", "eval_tokens": 16 if SMOKE else 512, "lr": 2e-6, "beta": 0.001}
 # the batchrl arms other than ``full``: the run config over the profile's
 ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
@@ -122,10 +120,26 @@ print("HISTORY" + json.dumps(out))
     return json.loads(text.split("HISTORY", 1)[1])
 
 
+def prepare_arm(state: str, arm: str, out: str) -> dict:
+    """``PREP`` for ``arm`` alone (untimed, as in ``run_batchrl_arm``), so that an arm's timed minutes fit one device
+    call (a 0.5B GGUF's join and conversion, the ingest); the arm then starts from this state."""
+    import shutil
+
+    shutil.rmtree(os.path.join(state, arm), ignore_errors=True)
+    env = _arm_env(state, arm)
+    code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1"], os.path.join(out, f"{arm}_prep.log"))
+    if code:
+        raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code})")
+    open(os.path.join(state, arm, PREPARED), "w").close()
+    return {"prep_s": round(prep_s, 1), "base": _arm_history(env)["uri"]["base_model"]}
+
+
 def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every: int = 0, seed: int = 0) -> dict:
     import shutil
 
-    shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
+    prepared = os.path.exists(os.path.join(state, arm, PREPARED))  # `--parts prep:ARM` in an earlier device call
+    if not prepared:
+        shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
     env = _arm_env(state, arm)
     log = os.path.join(out, f"{arm}_run.log")
     extra = []
@@ -140,7 +154,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
         with open(config, "w") as f:
             json.dump(overrides, f)
         extra = ["-c", config]
-    code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)  # not the profile's 8
+    code, prep_s = (0, 0.0) if prepared else _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)
     if code:
         raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code}); see {log}")
     worker_s = _warm_worker(env)
@@ -307,37 +321,6 @@ def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
     return results
 
 
-def use_gsm8k(folder: str, state: str) -> None:
-    """The gsm8k task: profiles/gsm8k.yaml with its landing pointed at the release in ``folder`` (a profile file
-    in ``state``: the arms run it by path), the eval set and rewards switched."""
-    import yaml
-
-    with open(os.path.join(REPO, "profiles", "gsm8k.yaml")) as f:
-        profile = yaml.safe_load(f)
-    if not SMOKE:
-        profile["resources"]["landing"] = {"prompts": os.path.join(os.path.abspath(folder), "train.jsonl.gz"),
-                                           "eval_prompts": os.path.join(os.path.abspath(folder), "test.jsonl.gz")}
-    path = os.path.join(state, "gsm8k_bench.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(profile, f)
-    global ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS
-    if not SMOKE:  # the profile's gpu size
-        ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 128, 8, 32, 512
-    TASK.update(GSM8K_TASK, profile=path, landing=profile["resources"]["landing"])
-
-
-def task_prompts(split: str) -> list[dict]:
-    """The task's training (``train``) or held-out (``eval``) prompts, as the prompts asset reads them."""
-    from batchrl.training.prompt_shapes import PromptQuarantine
-    from batchrl.training.prompts import load_prompts
-
-    if TASK["name"] == "real":
-        name = "train.jsonl" if split == "train" else "heldout.jsonl"
-        return [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "real", name))]
-    uri = TASK["landing"]["prompts" if split == "train" else "eval_prompts"]
-    return load_prompts(uri, shape="gsm8k", quarantine=PromptQuarantine()).to_dict("records")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="full,trl,lora,eval")
@@ -354,7 +337,10 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.state, exist_ok=True)
     if args.task == "gsm8k":
-        use_gsm8k(args.gsm8k, args.state)
+        sizes = use_gsm8k(args.gsm8k, args.state, SMOKE)
+        if sizes:
+            global ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS
+            ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = sizes
     os.makedirs(args.out, exist_ok=True)
     record_path = os.path.join(args.state, "record.json")
     record = json.load(open(record_path)) if os.path.exists(record_path) else {"minutes": args.minutes, "arms": {}}
@@ -362,7 +348,9 @@ def main() -> None:
     for part in args.parts.split(","):
         print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
         try:
-            if part == "full" or part in ARM_CONFIGS:
+            if part.startswith("prep:"):
+                record.setdefault("prepared", {})[part[5:]] = prepare_arm(args.state, part[5:], args.out)
+            elif part == "full" or part in ARM_CONFIGS:
                 record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every,
                                                        args.seed)
             elif part in ("trl", "trl_reset"):
@@ -370,7 +358,9 @@ def main() -> None:
                 record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset",
                                                    curve_every=args.curve_every, seed=args.seed)
             elif part == "eval":
-                models = {"base": next(r["base"] for r in record["arms"].values() if r.get("base"))}
+                bases = [r["base"] for r in [*record["arms"].values(), *record.get("prepared", {}).values()]
+                         if r.get("base")]
+                models = {"base": bases[0]}
                 models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})
                 done = record.setdefault("eval", {})  # each model once, over consecutive calls
                 done.update(evaluate({name: path for name, path in models.items() if name not in done}))

@@ -1,0 +1,48 @@
+"""The tasks of bench_gpu_rl_vs_trl.py: ``real`` (SmolLM2 on sample_data/real, the default) and ``gsm8k``
+(profiles/gsm8k.yaml's model on the GSM8K release: its train split for the arms, all 1,319 test questions greedy at
+512 tokens for the evaluation, the gsm8k reward)."""
+from __future__ import annotations
+
+import json
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the task: ``real`` (SmolLM2 on sample_data/real) or ``gsm8k`` (profiles/gsm8k.yaml's model on the GSM8K release
+# under --gsm8k: train for the arms, all 1,319 test questions greedy at 512 tokens for the evaluation)
+SMOKE = os.environ.get("BENCH_SMOKE") == "1"
+TASK = {"name": "real", "profile": "real", "reward": "final_answer", "eval_tokens": 16 if SMOKE else 96, "lr": 1e-5,
+        "beta": 0.01}
+GSM8K_TASK = {"name": "gsm8k", "profile": "gsm8k", "reward": "gsm8k", "lr": 2e-6, "beta": 0.001}
+
+
+def use_gsm8k(folder: str, state: str, smoke: bool) -> tuple | None:
+    """The gsm8k task: profiles/gsm8k.yaml with its landing pointed at the release in ``folder`` (a profile file
+    in ``state``: the arms run it by path), the eval set and rewards switched. Returns the round's sizes (prompts,
+    samples per prompt, micro-batch, new tokens) of the profile's gpu size, None at smoke size."""
+    import yaml
+
+    with open(os.path.join(REPO, "profiles", "gsm8k.yaml")) as f:
+        profile = yaml.safe_load(f)
+    if not smoke:
+        profile["resources"]["landing"] = {"prompts": os.path.join(os.path.abspath(folder), "train.jsonl.gz"),
+                                           "eval_prompts": os.path.join(os.path.abspath(folder), "test.jsonl.gz")}
+    path = os.path.join(state, "gsm8k_bench.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(profile, f)
+    TASK.update(GSM8K_TASK, profile=path, landing=profile["resources"]["landing"],
+                eval_tokens=16 if smoke else 512)
+    return None if smoke else (128, 8, 32, 512)
+
+
+def task_prompts(split: str) -> list[dict]:
+    """The task's training (``train``) or held-out (``eval``) prompts, as the prompts asset reads them."""
+    from batchrl.training.prompt_shapes import PromptQuarantine
+    from batchrl.training.prompts import load_prompts
+
+    if TASK["name"] == "real":
+        name = "train.jsonl" if split == "train" else "heldout.jsonl"
+        return [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "real", name))]
+    uri = TASK["landing"]["prompts" if split == "train" else "eval_prompts"]
+    return load_prompts(uri, shape="gsm8k", quarantine=PromptQuarantine()).to_dict("records")
+
+
