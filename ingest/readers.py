@@ -23,7 +23,7 @@ from batchrl.ingest.duckjsonl import DuckJsonlReader, duckdb_applies
 from batchrl.ingest.jsonl import JsonlReader
 from batchrl.ingest.shapes import flat_shape
 from batchrl.ingest.records import (
-    ExtraFieldCounter, RecordStructurer, Reject, RowError, raw_text, rows_to_table, structure_table,
+    ExtraFieldCounter, RecordStructurer, Reject, RowError, column_contract, raw_text, rows_to_table, structure_table,
 )
 
 
@@ -150,8 +150,9 @@ def _columnar(file: InputFile, cfg: IngestConfig, extras: ExtraFieldCounter | No
     header_line = 1 if file.format == "csv" else 0
     per_record = not flat_shape(cfg)
     for table, lines, skipped in _columnar_tables(file, cfg):
-        # shapes beyond flat text (message lists, transcripts, labels): the per-record reference path
-        if per_record or any(pa.types.is_nested(t) for t in table.schema.types):
+        # shapes beyond flat text (message lists, transcripts, labels): the per-record reference path; pairs
+        # without a prompt column may be HH transcripts, recognised per record
+        if per_record or any(pa.types.is_nested(t) for t in table.schema.types) or _may_be_transcripts(table, cfg):
             for good, rejects in _records(zip(lines.tolist(), table.to_pylist()), file, cfg, extras):
                 yield good, rejects + skipped
                 skipped = []
@@ -162,3 +163,9 @@ def _columnar(file: InputFile, cfg: IngestConfig, extras: ExtraFieldCounter | No
                                               lambda i, t=table: raw_text(t.slice(i, 1).to_pylist()[0]),
                                               header_line=header_line, extras=extras)
         yield structured, rejects + skipped
+
+
+def _may_be_transcripts(table: pa.Table, cfg: IngestConfig) -> bool:
+    """Pairs without a prompt column (``column_contract`` lets them pass): HH transcripts, or rows to refuse."""
+    return cfg.kind == "preference" and not column_contract(table.column_names, cfg)[0] and \
+        "prompt" not in {cfg.field_mapping.get(c, c) for c in table.column_names}

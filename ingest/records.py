@@ -234,7 +234,11 @@ def column_contract(names: list[str], cfg: IngestConfig) -> tuple[list[str], lis
     renames = {src: dst for src, dst in cfg.field_mapping.items() if "." not in src}
     names = [renames.get(c, c) for c in names if c not in cfg.drop_fields and c != EXTRA_JSON_COLUMN]
     allowed = set(cfg.required) | set(cfg.metadata)
-    return [f for f in cfg.required if f not in names], sorted(c for c in names if c not in allowed)
+    missing = [f for f in cfg.required if f not in names]
+    extra = sorted(c for c in names if c not in allowed)
+    if missing == ["prompt"] and cfg.kind == "preference" and not extra:
+        missing = []  # chosen/rejected alone may be HH transcripts that hold the prompt: judged per record
+    return missing, extra
 
 
 def structure_table(table: pa.Table, lines: np.ndarray, cfg: IngestConfig, source_file: str,

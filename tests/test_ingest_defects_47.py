@@ -202,3 +202,25 @@ def test_an_empty_list_in_parquet_is_empty_not_nested(tmp_path):
     rows = [{"prompt": "p", "chosen": "a", "rejected": []}, {"prompt": "q", "chosen": "a", "rejected": ["x", "y"]}]
     _, _, quarantine = _ingest(_write(tmp_path / "in", "drop.parquet", rows), tmp_path / "out", PreferenceDropConfig())
     assert [(q["reason"], q["source_line"]) for q in quarantine] == [("empty_field", 1), ("nested_value", 2)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_hh_transcripts_without_speaker_tags_are_unparsable_in_any_format(tmp_path, fmt):
+    """HH-RLHF pairs (chosen and rejected only), the first without tags: the file is read, that row is an
+    unparsable transcript (not a file or a pair missing its prompt), the tagged one is valid."""
+    rows = [{"chosen": "Sure, here it is.", "rejected": "No."},
+            {"chosen": _hh(("Human", "hi"), ("Assistant", "hello")), "rejected": _hh(("Human", "hi"), ("Assistant", "go"))}]
+    report, valid, quarantine = _ingest(_write(tmp_path / "in", f"hh.{fmt}", rows), tmp_path / "out",
+                                        PreferenceDropConfig())
+    assert [(row["prompt"], row["chosen"]) for row in valid] == [("hi", "hello")]
+    assert [(q["reason"], q["source_line"]) for q in quarantine] == [("unparsable_transcript", 1)]
+
+
+def test_a_columnar_file_with_another_prompt_name_is_still_a_file_error(tmp_path):
+    """Letting chosen/rejected-only files through to the transcript check keeps the early error of a file whose
+    prompt column has another name (the mapping is missing)."""
+    from batchrl.ingest.faults import BadInputFiles
+
+    rows = [{"question": "q", "chosen": "a", "rejected": "b"}]
+    with pytest.raises(BadInputFiles, match=r"missing fields \['prompt'\]; extra fields \['question'\]"):
+        _ingest(_write(tmp_path / "in", "d.parquet", rows), tmp_path / "out", PreferenceDropConfig())
