@@ -132,10 +132,13 @@ def reference_mismatch(reference_max_length: int, dpo_max_length: int, materiali
     ``materialised``: the reference's side is what a reference_logprobs artifact was computed with."""
     if reference_max_length == dpo_max_length:
         return None
-    reference = (f"max_length={reference_max_length}, which the reference log-probs were computed with"
-                 if materialised else f"ops.reference_logprobs.config.max_length={reference_max_length}")
-    return (f"ops.dpo_checkpoint.config.max_length={dpo_max_length} differs from {reference}: DPO compares the two "
-            "over the same completion tokens, so both stages must truncate at the same max_length (set it on both)")
+    if materialised:
+        return (f"ops.dpo_checkpoint.config.max_length={dpo_max_length} differs from the reference log-probs' "
+                f"max_length={reference_max_length}: DPO compares both over the same completion tokens; set the same "
+                "max_length on dpo_checkpoint, or rematerialise reference_logprobs with it")
+    return (f"ops.dpo_checkpoint.config.max_length={dpo_max_length} differs from "
+            f"ops.reference_logprobs.config.max_length={reference_max_length}: DPO compares both over the same "
+            "completion tokens; set the same max_length on both")
 
 
 def _check_engine(ops: dict, chosen, engine) -> None:

@@ -151,7 +151,7 @@ class RunProgress:
         if kind == "STEP_START":
             self._started[step] = entry.timestamp
         elif kind == "ENGINE_EVENT" and event.message == PIPES_JOB_ERROR and event.engine_event_data.error:
-            self._job_errors[step] = event.engine_event_data.error.message
+            self._job_errors[step] = error_text(event.engine_event_data.error)
         elif kind == "ASSET_MATERIALIZATION":
             mat = event.event_specific_data.materialization
             self._metadata.setdefault(step, {})[mat.asset_key.to_user_string()] = \
@@ -215,7 +215,17 @@ def _root_cause(error) -> str:
     """The innermost error's message (Dagster wraps the asset's exception in a step error)."""
     while error is not None and error.cause is not None:
         error = error.cause
-    return "" if error is None else f"{error.cls_name}: {error.message.strip()}" if error.cls_name else error.message
+    return "" if error is None else error_text(error)
+
+
+def error_text(error) -> str:
+    """A recorded error as the console shows it: ``Class: message``, the class without its module path (the
+    message Dagster records already starts with it); a ``dg.Failure``'s message alone, written for the user."""
+    text = (error.message or "").strip()
+    named = re.match(r"([\w.]+\.)?(\w+): ", text)
+    if named and named.group(2) == error.cls_name:
+        return text[named.end():] if error.cls_name == "Failure" else f"{error.cls_name}: {text[named.end():]}"
+    return f"{error.cls_name}: {text}" if error.cls_name else text
 
 
 def summary_table(rows: list[dict]) -> str:
@@ -271,6 +281,10 @@ def print_run_summary(done: list[dict], success: bool, seconds: float, log_path:
     failed = [d for d in done if not d["ok"]]
     out.write(f"\n{'SUCCESS' if success else 'FAILED'}: {sum(d['ok'] for d in done)} assets materialised"
               f"{f', {len(failed)} failed' if failed else ''} in {seconds:.0f} s\n")
+    for item in failed:  # a cause cut on its asset line, whole (its traceback is in the log)
+        whole = failure_line(item.get("error", ""), width=sys.maxsize)
+        if whole != failure_line(item.get("error", "")):
+            out.write(f"  {item['asset']} failed: {whole}\n")
     for item in done:
         if item.get("blocked"):
             out.write(f"  {item['asset']} was published, but its blocking check {', '.join(item['blocked'])} failed: "

@@ -102,7 +102,7 @@ def test_a_reference_from_an_earlier_run_is_checked_by_dpo_checkpoint():
 
     assert reference_mismatch(128, 128, materialised=True) is None
     problem = reference_mismatch(256, 128, materialised=True)
-    assert "ops.dpo_checkpoint.config.max_length=128" in problem and "max_length=256, which the reference" in problem
+    assert "ops.dpo_checkpoint.config.max_length=128" in problem and "reference log-probs' max_length=256" in problem
 
 
 @pytest.mark.parametrize("ops, engine, named", [
@@ -218,3 +218,19 @@ def test_the_hint_audits_an_asset_this_run_materialised():
     assert "audit dpo_checkpoint" in dpo_only and "policy_checkpoint" not in dpo_only, dpo_only
     assert "audit prompts" in footer([item("prompts"), item("rollouts", ok=False)])
     assert "audit" not in footer([]) and "UI:" in footer([])
+
+
+def test_a_cause_is_shown_without_module_paths_and_whole_in_the_summary():
+    from dagster._utils.error import SerializableErrorInfo
+
+    from batchrl.cli.console import error_text, print_run_summary
+
+    failure = SerializableErrorInfo("dagster._core.definitions.events.Failure: set the same max_length\n", [], "Failure")
+    assert error_text(failure) == "set the same max_length"  # a dg.Failure is written for the user
+    job = SerializableErrorInfo("ValueError: tokenises 60\n", [], "ValueError")
+    assert error_text(job) == "ValueError: tokenises 60"
+    cause = "ops.dpo_checkpoint.config.max_length=128 differs: " + "why " * 60 + "what to do"
+    out = io.StringIO()
+    print_run_summary([{"asset": "dpo_checkpoint", "ok": False, "seconds": 1.0, "metadata": {}, "error": cause}],
+                      False, 1.0, None, lambda asset: None, out=out)
+    assert f"dpo_checkpoint failed: {cause}" in out.getvalue()
