@@ -21,7 +21,8 @@ def add_command(sub) -> None:
                           "(default: the profile's, else 1)")
     run.add_argument("--profile", help="a run profile from profiles/ (e.g. 'real') or a profile .yaml path")
     run.add_argument("-c", "--config", action="append",
-                     help="run-config YAML ({ops: ...}) merged over the profile's; may be repeated")
+                     help="run-config YAML: ops: and resources: as in a profile, merged field by field over the "
+                          "profile's (a later file over an earlier one); may be repeated")
     run.add_argument("--max-minutes", type=float, default=None,
                      help="start no further RL iteration after this many minutes (then evaluate)")
     run.add_argument("--concurrent-steps", type=_steps, default=default_concurrent_steps(), metavar="N",
