@@ -10,7 +10,7 @@ from pydantic import Field
 from batchrl.assets.charts import grouped_bars
 from batchrl.assets.common import code_version, publish
 from batchrl.assets.data_quality import printable
-from batchrl.assets.dpo import ReferenceConfig
+from batchrl.assets.dpo import reference_max_length
 from batchrl.assets.rl import AgentRunConfig, PromptFormatConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
@@ -105,7 +105,7 @@ def reference_pass(reference_logprobs: Artifact, base_model: Artifact, compute: 
         dtype = "bfloat16" if compute.device.startswith("cuda") else "float32"
     model = reference_logprobs.input_ref("reference")
     same_pass = model is not None and model.data_version == base_model.data_version and dtype == compute.dtype
-    return int(recorded.get("max_length", ReferenceConfig.model_fields["max_length"].default)), same_pass
+    return reference_max_length(reference_logprobs), same_pass
 
 
 def rounded(value, digits: int = 6):
