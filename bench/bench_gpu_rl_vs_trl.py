@@ -62,6 +62,8 @@ if SMOKE:
     ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
 # the batchrl arms other than ``full``: the run config over the profile's
 ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
+               # 5x the profile's lr (gsm8k: 1e-5): does a faster policy move GSM8K greedy accuracy in minutes?
+               "hi_lr": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}}}},
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
                "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
