@@ -152,9 +152,11 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
         overrides = deep_merge(overrides, {"ops": {"rollouts": {"config": {"seed": seed}},
                                                    "policy_checkpoint": {"config": {"seed": seed}}}})
     if overrides["ops"]:
-        config = os.path.join(state, f"{arm}.json")  # YAML's superset: JSON reads as run config
+        import yaml
+
+        config = os.path.join(state, f"{arm}.yaml")  # not JSON: YAML reads JSON's 1e-05 as a string
         with open(config, "w") as f:
-            json.dump(overrides, f)
+            yaml.safe_dump(overrides, f)
         extra = ["-c", config]
     code, prep_s = (0, 0.0) if prepared else _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)
     if code:
