@@ -234,3 +234,17 @@ def test_a_cause_is_shown_without_module_paths_and_whole_in_the_summary():
     print_run_summary([{"asset": "dpo_checkpoint", "ok": False, "seconds": 1.0, "metadata": {}, "error": cause}],
                       False, 1.0, None, lambda asset: None, out=out)
     assert f"dpo_checkpoint failed: {cause}" in out.getvalue()
+
+
+def test_scientific_notation_without_a_dot_is_a_float(tmp_path):
+    """``lr: 1e-5`` (and JSON's ``1e-05``) read as strings under YAML 1.1 and failed the check as "expected Float"
+    (found by the GSM8K bench's overrides, 2026-12-05); a string that only looks numeric stays a string."""
+    from batchrl.resources.profiles import load_run_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text('ops: {policy_checkpoint: {config: {lr: 1e-5, kl_coef: 1E-03}}, x: {config: {name: "1e-5"}}}\n')
+    ops = load_run_file(str(path))["ops"]
+    assert ops["policy_checkpoint"]["config"] == {"lr": 1e-05, "kl_coef": 0.001}
+    assert ops["x"]["config"]["name"] == "1e-5"
+    path.write_text('{"ops": {"policy_checkpoint": {"config": {"lr": 1e-05}}}}')
+    assert load_run_file(str(path))["ops"]["policy_checkpoint"]["config"]["lr"] == 1e-05
