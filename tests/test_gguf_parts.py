@@ -8,7 +8,7 @@ import hashlib
 import os
 
 import pytest
-from test_gguf_source import _write_tiny_gguf
+from gguf_helpers import write_tiny_gguf
 
 from batchrl.training.gguf_parts import join_parts, joined_path, resolve_parts
 from batchrl.training.gguf_source import GgufSourceError, cached_hf_from_gguf
@@ -30,7 +30,7 @@ def _install_part(site, dist: str, rel: str, data: bytes) -> str:
 @pytest.fixture()
 def parts(tmp_path, monkeypatch):
     gguf = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(str(gguf))
+    write_tiny_gguf(str(gguf))
     data = gguf.read_bytes()
     site = tmp_path / "site"
     cut = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
