@@ -9,7 +9,6 @@ import importlib.metadata as md
 import json
 import os
 
-import numpy as np
 import pytest
 
 from gguf_helpers import HIDDEN, N_LAYERS, write_tiny_gguf
