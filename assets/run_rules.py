@@ -50,9 +50,25 @@ def check_run_config(run_config: dict | None, selection: Iterable[str] | None = 
     chosen = _chooser(set(selection) if selection else None)
     _check_rl(ops, chosen)
     _check_dpo_lengths(ops, chosen)
+    _check_base_model_parts(ops, chosen)
     if resources is not None and "rollout_engine" in resources:
         _check_engine(ops, chosen, resources["rollout_engine"])
     _check_pair_source(ops, graph)
+
+
+def _check_base_model_parts(ops: dict, chosen) -> None:
+    """A split GGUF base model: every part installed before anything runs (a missing package is named with the
+    part; the hashes are checked when the parts are joined). Only a run that builds the base model needs them."""
+    parts = ((ops.get("base_model") or {}).get("config") or {}).get("gguf_parts")
+    if not parts or not chosen("base_model"):
+        return
+    from batchrl.training.gguf_parts import resolve_parts
+    from batchrl.training.gguf_source import GgufSourceError
+
+    try:
+        resolve_parts(parts)
+    except GgufSourceError as err:
+        raise RunConfigError(f"ops.base_model.config.gguf_parts: {err}") from None
 
 
 def _chooser(selected: set[str] | None):

@@ -75,3 +75,20 @@ def test_a_missing_part_fails_before_anything_is_read(parts):
         resolve_parts(parts["specs"] + ["tiny-model-part4:tiny_model_part4/data/part04.bin"])
     with pytest.raises(GgufSourceError, match=r"part 2 of 3 .* is missing: .*is not a file of distribution"):
         resolve_parts([parts["specs"][0], "tiny-model-part2:elsewhere.bin", parts["specs"][2]])
+
+
+def test_batchrl_run_names_a_missing_part_before_anything_runs(tmp_path):
+    """The up-front check of a run that builds the base model (exit 2, one line naming the part); a run that does not
+    build it needs no parts."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "c.yaml"
+    config.write_text("ops:\n  base_model:\n    config:\n      gguf_parts: ['no-such-part-pkg:x/part01.bin']\n"
+                      f"      gguf_sha256: '{'a' * 64}'\n")
+    env = {**os.environ, "BATCHRL_STORAGE": str(tmp_path / "s"), "DAGSTER_HOME": str(tmp_path / "home")}
+    cli = [sys.executable, "-m", "batchrl.cli", "run", "-c", str(config)]
+    built = subprocess.run([*cli, "--select", "base_model"], env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 2, built.stderr
+    assert "gguf_parts: GGUF part 1 of 1 ('no-such-part-pkg:x/part01.bin') is missing" in built.stderr
+    assert not (tmp_path / "s" / "base_model").exists()
