@@ -30,7 +30,7 @@ class ProfileError(RunConfigError):
     (the message names the file, and each field on a line of its own)."""
 
 
-PROFILE_KEYS = {"description", "rl_iterations", "resources", "ops", "environments"}
+PROFILE_KEYS = {"description", "rl_iterations", "resources", "ops", "environments"}  # + extends: a parent profile
 RUN_FILE_KEYS = {"resources", "ops", "environments"}  # a ``-c`` file: what a profile overrides, no defaults of its own
 # `batchrl run -c` files' resource overrides, for the code location the command (and its step processes) builds:
 # JSON [[file, {resource: {field: value}}], ...], in the order given
@@ -89,13 +89,34 @@ def _for_env(raw: dict, path: str, allowed: set[str], env: str | None) -> dict:
 
 def load_profile(name: str, env: str | None = None) -> dict[str, Any]:
     """``{"resources": {...}, "ops": {...}, "rl_iterations": int, "description": str}`` of a profile."""
-    path = name if name.endswith(".yaml") else os.path.join(PROFILE_DIR, f"{name}.yaml")
-    if not os.path.exists(path):
-        raise ProfileError(f"unknown profile {name!r}: no {path}; known: {available_profiles()}")
-    merged = _for_env(_read_yaml(path), path, PROFILE_KEYS, env)
+    path = _profile_path(name)
+    merged = _for_env(_profile_raw(path), path, PROFILE_KEYS, env)
     return {"description": merged.get("description", ""), "rl_iterations": int(merged.get("rl_iterations", 1)),
             "resources": _plain_resources(_expand(merged.get("resources") or {})),
             "ops": _expand(merged.get("ops") or {})}
+
+
+def _profile_path(name: str) -> str:
+    path = name if name.endswith(".yaml") else os.path.join(PROFILE_DIR, f"{name}.yaml")
+    if not os.path.exists(path):
+        raise ProfileError(f"unknown profile {name!r}: no {path}; known: {available_profiles()}")
+    return path
+
+
+def _profile_raw(path: str, chain: tuple[str, ...] = ()) -> dict:
+    """The profile file with the profile it ``extends`` (a name, or a path relative to this file) under it: its keys
+    merged over the parent's, nested mappings key by key (a variant states only what differs: another model, LoRA)."""
+    raw = _read_yaml(path)
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ProfileError(f"{path}: extends must name one profile, got {parent!r}")
+    parent_path = _profile_path(parent if not parent.endswith(".yaml") else
+                                os.path.join(os.path.dirname(os.path.abspath(path)), parent))
+    if os.path.abspath(parent_path) in chain:
+        raise ProfileError(f"{path}: extends {parent!r} makes a cycle ({' -> '.join((*chain, parent_path))})")
+    return deep_merge(_profile_raw(parent_path, (*chain, os.path.abspath(path))), raw)
 
 
 def load_run_file(path: str, env: str | None = None) -> dict[str, Any]:
