@@ -17,6 +17,11 @@ from batchrl.cli.instance import DAGSTER_YAML
 from batchrl.common.log_file import OUTPUT_ROUTED_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# every asset of the code location (the UI and `dg list defs` show these)
+ASSET_KEYS = {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs",
+              "prompts", "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
+              "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation", "promoted_policy",
+              "offline_policy_checkpoint", "feedback_logs", "kto_checkpoint"}
 
 
 class Port(int):
@@ -45,10 +50,11 @@ def graphql(port: int, query: str, variables: dict | None = None) -> dict:
     return payload["data"]
 
 
-def serve(tmp_path_factory, meanwhile=None):
-    """``dagster dev`` on a fresh DAGSTER_HOME and storage root, yielding its Port once it answers; stopped (its
-    process group) after. ``meanwhile(port)`` runs while the webserver loads its code location (~20 s of a loaded
-    box's time that a `batchrl run` into the same instance can use instead of waiting for it)."""
+def serve(tmp_path_factory, meanwhile=None, command=("dagster", "dev")):
+    """``dagster dev`` (or ``command``: ``("dg", "dev")``) on a fresh DAGSTER_HOME and storage root, yielding its
+    Port once it answers; stopped (its process group) after. ``meanwhile(port)`` runs while the webserver loads its
+    code location (~20 s of a loaded box's time that a `batchrl run` into the same instance can use instead of
+    waiting for it)."""
     home = tmp_path_factory.mktemp("home")
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
     port = Port(free_port(), str(home), str(tmp_path_factory.mktemp("storage")))
@@ -60,10 +66,10 @@ def serve(tmp_path_factory, meanwhile=None):
     # BATCHRL_OUTPUT_ROUTED, which would keep the server's runs from writing their own log files
     env = {**{k: v for k, v in os.environ.items() if k != OUTPUT_ROUTED_ENV},
            "DAGSTER_HOME": port.home, "BATCHRL_STORAGE": port.storage}
-    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
+    executable = os.path.join(os.path.dirname(sys.executable), command[0])
     log = open(home / "dagster_dev.log", "w")
     # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)
-    proc = subprocess.Popen([dagster, "dev", "-p", str(port)], cwd=REPO, env=env,
+    proc = subprocess.Popen([executable, *command[1:], "-p", str(port)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if meanwhile is not None:
@@ -75,7 +81,8 @@ def serve(tmp_path_factory, meanwhile=None):
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"dagster dev did not start: {(home / 'dagster_dev.log').read_text()[-3000:]}")
+                    log_tail = (home / "dagster_dev.log").read_text()[-3000:]
+                    raise RuntimeError(f"{' '.join(command)} did not start: {log_tail}")
                 time.sleep(1)
         yield port
     finally:

@@ -6,13 +6,9 @@ from __future__ import annotations
 import os
 import time
 
-from helpers_webserver import dagster_dev  # noqa: F401  (a fixture)
+from helpers_webserver import ASSET_KEYS, dagster_dev  # noqa: F401  (a fixture)
 from helpers_webserver import graphql as _graphql
 
-EXPECTED = {"raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs", "prompts",
-            "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
-            "dpo_pairs", "reference_logprobs", "dpo_checkpoint", "evaluation", "promoted_policy",
-            "offline_policy_checkpoint", "feedback_logs", "kto_checkpoint"}
 
 
 def _listening(port: int) -> list[str]:
@@ -37,7 +33,7 @@ def test_webserver_listens_on_loopback_only(dagster_dev):
 
 def test_ui_shows_every_asset_sensor_and_schedule(dagster_dev):
     data = _graphql(dagster_dev, "{ assetNodes { assetKey { path } } }")
-    assert {node["assetKey"]["path"][-1] for node in data["assetNodes"]} == EXPECTED
+    assert {node["assetKey"]["path"][-1] for node in data["assetNodes"]} == ASSET_KEYS
     repo = _graphql(dagster_dev, """{ repositoriesOrError { ... on RepositoryConnection { nodes {
         sensors { name description } schedules { name description } jobs { name } } } } }""")["repositoriesOrError"]["nodes"][0]
     assert {"new_logs_sensor"} == {s["name"] for s in repo["sensors"]}
