@@ -20,7 +20,7 @@ ESCAPE = sandbox.SandboxLimits(timeout_s=1.0, memory_mb=256)  # the loops only n
 
 # bwrap is the real isolation (installed by scripts/bootstrap.sh when run as root, as CI does); the
 # weaker levels are the documented fallbacks and must hold the same line on these cases.
-LEVELS = ["bwrap", "unshare", "rlimits"]
+LEVELS = ["bwrap", "namespaces", "rlimits"]
 
 
 @pytest.fixture(params=LEVELS)
@@ -75,7 +75,7 @@ def _sandboxed_processes() -> set[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if argv[1:5] == [b"-I", b"-S", b"-B", b"main.py"]:
+        if argv[1:5] == [b"-I", b"-S", b"-B", b"boot.py"]:
             pids.add(int(entry.split("/")[2]))
     return {pid for pid in pids if _ours(pid)}
 
