@@ -54,6 +54,11 @@ class AgentConfig(BaseModel):
                                   "as function(arguments: dict, state: dict) -> str (state: one dict per rollout); "
                                   "tool_call_json only")
     tool_workers: int = Field(8, ge=1, le=256, description="tool calls run side by side")
+    python_state: Literal["persistent", "replay"] = Field(
+        "persistent", description="persistent: one sandboxed interpreter per trajectory keeps the cells' state; "
+        "replay: every call a fresh sandbox re-running the earlier cells (slower under load, same observations)")
+    allow_weak_sandbox: bool = Field(False, description="run model code even where the sandbox is not a boundary "
+                                     "(no bubblewrap and no user namespaces: the rlimits level); refused otherwise")
 
     @model_validator(mode="after")
     def _check(self):

@@ -111,7 +111,7 @@ class AgentRollouts:
         self.turn_tokens = int(engine.max_new_tokens)
         self.generator = generator or turn_generator(engine, STOP_STRINGS.get(config.tool_format))
         self.toolbox = ToolBox(config) if tools else None
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, Any] = {}
 
     def _start(self, prompts: list[str], n: int, messages: list[Messages] | None) -> list[Trajectory]:
         instructions = self.config.instructions() if self.tools else ""
@@ -168,6 +168,19 @@ class AgentRollouts:
                  messages: list[Messages] | None = None) -> list[dict[str, Any]]:
         """``n`` trajectories per prompt, in ``(prompt, sample)`` order; ``self.stats`` gets the timings."""
         trajs = self._start(prompts, n, messages)
+        try:
+            samples = self._roll(trajs, prompts, seed)
+        finally:  # every trajectory's sandboxed interpreter ends with the batch, whatever happened
+            for traj in trajs:
+                self._end(traj)
+        return samples
+
+    def _end(self, traj: Trajectory) -> None:
+        """The trajectory is over: its Python interpreter is killed and its scratch dir removed."""
+        if self.toolbox is not None:
+            self.toolbox.close_state(traj.state)
+
+    def _roll(self, trajs: list[Trajectory], prompts: list[str], seed: int) -> list[dict[str, Any]]:
         generate_s = tool_s = tool_wall_sum = 0.0
         generated = 0  # tokens the engine produced, the tails after tool calls (cut off) included
         active = list(trajs)
@@ -188,9 +201,12 @@ class AgentRollouts:
             for (traj, _), result in zip(calls, results):
                 tool_wall_sum += result.wall_s
                 self._observe(traj, result)
+            for traj in active:
+                if traj.finish_reason is not None:
+                    self._end(traj)
             active = [t for t in trajs if t.finish_reason is None]
         self.stats = {"generate_s": generate_s, "tool_s": tool_s, "tool_call_wall_sum_s": tool_wall_sum,
-                      "generated_tokens": generated}
+                      "generated_tokens": generated, "sandbox": self.toolbox.sandbox if self.toolbox else {}}
         return [self._sample(t, prompts) for t in trajs]
 
     def _sample(self, traj: Trajectory, prompts: list[str]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 
-def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, float], wall_s: float) -> dict[str, float]:
+def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, Any], wall_s: float) -> dict[str, Any]:
     """Mean tool calls / turns per rollout, tool error rate, finish-reason shares, the model's own tokens per
     second of generation (observations excluded; ``engine_tokens_per_s`` counts every token the engine made, the
     tails generated after a tool call and cut off included, ``kept_token_share`` the share kept), and the share of
@@ -26,6 +26,8 @@ def trajectory_stats(rows: Sequence[dict[str, Any]], loop_stats: dict[str, float
            "tool_share": float(loop_stats.get("tool_s", 0.0)) / wall_s if wall_s > 0 else 0.0}
     for reason in ("stop", "length", "max_turns"):
         out[f"finish/{reason}"] = sum(r["finish_reason"] == reason for r in rows) / n
+    # the sandbox the tool calls ran in: its level and each piece in force (training/sandbox.describe)
+    out.update({f"sandbox/{key}": value for key, value in (loop_stats.get("sandbox") or {}).items()})
     return out
 
 

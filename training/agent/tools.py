@@ -1,13 +1,15 @@
 """Tool calls: finding them in a model turn, running them, turning the result into an observation.
 
-**Python keeps its state by replaying.** Each call runs in a fresh sandbox (``training/sandbox.py``, the one the
-code reward uses: bubblewrap, no network, rlimits, a scratch dir deleted afterwards) a program that first re-runs the
-rollout's earlier cells with their output discarded, then the new cell, echoing its last expression as a REPL does.
-Why not a persistent interpreter per rollout: every call keeps the sandbox's guarantees unchanged (fresh process,
-fresh limits, nothing left running between turns or after the rollout), a cell that hung or flooded cannot poison
-the next one (it is left out of the replay), and there is nothing to clean up or to leak between rollouts. The cost
-is re-running earlier cells (tiny for a few turns of arithmetic; it counts against ``tool_timeout_s``), and state that
-is not a function of the code (time, randomness, files written outside the scratch dir) is not kept.
+**Python keeps its state in one interpreter per trajectory** (``python_state: persistent``, the default): the
+trajectory's first call starts a sandboxed interpreter (``training/sandbox``: the strongest level here, Landlock,
+seccomp, rlimits, a scratch dir), later calls run their cell in it, and it is killed with its scratch dir when the
+trajectory ends. A cell that hangs or floods kills it; the next call starts a fresh one and silently replays the
+cells kept so far first, so such a cell is left out of the state as before. ``python_state: replay`` is the former
+way: every call a fresh sandbox that re-runs the earlier cells with their output discarded, then the new cell
+(``tests/test_sandbox_session.py`` checks both give the same observations on the tool task).
+
+Model code runs only at a sandbox level that is a boundary (bwrap or namespaces) unless the config says
+``allow_weak_sandbox: true``: ``ToolBox`` refuses with one line naming the level and why before anything runs.
 
 **User tools** (``module:function``) are trusted code run in this process: ``function(arguments, state)`` with
 ``state`` a dict of this rollout's own; an exception becomes an observation, a call past ``tool_timeout_s`` is
@@ -25,6 +27,7 @@ from typing import Any, Callable
 
 from batchrl.training import sandbox
 from batchrl.training.agent.config import AgentConfig
+from batchrl.training.sandbox.session import PythonSandbox
 
 _PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -107,28 +110,53 @@ except BaseException as _e:
 '''
 
 
-class PythonSession:
-    """One rollout's Python: the cells run so far (those that did not hang or flood) and the sandbox limits."""
+def _tool_result(result: sandbox.SandboxResult, limits: sandbox.SandboxLimits) -> tuple[ToolResult, bool]:
+    """The observation of a sandboxed cell and whether the cell is kept in the state (a hang or a flood is not: it
+    would repeat)."""
+    if result.timed_out:
+        status, note = "timeout", f"[timed out after {limits.timeout_s:g} s: the process was killed]"
+    elif result.output_truncated:
+        status, note = "output_limit", f"[output passed {limits.max_output_bytes} bytes: the process was killed]"
+    else:
+        status, note = ("ok" if result.returncode == 0 else "error"), ""
+    output = result.stdout + result.stderr + (("\n" if result.stdout or result.stderr else "") + note if note else "")
+    return ToolResult(output, result.returncode, status, result.wall_s), status in ("ok", "error")
 
-    def __init__(self, limits: sandbox.SandboxLimits) -> None:
-        self.limits = limits
+
+class ReplaySession:
+    """One rollout's Python by replay: the cells run so far (those that did not hang or flood) re-run each call."""
+
+    def __init__(self, limits: sandbox.SandboxLimits, level: str) -> None:
+        self.limits, self.level = limits, level
         self.cells: list[str] = []
 
     def run(self, code: str) -> ToolResult:
         program = _REPLAY % {"earlier": list(self.cells), "cell": code, "number": len(self.cells) + 1}
-        result = sandbox.run_python(program, limits=self.limits)
-        if result.timed_out:
-            status, note = "timeout", f"[timed out after {self.limits.timeout_s:g} s: the process was killed]"
-        elif result.output_truncated:
-            status, note = "output_limit", (f"[output passed {self.limits.max_output_bytes} bytes: the process was "
-                                            "killed]")
-        else:
-            status, note = ("ok" if result.returncode == 0 else "error"), ""
-        if status in ("ok", "error"):  # replayed by later calls; a hang or a flood would repeat there
+        observation, kept = _tool_result(sandbox.run_python(program, limits=self.limits, isolation=self.level),
+                                         self.limits)
+        if kept:
             self.cells.append(code)
-        output = result.stdout + result.stderr + (("\n" if result.stdout or result.stderr else "") + note if note
-                                                  else "")
-        return ToolResult(output, result.returncode, status, result.wall_s)
+        return observation
+
+    def close(self) -> None:
+        pass
+
+
+class PersistentSession:
+    """One rollout's Python in one sandboxed interpreter kept between its calls (``training/sandbox/session.py``)."""
+
+    def __init__(self, limits: sandbox.SandboxLimits, level: str) -> None:
+        self.limits = limits
+        self.box = PythonSandbox(level, limits)
+
+    def run(self, code: str) -> ToolResult:
+        return _tool_result(self.box.run(code, f"<cell {len(self.box.kept) + 1}>"), self.limits)[0]
+
+    def close(self) -> None:
+        self.box.close()
+
+
+SESSIONS = {"persistent": PersistentSession, "replay": ReplaySession}
 
 
 def load_user_tool(name: str, spec: str) -> Callable[[dict, dict], Any]:
@@ -148,14 +176,27 @@ class ToolBox:
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        self.level = sandbox.isolation_level()
+        refusal = sandbox.weak_level_refusal(self.level, config.allow_weak_sandbox, "agent")
+        if refusal:
+            raise RuntimeError(refusal)
+        # a persistent interpreter's CPU limit covers the trajectory's calls (the wall clock is per call)
         self.limits = sandbox.SandboxLimits(timeout_s=config.tool_timeout_s, memory_mb=config.tool_memory_mb,
-                                            max_output_bytes=config.tool_output_bytes)
+                                            max_output_bytes=config.tool_output_bytes,
+                                            cpu_s=config.tool_timeout_s * config.max_turns)
+        self.sandbox = sandbox.describe(self.level, self.limits)
         self.user_tools = {name: load_user_tool(name, spec) for name, spec in config.tools.items()}
         self._user_pool = ThreadPoolExecutor(max_workers=config.tool_workers) if self.user_tools else None
 
     def new_state(self) -> dict:
         """A rollout's own state: nothing in it is shared with another rollout."""
-        return {"python": PythonSession(self.limits), "user": {}}
+        return {"python": SESSIONS[self.config.python_state](self.limits, self.level), "user": {}}
+
+    @staticmethod
+    def close_state(state: dict) -> None:
+        """End a rollout's Python (its interpreter killed, its scratch dir removed)."""
+        if "python" in state:
+            state["python"].close()
 
     def run(self, call: ToolCall, state: dict) -> ToolResult:
         """Run ``call``; never raises: whatever goes wrong is the observation."""

@@ -273,6 +273,8 @@ def serve(control_in, control_out):
         message = json.loads(body)
         code = _cell(scope, message, streams)
         sys.stdout, sys.stderr = streams  # a cell that swapped them does not keep them (as in a fresh process)
+        if message.get("silent"):
+            continue
         for stream in streams:
             try:
                 stream.flush()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pwd
 import resource
 import shutil
 import subprocess
@@ -43,10 +44,12 @@ def interpreter() -> tuple[str, str]:
 
 
 def hidden_paths() -> list[str]:
-    """What a namespaces-level sandbox covers with an empty tmpfs: the storage root, the Dagster home, $HOME, /tmp."""
+    """What a namespaces-level sandbox covers with an empty tmpfs: the storage root, the Dagster home, $HOME (and
+    the user's home as the password database has it), /tmp."""
     from batchrl.common.storage_layout import local_storage_root
 
-    found = [local_storage_root(), os.environ.get("DAGSTER_HOME"), os.path.expanduser("~"), "/tmp"]
+    found = [local_storage_root(), os.environ.get("DAGSTER_HOME"), os.path.expanduser("~"),
+             pwd.getpwuid(os.getuid()).pw_dir, "/tmp"]
     paths = []
     for path in found:
         real = path and os.path.realpath(path)
@@ -55,8 +58,10 @@ def hidden_paths() -> list[str]:
     return paths
 
 
-def _bwrap_command(binary: str, scratch: str, prefix: str) -> list[str]:
-    cmd = [binary, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+def _bwrap_command(binary: str, scratch: str, prefix: str, mode: str) -> list[str]:
+    # --die-with-parent fires when the *thread* that started it ends: a persistent interpreter started from a tool
+    # thread pool would die with the pool's thread; it ends instead at its control pipe's EOF (or its CPU limit)
+    cmd = [binary, "--unshare-all", *(["--die-with-parent"] if mode == "run" else []), "--new-session", "--clearenv",
            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH_IN_BWRAP, "--setenv", "TMPDIR",
            SCRATCH_IN_BWRAP, "--setenv", "LANG", "C.UTF-8",
            "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
@@ -116,7 +121,7 @@ def start(level: str, scratch: str, limits: SandboxLimits, mode: str, pass_fds: 
         plan["audit_guard"] = True
     py = [binary, "-I", "-S", "-B", "boot.py", json.dumps(plan)]
     if level == "bwrap":
-        cmd = _bwrap_command(levels.bwrap_binary()[0] or "bwrap", scratch, prefix) + py
+        cmd = _bwrap_command(levels.bwrap_binary()[0] or "bwrap", scratch, prefix, mode) + py
     elif level == "namespaces":
         cmd = NAMESPACES + py
     else:
