@@ -10,7 +10,7 @@ import os
 
 import dagster as dg
 
-from batchrl.assets import automation, data, dpo, evaluation, models, offline, policy_chain, rl
+from batchrl.assets import automation, data, dpo, evaluation, models, offline, policy_chain, promotion, rl
 from batchrl.resources import ArtifactIOManager, TrackingResource
 from batchrl.resources.environments import environment_resources
 from batchrl.runs import step_server
@@ -38,7 +38,7 @@ def build_definitions(resources: dict | None = None, dpo_self_play: bool | None 
     return dg.Definitions(
         assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation, offline]), dpo.dpo_pairs_asset(self_play),
                 policy_chain.promoted_policy],
-        asset_checks=dg.load_asset_checks_from_modules([data]),
+        asset_checks=dg.load_asset_checks_from_modules([data, promotion]),
         jobs=[automation.retrain_job, automation.ingest_job, *_profile_jobs()],
         sensors=[automation.new_logs_sensor],
         schedules=[automation.nightly_retrain],

@@ -8,7 +8,7 @@ import dagster as dg
 from pydantic import Field
 
 from batchrl.assets.charts import grouped_bars
-from batchrl.assets.common import code_version, publish
+from batchrl.assets.common import code_version, declared_files, publish
 from batchrl.assets.data_quality import printable
 from batchrl.assets.dpo import reference_max_length
 from batchrl.assets.rl import AgentRunConfig, PromptFormatConfig
@@ -34,18 +34,22 @@ class EvaluationConfig(PromptFormatConfig):
     max_eval_prompts: int | None = Field(None, description="evaluate the first N held-out prompts (all when unset)")
     num_examples: int = Field(3, description="sample answers per model shown in the UI")
     seed: int = Field(0, description="seed of evaluation's sampling")
+    max_regression: float = Field(0.05, ge=0.0, le=1.0, description="held-out accuracy (a fraction) the policy may "
+                                  "lose against the base model and the previously evaluated policy and stay promoted "
+                                  "(the blocking check policy_not_regressed; 1.0: never withdrawn)")
     agent: Optional[AgentRunConfig] = Field(None, description="also answer the held-out prompts with tools "
                                             "(docs/AGENT.md): tool_accuracy beside arith_accuracy (no tools), "
                                             "mean_tool_calls, tool_error_rate")
 
 
 OFFLINE_MODELS = ("offline_policy_checkpoint", "kto_checkpoint")  # compared once materialised
+RESULTS_FILE = "evaluation.json"
 
 
 @dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", "batchrl.training.agent",
                                                                        config=EvaluationConfig),
           kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in OFFLINE_MODELS},
-          metadata=landing_input("eval_prompts"))
+          metadata={**landing_input("eval_prompts"), **declared_files(results=RESULTS_FILE)})
 def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, policy_checkpoint: Artifact,
                dpo_checkpoint: Artifact, base_model: Artifact, reward_model: Artifact, dpo_pairs: Artifact,
                reference_logprobs: Artifact, offline_policy_checkpoint: Optional[Artifact],
@@ -81,7 +85,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     results = rounded(results)
     shown = {model: without_single_group_copies(metrics) for model, metrics in results.items()}
     with storage.staging_dir("evaluation") as staging:
-        with open(os.path.join(staging, "evaluation.json"), "w") as f:
+        with open(os.path.join(staging, RESULTS_FILE), "w") as f:
             json.dump(results, f, indent=2, sort_keys=True)
         flat = {f"{model}/{metric}": value for model, metrics in shown.items()
                 for metric, value in metrics.items() if isinstance(value, (int, float))}

@@ -19,6 +19,7 @@ import dagster as dg
 
 from batchrl.resources import StorageResource
 from batchrl.resources.artifacts import OPTIONAL_KEY, Artifact, make_local
+from batchrl.resources.storage import ArtifactRef
 
 PROMOTED = "promoted_policy"
 DATA_VERSION_TAG = "dagster/data_version"  # the tag Dagster reads an event's data version from
@@ -112,6 +113,21 @@ def promote(context: dg.AssetExecutionContext, output: dg.Output, parent: Artifa
                   CHAIN: f"base_model@{base_model.data_version}", **(extra or {}),
                   **({ITERATION: iteration} if iteration is not None else {})},
         tags={DATA_VERSION_TAG: ref["data_version"]}))
+
+
+def repromote(context: dg.OpExecutionContext, restored: Artifact, withdrawn: ArtifactRef, why: str) -> None:
+    """Materialise ``promoted_policy`` again as ``restored`` (the base model or an earlier checkpoint of the
+    chain), withdrawing the promotion of ``withdrawn`` (``assets.promotion``: a policy that got worse)."""
+    parent = restored.input_ref("policy")
+    iteration = policy_iteration(context.instance, restored)
+    context.log_event(dg.AssetMaterialization(
+        PROMOTED, description=f"{restored.asset} {restored.data_version} promoted again: {withdrawn.asset} "
+                              f"{withdrawn.data_version} withdrawn ({why})",
+        metadata={"uri": dg.MetadataValue.path(restored.uri), "data_version": restored.data_version,
+                  "artifact_asset": restored.asset, "withdrawn": f"{withdrawn.asset}@{withdrawn.data_version}",
+                  CHAIN: chain_of(restored), **({"parent": f"{parent.asset}@{parent.data_version}"} if parent else {}),
+                  **({ITERATION: iteration} if iteration is not None else {})},
+        tags={DATA_VERSION_TAG: restored.data_version}))
 
 
 def chain_of(policy: Artifact) -> str:

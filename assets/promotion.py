@@ -1,0 +1,85 @@
+"""The promotion gate: a policy that got worse on the held-out split does not stay the promoted policy.
+
+``policy_checkpoint`` promotes each new checkpoint at once (``promoted_policy`` is the RL loop's back edge: the
+next iteration samples from it, and held-out evaluation runs once, after the last iteration). The blocking check
+``policy_not_regressed`` on ``evaluation`` then compares the evaluated policy's held-out accuracy with its
+baselines: the base model's in the same evaluation, and the policy of the previous evaluation on the same base
+model and held-out file (the one before it, kept or not: a withdrawn one scored below the base). When the policy
+falls more than ``evaluation.max_regression`` below the better baseline, the check fails (the run fails, the UI
+shows why) and the promotion is withdrawn: ``promoted_policy`` is materialised again as that baseline, so the next
+iteration or nightly retrain starts from it, not from the regressed checkpoint.
+"""
+
+import json
+from dataclasses import dataclass
+
+import dagster as dg
+
+from batchrl.assets.policy_chain import PROMOTED, repromote
+from batchrl.resources import Artifact, StorageResource
+from batchrl.resources.artifacts import make_local
+from batchrl.resources.storage import ArtifactRef
+
+METRIC = "arith_accuracy"  # the held-out accuracy evaluation reports for every model (greedy, the task's reward)
+POLICY, BASE = "policy_checkpoint", "base_model"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """A model the policy must not fall behind: its artifact and its held-out accuracy."""
+
+    ref: ArtifactRef
+    accuracy: float
+
+
+def previous_policy(instance: dg.DagsterInstance, storage: StorageResource, current: Artifact) -> Baseline | None:
+    """The policy the evaluation before ``current`` scored, when it ran on the same base model and held-out file
+    (None for the first evaluation, or when the base model or the prompts changed: no like-for-like number)."""
+    records = instance.fetch_materializations(dg.AssetKey("evaluation"), limit=2).records
+    metadata = records[1].asset_materialization.metadata if len(records) > 1 else {}
+    if f"{POLICY}/{METRIC}" not in metadata or "uri" not in metadata:
+        return None
+    earlier = make_local(storage, ArtifactRef("evaluation", metadata["uri"].value, metadata["data_version"].value))
+    if earlier.data_version == current.data_version or _basis(earlier) != _basis(current):
+        return None
+    return Baseline(earlier.input_ref(POLICY), float(metadata[f"{POLICY}/{METRIC}"].value))
+
+
+def _basis(evaluation: Artifact) -> tuple:
+    """What makes two evaluations' accuracies comparable: the base model and the held-out file's content."""
+    base = evaluation.input_ref(BASE)
+    return (base.data_version if base else None, tuple(f["sha256"] for f in evaluation.lineage.get("input_files", [])))
+
+
+def verdict(accuracy: float, baselines: dict[str, Baseline], max_regression: float) -> tuple[bool, str]:
+    """(kept, why): the policy is kept unless its accuracy is below the best baseline's by more than
+    ``max_regression`` (a fraction: 0.05 = 5 points)."""
+    name, best = max(baselines.items(), key=lambda item: item[1].accuracy)
+    kept = accuracy >= best.accuracy - max_regression
+    relation = "within" if kept else "more than"
+    return kept, (f"held-out {METRIC} {accuracy:.3f} vs {name} {best.accuracy:.3f}: {relation} the allowed "
+                  f"regression of {max_regression:.3f}")
+
+
+@dg.asset_check(asset="evaluation", blocking=True,
+                description="Blocks promotion of a policy that got worse: fails, and puts promoted_policy back to the "
+                            "better of the base model and the previously evaluated policy, when the evaluated "
+                            "policy's held-out accuracy falls more than evaluation.max_regression below it.")
+def policy_not_regressed(context: dg.AssetCheckExecutionContext, evaluation: Artifact,
+                         storage: StorageResource) -> dg.AssetCheckResult:
+    with open(evaluation.file("results")) as f:
+        results = json.load(f)
+    baselines = {BASE: Baseline(evaluation.input_ref(BASE), float(results[BASE][METRIC]))}
+    previous = previous_policy(context.instance, storage, evaluation)
+    if previous is not None:
+        baselines["previous policy"] = previous
+    accuracy = float(results[POLICY][METRIC])
+    max_regression = float(evaluation.lineage.get("config", {}).get("max_regression", 0.0))
+    kept, why = verdict(accuracy, baselines, max_regression)
+    metadata = {"policy_accuracy": accuracy, "max_regression": max_regression, "why": why,
+                **{f"{name}_accuracy".replace(" ", "_"): b.accuracy for name, b in baselines.items()}}
+    if not kept:
+        restored = max(baselines.values(), key=lambda b: b.accuracy).ref
+        repromote(context.op_execution_context, make_local(storage, restored), evaluation.input_ref(POLICY), why)
+        metadata[PROMOTED] = f"{restored.asset}@{restored.data_version}"
+    return dg.AssetCheckResult(passed=kept, metadata=metadata, description=why)
