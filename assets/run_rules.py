@@ -51,6 +51,7 @@ def check_run_config(run_config: dict | None, selection: Iterable[str] | None = 
     _check_rl(ops, chosen)
     _check_dpo_lengths(ops, chosen)
     _check_base_model_parts(ops, chosen)
+    _check_sandbox(ops, chosen)
     if resources is not None and "rollout_engine" in resources:
         _check_engine(ops, chosen, resources["rollout_engine"])
     _check_pair_source(ops, graph)
@@ -69,6 +70,24 @@ def _check_base_model_parts(ops: dict, chosen) -> None:
         resolve_parts(parts)
     except GgufSourceError as err:
         raise RunConfigError(f"ops.base_model.config.gguf_parts: {err}") from None
+
+
+def _check_sandbox(ops: dict, chosen) -> None:
+    """Tool-using rollouts run model-written code: refused where the sandbox is not a boundary (``training/sandbox``
+    levels) unless the stage's agent config says ``allow_weak_sandbox: true``, in one line naming the level and why."""
+    from batchrl.training import sandbox
+
+    for asset in ("rollouts", "evaluation"):
+        agent = ((ops.get(asset) or {}).get("config") or {}).get("agent")
+        if agent is None or not chosen(asset):
+            continue
+        try:
+            level = sandbox.isolation_level()
+        except RuntimeError as err:  # BATCHRL_SANDBOX names a level that does not work here
+            raise RunConfigError(f"ops.{asset}.config.agent: {err}") from None
+        problem = sandbox.weak_level_refusal(level, bool(agent.get("allow_weak_sandbox")), f"ops.{asset}.config.agent")
+        if problem:
+            raise RunConfigError(problem)
 
 
 def _chooser(selected: set[str] | None):
