@@ -1,4 +1,4 @@
-"""The resources of each environment (``BATCHRL_ENV``: local | s3 | gpu), one mapping each; a profile
+"""The resources of each environment (``BATCHRL_ENV``: local | s3 | gpu | ray), one mapping each; a profile
 (``BATCHRL_PROFILE``, see ``resources.profiles``) overrides fields of them."""
 from __future__ import annotations
 
@@ -86,7 +86,28 @@ def _compile_caches(cache_dir: str) -> dict[str, str]:
     return {key: os.environ.get(key, path) for key, path in wanted.items()}
 
 
-RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu}
+def _ray() -> dict:
+    """``s3``'s storage, every model stage a Pipes job on the Ray cluster at ``BATCHRL_RAY_ADDRESS`` (its dashboard,
+    default http://127.0.0.1:8265; docs/SCALE_OUT.md): training over ``BATCHRL_RAY_WORLD_SIZE`` ranks (default 2,
+    ``BATCHRL_RAY_GPUS_PER_RANK`` GPUs each, 0: a CPU slot and gloo), placed ``BATCHRL_RAY_PLACEMENT`` (PACK), rollouts
+    over ``BATCHRL_RAY_ROLLOUT_REPLICAS`` replicas (1); the jobs' files travel through the storage root."""
+    from batchrl.resources.ray_launch import RayJobs
+
+    base = _s3()
+    gpus = float(os.environ.get("BATCHRL_RAY_GPUS_PER_RANK", "0"))
+    device = {"device": "cuda", "dtype": "bfloat16"} if gpus else {}
+    ray = RayJobs(address=os.environ.get("BATCHRL_RAY_ADDRESS", "http://127.0.0.1:8265"),
+                  world_size=int(os.environ.get("BATCHRL_RAY_WORLD_SIZE", "2")),
+                  rollout_replicas=int(os.environ.get("BATCHRL_RAY_ROLLOUT_REPLICAS", "1")), gpus_per_rank=gpus,
+                  placement_strategy=os.environ.get("BATCHRL_RAY_PLACEMENT", "PACK"),
+                  storage_root=base["storage"].root, storage_options=base["storage"].storage_options)
+    return {**base,
+            "rollout_engine": RolloutEngineResource(in_subprocess=True, **device),
+            "trainer": TrainerLauncherResource(backend="ray", ray=ray, num_gpus=int(gpus)),
+            "compute": ComputeResource(in_subprocess=True, **device)}
+
+
+RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu, "ray": _ray}
 
 def environment_resources(env: str | None = None, profile: str | None = None) -> dict:
     """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides,

@@ -17,6 +17,7 @@ from dagster_pipes import DagsterPipesError
 from pydantic import Field
 
 from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
+from batchrl.resources.ray_launch import RayJobs
 
 
 class TrainerLauncherResource(dg.ConfigurableResource):
@@ -24,11 +25,13 @@ class TrainerLauncherResource(dg.ConfigurableResource):
     env: dict[str, str] = Field({}, description="extra environment variables of the jobs")
     hostfile: str | None = Field(None, description="DeepSpeed multi-node: an MPI-style hostfile ('host slots=N' "
                                  "lines, this host first); training jobs run over all its nodes")
-    backend: Literal["subprocess", "worker", "k8s"] = Field(
+    backend: Literal["subprocess", "worker", "k8s", "ray"] = Field(
         "subprocess", description="subprocess: a fresh process per job on this host; worker: one-process jobs "
         "in a long-lived worker that keeps imports, CUDA context and process group between jobs (data-parallel "
         "and multi-node jobs still start their own processes); k8s: each job in a GPU pod through "
-        "PipesK8sClient (extra .[k8s])")
+        "PipesK8sClient (extra .[k8s]); ray: each job on a Ray cluster through dagster-ray's PipesRayJobClient, "
+        "training data-parallel over the cluster's nodes (extra .[ray], resources/ray_launch.py)")
+    ray: RayJobs = Field(RayJobs(), description="ray: the cluster, the ranks and where job files travel")
     worker_idle_s: float = Field(600.0, gt=0, description="worker: seconds without a job before it exits")
     gpu_job_slots: int = Field(1, ge=1, description="worker: jobs that may run at once on this host, one-process "
                                "ones each in a warm worker of its own, the others (vLLM rollouts, data-parallel "
@@ -54,6 +57,10 @@ class TrainerLauncherResource(dg.ConfigurableResource):
             env = self.job_env()
             invocation = run_in_worker(context, job, config_path, workdir, env, self.worker_idle_s,
                                        named_worker_path(env, worker))
+        elif self.backend == "ray":
+            from batchrl.resources.ray_launch import run_on_ray
+
+            invocation = run_on_ray(context, self.ray, job, config, workdir, self.env)
         elif self.backend == "k8s":
             from batchrl.resources.scaleout import k8s_client
 

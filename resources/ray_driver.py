@@ -1,0 +1,180 @@
+"""The entry point of a batchrl job on a Ray cluster: ``python -m batchrl.resources.ray_driver <spec uri>``,
+submitted by ``resources/ray_launch.py`` through dagster-ray's ``PipesRayJobClient``.
+
+The driver asks Ray for a placement group of one bundle per rank (CPU slots, or GPUs), starts one ``JobRank``
+actor in each bundle, hands every rank the process group's rendezvous (rank 0's node address and a free port there,
+``RANK``/``WORLD_SIZE``; gloo on CPU, NCCL on GPUs, as under torchrun) and relays rank 0's output lines unchanged
+to its own stdout, where the Pipes message reader of the Ray job's logs finds the job's Pipes messages. Replicas
+of a sharded job (data-parallel rollouts) report here instead: the driver merges their numbers into one report.
+
+Failures are Ray's to detect: a rank whose process exits non-zero, or whose actor or node dies (``RayActorError``),
+fails the whole job with a message naming each rank's fate; every actor is killed, the placement group removed,
+and nothing is uploaded, so the Dagster step publishes nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from batchrl.common import fsutil
+
+PLACEMENT_TIMEOUT_S = float(os.environ.get("BATCHRL_RAY_PLACEMENT_TIMEOUT_S", "300"))
+FAILURE_GRACE_S = 20.0  # after one rank fails: how long the others get to end (and say why) before they are killed
+PIPES_ENV_PREFIX = "DAGSTER_PIPES_"
+
+
+class RankOutcomes:
+    """What each rank ended with: its exit report, or the error Ray raised for it."""
+
+    def __init__(self, world: int):
+        self.ended: dict[int, dict | BaseException] = {}
+        self.changed = threading.Condition()
+        self.world = world
+
+    def end(self, rank: int, outcome: dict | BaseException) -> None:
+        with self.changed:
+            self.ended[rank] = outcome
+            self.changed.notify_all()
+
+    def failed(self) -> list[int]:
+        return [r for r, o in self.ended.items() if isinstance(o, BaseException) or o.get("exit") != 0]
+
+    def wait(self) -> None:
+        """Until every rank ended, or one failed and the others had ``FAILURE_GRACE_S`` to end too."""
+        deadline = None
+        with self.changed:
+            while len(self.ended) < self.world:
+                if deadline is None and self.failed():
+                    deadline = time.monotonic() + FAILURE_GRACE_S
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    return
+                self.changed.wait(timeout=timeout if timeout is not None else 1.0)
+
+
+def _relay(rank: int, stream, outcomes: RankOutcomes, reports: dict[int, dict], raw: bool) -> None:
+    """Print rank ``rank``'s lines (``raw``: unchanged, the Pipes protocol's; else tagged with the rank) and keep
+    its exit report and a replica's final report (a ``{"materialization": ...}`` line)."""
+    import ray
+
+    outcome: dict | BaseException = RuntimeError("ended without an exit report")
+    try:
+        for ref in stream:
+            item = ray.get(ref)
+            if isinstance(item, dict):
+                outcome = item
+            elif raw:
+                print(item, flush=True)
+            else:
+                if item.startswith('{"materialization"'):
+                    reports[rank] = json.loads(item)["materialization"]
+                print(f"[rank {rank}] {item}", flush=True)
+    except Exception as error:  # RayActorError (the actor or its node died), ObjectLostError...
+        outcome = error
+    outcomes.end(rank, outcome)
+
+
+def rank_env(rank: int, world: int, address: str, port: int, pipes: bool) -> dict[str, str | None]:
+    """A rank's rendezvous variables (torchrun's names; each rank sees only its own GPUs, so local rank 0);
+    without Pipes (``pipes`` False) the Pipes variables removed (None)."""
+    env: dict[str, str | None] = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                                  "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": address,
+                                  "MASTER_PORT": str(port)} if world > 1 else {}
+    if not pipes:  # a replica: reports through the driver, never on its own
+        env.update({k: None for k in os.environ if k.startswith(PIPES_ENV_PREFIX)})
+    return env
+
+
+def failure_message(spec: dict, outcomes: RankOutcomes, nodes: dict[int, str]) -> str:
+    lines = [f"batchrl job {spec['job']!r} failed on the Ray cluster ({outcomes.world} rank(s)); nothing was "
+             "uploaded, so the step publishes nothing, and a rerun starts it again:"]
+    for rank in range(outcomes.world):
+        outcome, where = outcomes.ended.get(rank), nodes.get(rank, "unknown node")
+        if outcome is None:
+            lines.append(f"  rank {rank} on {where}: still running when the job was stopped")
+        elif isinstance(outcome, BaseException):
+            lines.append(f"  rank {rank} on {where}: lost ({type(outcome).__name__}: "
+                         f"{str(outcome).splitlines()[0] if str(outcome) else ''})")
+        elif outcome["exit"] != 0:
+            lines.append(f"  rank {rank} on {where}: exited with code {outcome['exit']}; last stderr lines:")
+            lines.extend(f"    {line}" for line in outcome["stderr_tail"][-12:])
+        else:
+            lines.append(f"  rank {rank} on {where}: finished")
+    return "\n".join(lines)
+
+
+def run(spec: dict, storage_options: dict) -> int:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from batchrl.resources.ray_rank import JobRank
+
+    world, sharded = spec["world_size"], len(spec["configs"]) > 1
+    bundle = {"CPU": spec["cpus_per_rank"], **({"GPU": spec["gpus_per_rank"]} if spec["gpus_per_rank"] else {})}
+    group = placement_group([dict(bundle) for _ in range(world)], strategy=spec["placement_strategy"])
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        print(f"batchrl job {spec['job']!r}: Ray could not place {world} rank(s) of {bundle} "
+              f"({spec['placement_strategy']}) within {PLACEMENT_TIMEOUT_S:.0f} s", file=sys.stderr)
+        return 1
+    actor = ray.remote(max_restarts=0)(JobRank)  # a restarted rank cannot rejoin its process group
+    ranks = [actor.options(num_cpus=spec["cpus_per_rank"], num_gpus=spec["gpus_per_rank"],
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
+             .remote(spec, storage_options, r) for r in range(world)]
+    try:
+        address, port = ray.get(ranks[0].rendezvous.remote())
+        nodes = dict(enumerate(ray.get([r.node.remote() for r in ranks])))
+        print(f"batchrl job {spec['job']!r}: {world} rank(s) on {sorted(set(nodes.values()))}", flush=True)
+        outcomes, reports = RankOutcomes(world), {}
+        for r, rank in enumerate(ranks):
+            stream = rank.run.options(num_returns="streaming").remote(
+                rank_env(r, world if not sharded else 1, address, port, pipes=not sharded))
+            threading.Thread(target=_relay, args=(r, stream, outcomes, reports, r == 0 and not sharded),
+                             daemon=True).start()
+        outcomes.wait()
+        if outcomes.failed() or len(outcomes.ended) < world:
+            print(failure_message(spec, outcomes, nodes), file=sys.stderr, flush=True)
+            return 1
+        ray.get([rank.publish.remote() for rank in ranks[1:]])
+        ray.get(ranks[0].publish.remote())  # last: rank 0's copy of a name every rank wrote wins
+        ray.get([rank.close.remote() for rank in ranks])
+        if sharded:
+            report_merged(reports, world)
+        return 0
+    finally:
+        for rank in ranks:
+            ray.kill(rank)
+        remove_placement_group(group)
+
+
+def report_merged(reports: dict[int, dict], replicas: int) -> None:
+    """One Pipes materialisation for the replicas of a sharded job (``ray_launch.merged_numbers``)."""
+    from dagster_pipes import open_dagster_pipes
+
+    from batchrl.resources.ray_launch import merged_numbers
+
+    with open_dagster_pipes() as pipes:
+        pipes.log.info(f"{replicas} replicas: " + ", ".join(f"{r}: {reports[r].get('samples')} samples"
+                                                             for r in sorted(reports)))
+        pipes.report_asset_materialization(metadata={**merged_numbers([reports[r] for r in sorted(reports)]),
+                                                     "replicas": replicas})
+
+
+def main(argv: list[str]) -> int:
+    import ray
+
+    storage_options = json.loads(os.environ.get("BATCHRL_RAY_STORAGE_OPTIONS") or "{}")
+    fs, path = fsutil.filesystem_for(argv[0], storage_options)
+    with fs.open(path) as f:
+        spec = json.load(f)
+    ray.init(address="auto", log_to_driver=True)  # the cluster this job was submitted to
+    return run(spec, storage_options)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,138 @@
+"""Jobs on a Ray cluster through dagster-ray's ``PipesRayJobClient`` (``TrainerLauncherResource.backend: ray``).
+
+The Dagster side of a job: its files go up through the storage root (``resources/ray_staging.py``), a spec names
+the job, its configs and its ranks, and ``python -m batchrl.resources.ray_driver <spec>`` is submitted as a Ray
+job; the Pipes messages come back from the job's logs; on success the job's outputs come back down into the paths
+its config named, so the asset code reads them as after a local job. Training jobs run ``world_size`` ranks
+(DeepSpeed data parallel, placed by Ray); rollouts run ``rollout_replicas`` replicas, each sampling a contiguous
+shard of the prompts, joined here in shard order.
+"""
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Any, Literal
+
+import dagster as dg
+from pydantic import Field
+
+from batchrl.common import fsutil
+from batchrl.resources import ray_staging
+
+REPLICA_SEED_STRIDE = 1000  # replica r of a request with seed s samples its shard with seed s * stride + r
+SHARD_DIR = "ray_shards"
+
+
+class RayJobs(dg.Config):
+    address: str = Field("http://127.0.0.1:8265", description="the Ray cluster's dashboard (job submission) address")
+    world_size: int = Field(2, ge=1, description="ranks of a training job (data parallel), one per bundle")
+    rollout_replicas: int = Field(1, ge=1, description="rollout replicas, each sampling a shard of the prompts")
+    cpus_per_rank: float = Field(1.0, ge=0, description="CPU slots of each rank's placement-group bundle")
+    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs of each rank's bundle (0: gloo on CPU)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of the ranks (STRICT_SPREAD: one node each)")
+    storage_root: str = Field("", description="where job files travel (s3://... on a cluster; the storage root)")
+    storage_options: dict[str, Any] = Field({}, description="fsspec options of storage_root (endpoint...)")
+    python: str = Field("python", description="the cluster's Python, with batchrl installed")
+    poll_interval_s: float = Field(0.5, gt=0, description="how often the Ray job's status is polled")
+
+
+def ranks_of(job: str, ray: RayJobs) -> int:
+    from batchrl.training.jobs import TRAINING_JOBS
+
+    return ray.world_size if job in TRAINING_JOBS else 1
+
+
+def shard_configs(config: dict, workdir: str, replicas: int) -> list[dict]:
+    """Per replica, the rollouts request on its contiguous shard of the prompts (fewer replicas than prompts)."""
+    import pandas as pd
+
+    table = pd.read_parquet(config["prompts_parquet"])
+    count = max(1, min(replicas, len(table)))
+    bounds = [len(table) * r // count for r in range(count + 1)]
+    configs = []
+    for r in range(count):
+        folder = os.path.join(workdir, SHARD_DIR, str(r))
+        os.makedirs(folder, exist_ok=True)
+        table.iloc[bounds[r]:bounds[r + 1]].to_parquet(os.path.join(folder, "prompts.parquet"), index=False)
+        configs.append({**config, "prompts_parquet": os.path.join(folder, "prompts.parquet"),
+                        "out_parquet": os.path.join(folder, "samples.parquet"), "stats_json": None,
+                        "prefetched_from": None, "seed": config["seed"] * REPLICA_SEED_STRIDE + r,
+                        "shard_offset": bounds[r]})
+    return configs
+
+
+def join_shards(configs: list[dict], out_parquet: str) -> None:
+    """The replicas' samples in shard order, prompt indices counted over the whole request."""
+    import pandas as pd
+
+    parts = [pd.read_parquet(c["out_parquet"]).assign(
+        prompt_index=lambda t, offset=c["shard_offset"]: t["prompt_index"] + offset) for c in configs]
+    pd.concat(parts, ignore_index=True).to_parquet(f"{out_parquet}.tmp", index=False)
+    os.replace(f"{out_parquet}.tmp", out_parquet)
+
+
+def merged_numbers(reports: list[dict]) -> dict:
+    """Replicas' sampling numbers as one: counts and rates add up, times are the slowest replica's, means weigh by
+    samples, anything else is the first replica's."""
+    total = sum(int(r.get("samples", 0)) for r in reports) or 1
+    merged = dict(reports[0])
+    for key, value in reports[0].items():
+        values = [r.get(key, 0) for r in reports]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if key == "samples" or key.endswith("tokens_per_s"):
+            merged[key] = sum(values)
+        elif key.endswith("_s"):
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(v * int(r.get("samples", 0)) for v, r in zip(values, reports)) / total
+    return merged
+
+
+def job_spec(job: str, configs: list[dict], roots: list[str], prefix: str, ray: RayJobs) -> dict:
+    return {"job": job, "configs": configs, "roots": roots, "prefix": prefix,
+            "world_size": len(configs) if len(configs) > 1 else ranks_of(job, ray),
+            "cpus_per_rank": ray.cpus_per_rank, "gpus_per_rank": ray.gpus_per_rank,
+            "placement_strategy": ray.placement_strategy}
+
+
+def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config: dict, workdir: str,
+               env: dict[str, str]) -> dg.PipesClientCompletedInvocation:
+    """Stage, submit and wait for ``job`` on the cluster; its outputs back in place. A failed Ray job raises
+    ``dg.Failure`` with the driver's account of each rank, before anything comes back."""
+    from dagster_ray import PipesRayJobClient
+
+    if not ray.storage_root:
+        raise dg.Failure("TrainerLauncherResource backend 'ray' needs ray.storage_root: the cluster's nodes share "
+                         "no disk with this process, the job's files travel through storage")
+    sharded = job == "rollouts" and ray.rollout_replicas > 1 and not config.get("agent")
+    configs = shard_configs(config, workdir, ray.rollout_replicas) if sharded else [config]
+    roots = ray_staging.path_roots(*configs)
+    fs, base = fsutil.filesystem_for(ray.storage_root, ray.storage_options)
+    prefix = fsutil.join(base, "_ray_jobs", context.run.run_id, f"{job}-{uuid.uuid4().hex[:12]}")
+    for i, root in enumerate(roots):
+        if os.path.exists(root):
+            ray_staging.upload(fs, fsutil.join(prefix, "in", str(i)), ray_staging.local_files(root))
+    protocol = ray.storage_root.split("://", 1)[0] + "://" if "://" in ray.storage_root else ""
+    spec_uri = protocol + fsutil.join(prefix, "spec.json")
+    fs.pipe_file(fsutil.join(prefix, "spec.json"),
+                 json.dumps(job_spec(job, configs, roots, protocol + prefix, ray)).encode())
+    client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s)
+    submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {spec_uri}",
+              "runtime_env": {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS": json.dumps(ray.storage_options)}}}
+    try:
+        invocation = client.run(context=context, submit_job_params=submit)
+    except RuntimeError as error:  # dagster-ray: the Ray job FAILED or STOPPED, with its logs' tail
+        raise dg.Failure(f"job {job!r} failed on the Ray cluster at {ray.address}; nothing is published "
+                         f"(work dir {workdir}).\n{error}") from error
+    finally:  # the inputs were the job's only: gone whatever it ended with
+        if fs.exists(fsutil.join(prefix, "in")):
+            fs.rm(fsutil.join(prefix, "in"), recursive=True)
+    for i, root in enumerate(roots):
+        ray_staging.download(fs, fsutil.join(prefix, "out", str(i)), root)
+    fs.rm(prefix, recursive=True)
+    if sharded:
+        join_shards(configs, config["out_parquet"])
+    return invocation

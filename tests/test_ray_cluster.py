@@ -1,0 +1,211 @@
+"""The `ray` environment on a real Ray cluster of two nodes (a head and a second node, `ray start` each, one CPU
+slot each) with storage on the moto S3 server: DPO and an RL iteration train data-parallel with 2 ranks, one on
+each node (placement group STRICT_SPREAD, gloo rendezvous through Ray), and give the data versions of the local
+environment for the same seed (its trainers data-parallel too: 2 gloo ranks under torchrun); a node killed in the
+middle of the DPO job fails the step with a message naming the lost rank, publishes nothing, and the rerun
+completes; rollout replicas join their shards in a fixed order.
+
+Everything runs in a network namespace whose only interface is loopback (``helpers_ray``): the outer test starts
+this module's `on_the_cluster` tests there and passes when they pass.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import dagster as dg
+import pandas as pd
+import pytest
+from helpers_ray import (
+    DASHBOARD_PORT, NETNS_COMMAND, bring_loopback_up, job_processes, kill_node, listening_addresses,
+    namespaces_available, only_loopback, start_node, wait_for_nodes,
+)
+from pipeline_helpers import RL_LOOP, SMALL, UPSTREAM, latest_metadata, run_assets
+
+from batchrl.resources import (
+    CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
+    TrainerLauncherResource,
+)
+from batchrl.resources.ray_launch import RayJobs
+
+INNER = os.environ.get("BATCHRL_RAY_NETNS") == "1"
+inner_only = pytest.mark.skipif(not INNER, reason="runs inside the loopback-only namespace (the outer test)")
+DPO_PATH = ["dpo_pairs", "reference_logprobs", "dpo_checkpoint"]
+RUN_CONFIG = {"ops": {**SMALL["ops"],
+                      "dpo_pairs": {"config": {"max_logged_pairs": 16}},
+                      "dpo_checkpoint": {"config": {"epochs": 1, "micro_batch_size": 2, "global_batch_size": 4}}}}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(INNER, reason="the outer test")
+def test_two_node_ray_cluster_in_a_loopback_only_network(tmp_path):
+    if not namespaces_available():
+        pytest.skip("no user+network namespaces here (`unshare --user --net`): Ray's servers listen on every "
+                    "interface, which tests here must not")
+    # one thread per process everywhere, as on the 1-CPU nodes: the same float sums in every process
+    env = {**os.environ, "BATCHRL_RAY_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
+    command = [*NETNS_COMMAND, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+               "--basetemp", str(tmp_path / "inner"), os.path.abspath(__file__), "-k", "on_the_cluster"]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
+    print(proc.stdout[-4000:])
+    assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
+
+
+def resources(storage: StorageResource, catalog: str, trainer: TrainerLauncherResource) -> dict:
+    """Every model stage a job (the rollouts and the inference tasks too): on the cluster, or local processes."""
+    return {"storage": storage, "catalog": CatalogResource(path=catalog), "landing": LandingResource(),
+            "rollout_engine": RolloutEngineResource(in_subprocess=True), "trainer": trainer,
+            "compute": ComputeResource(in_subprocess=True)}
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_server):
+    """The two nodes (the second restartable: ``nodes["second"]``) once the namespace's loopback is up."""
+    bring_loopback_up()
+    assert only_loopback()
+    nodes = {"head": start_node(head=True), "second": start_node(head=False)}
+    wait_for_nodes(2)
+    yield nodes
+    for temp_dir in nodes.values():
+        kill_node(temp_dir)
+
+
+@pytest.fixture(scope="module")
+def on_ray(cluster, s3_server, tmp_path_factory):
+    """The ray environment's resources (2 ranks, one per node) over s3://ray-test/root, and a Dagster home."""
+    import s3fs
+
+    options = {"client_kwargs": {"endpoint_url": s3_server}}
+    s3fs.S3FileSystem(**options).mkdir("ray-test")
+    folder = tmp_path_factory.mktemp("on_ray")
+    root = "s3://ray-test/root"
+    ray = RayJobs(address=f"http://127.0.0.1:{DASHBOARD_PORT}", world_size=2, placement_strategy="STRICT_SPREAD",
+                  storage_root=root, storage_options=options)
+    storage = StorageResource(root=root, storage_options=options, cache_dir=str(folder / "cache"))
+    trainer = TrainerLauncherResource(backend="ray", ray=ray)
+    (folder / "home").mkdir()
+    return {"resources": resources(storage, str(folder / "catalog.duckdb"), trainer), "home": str(folder / "home"),
+            "root": root, "options": options, "ray": ray}
+
+
+@pytest.fixture(scope="module")
+def local_versions(tmp_path_factory) -> dict[str, str]:
+    """The local environment's data versions of the same runs (trainers on 2 gloo ranks under torchrun)."""
+    folder = tmp_path_factory.mktemp("local")
+    root = str(folder / "storage")
+    storage = StorageResource(root=root, cache_dir=str(folder / "cache"))
+    trainer = TrainerLauncherResource(num_gpus=2)
+    (folder / "home").mkdir()
+    with dg.DagsterInstance.local_temp(str(folder / "home")) as instance:
+        assert run_assets(resources(storage, str(folder / "catalog.duckdb"), trainer), instance,
+                          UPSTREAM + DPO_PATH + RL_LOOP, RUN_CONFIG).success
+        return {a: latest_metadata(instance, a)["data_version"] for a in DPO_PATH + RL_LOOP + ["base_model"]}
+
+
+def _kill_second_node_when_training(cluster: dict, killed: dict) -> None:
+    """Once rank 1 of the DPO job (on the second node) has run 2 s: the whole node SIGKILLed, as a machine lost."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not killed:
+        procs = job_processes(cluster["second"], "batchrl.training.jobs.train_dpo")
+        if procs and time.time() - procs[0].create_time() > 2.0:
+            killed["processes"] = kill_node(cluster["second"])
+            killed["at"] = time.monotonic()
+        time.sleep(0.1)
+
+
+def _step_failures(result) -> list[str]:
+    return [e.step_failure_data.error.message for e in result.all_events if e.is_step_failure]
+
+
+@inner_only
+def test_on_the_cluster_a_node_lost_mid_dpo_fails_the_step_and_publishes_nothing(cluster, on_ray):
+    import s3fs
+
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_second_node_when_training, args=(cluster, killed), daemon=True)
+    killer.start()
+    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
+        result = run_assets(on_ray["resources"], instance, UPSTREAM + DPO_PATH, RUN_CONFIG)
+        killer.join(timeout=5)
+        assert killed.get("processes"), "the second node was never seen running rank 1"
+        assert not result.success
+        failures = _step_failures(result)
+        assert len(failures) == 1 and "job 'train_dpo' failed on the Ray cluster" in failures[0], failures
+        assert "rank 1 on 127.0.0.1" in failures[0] and "nothing was uploaded" in failures[0], failures[0]
+        assert instance.get_latest_materialization_event(dg.AssetKey("dpo_checkpoint")) is None
+        assert latest_metadata(instance, "reference_logprobs")["data_version"]  # the steps before it published
+    fs = s3fs.S3FileSystem(**on_ray["options"])
+    assert not fs.exists(f"{on_ray['root']}/dpo_checkpoint")  # nothing partial under the storage root
+    cluster["second"] = start_node(head=False)  # a replacement node for the rerun
+    wait_for_nodes(2)
+
+
+@inner_only
+def test_on_the_cluster_the_dpo_rerun_completes_with_the_local_data_versions(cluster, on_ray, local_versions):
+    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
+        started = time.perf_counter()
+        assert run_assets(on_ray["resources"], instance, ["dpo_checkpoint"], RUN_CONFIG).success
+        print(f"dpo_checkpoint on 2 nodes: {time.perf_counter() - started:.1f} s")
+        for asset in ("base_model", "reference_logprobs", "dpo_checkpoint"):
+            assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
+
+
+@inner_only
+def test_on_the_cluster_an_rl_iteration_gives_the_local_data_versions(cluster, on_ray, local_versions):
+    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
+        started = time.perf_counter()
+        assert run_assets(on_ray["resources"], instance, RL_LOOP, RUN_CONFIG).success
+        print(f"RL iteration on 2 nodes: {time.perf_counter() - started:.1f} s")
+        for asset in RL_LOOP:
+            assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
+        assert latest_metadata(instance, "policy_checkpoint")["global_step"] > 0
+
+
+@inner_only
+def test_on_the_cluster_rollout_replicas_join_their_shards_in_order(cluster, on_ray):
+    """2 replicas, one per node: shard r (a contiguous half of the prompts) sampled with seed s * 1000 + r, the
+    shards joined in order with the prompt indices of the whole request: the table sampling each shard here gives."""
+    from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE
+    from batchrl.training.rollout.sampling_job import sample_to_parquet
+    from batchrl.training.text import prompt_messages
+
+    replicated = {**on_ray["resources"], "trainer": TrainerLauncherResource(
+        backend="ray", ray=on_ray["ray"].model_copy(update={"rollout_replicas": 2}))}
+    seed = 3
+    config = {"ops": {**RUN_CONFIG["ops"], "rollouts": {"config": {**SMALL["ops"]["rollouts"]["config"], "seed": seed}}}}
+    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
+        assert run_assets(replicated, instance, ["rollouts"], config).success
+        meta = latest_metadata(instance, "rollouts")
+    storage = on_ray["resources"]["storage"]
+    table = pd.read_parquet(_localized(storage, meta["uri"]))
+    rows = table.drop_duplicates("prompt_index").to_dict("records")
+    policy = _localized(storage, meta["policy"])
+    engine = on_ray["resources"]["rollout_engine"].engine_options(policy, storage.cache_dir)
+    half, expected = len(rows) // 2, []
+    for r, shard in enumerate((rows[:half], rows[half:])):
+        out = os.path.join(storage.cache_dir, f"shard{r}.parquet")
+        sample_to_parquet(engine, [row["prompt"] for row in shard], n=2, seed=seed * REPLICA_SEED_STRIDE + r,
+                          out_parquet=out, messages=prompt_messages(shard))
+        expected.append(pd.read_parquet(out).assign(prompt_index=lambda t, o=r * half: t["prompt_index"] + o))
+    expected = pd.concat(expected, ignore_index=True)
+    assert table["prompt_index"].tolist() == expected["prompt_index"].tolist()
+    assert table["response"].tolist() == expected["response"].tolist()
+
+
+def _localized(storage: StorageResource, uri: str) -> str:
+    """The local copy of the artifact at ``uri`` (``<root>/<asset>/<version>``): its folder, or its one parquet."""
+    asset, version = uri.rstrip("/").split("/")[-2:]
+    folder = storage.localize({"asset": asset, "data_version": version, "uri": uri})
+    tables = [f for f in os.listdir(folder) if f.endswith(".parquet")]
+    return os.path.join(folder, tables[0]) if asset == "rollouts" else folder
+
+
+@inner_only
+def test_on_the_cluster_every_listener_is_on_loopback(cluster):
+    assert listening_addresses() <= {"127.0.0.1", "::1", "0.0.0.0", "::", "::ffff:127.0.0.1"}
+    assert only_loopback()  # 0.0.0.0 in a namespace whose one interface is lo: loopback only
