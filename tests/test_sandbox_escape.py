@@ -165,3 +165,19 @@ def test_a_configured_bwrap_with_a_wrong_sha256_is_refused(tmp_path, monkeypatch
     monkeypatch.setenv("BATCHRL_BWRAP", str(binary))
     found, why = levels.bwrap_binary()
     assert found is None and "differs" in why
+
+
+def test_a_configured_bwrap_copy_is_found_checked_and_used_without_one_on_path(tmp_path, monkeypatch):
+    """The GPU bundle's way (bench/sandbox_bundle.py): Debian's binary copied with its sha256, named by BATCHRL_BWRAP."""
+    import hashlib
+    import shutil
+
+    copy = tmp_path / "bwrap"
+    shutil.copy2(shutil.which("bwrap") or pytest.skip("no bwrap here to copy"), copy)
+    (tmp_path / "bwrap.sha256").write_text(hashlib.sha256(copy.read_bytes()).hexdigest() + "  bwrap\n")
+    monkeypatch.setenv("BATCHRL_BWRAP", str(copy))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    found, why = levels.bwrap_binary()
+    assert found == str(copy) and "checked" in why
+    result = sandbox.run_python("print('inside')", limits=LIMITS, isolation="bwrap")
+    assert (result.returncode, result.stdout) == (0, "inside\n")
