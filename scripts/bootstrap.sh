@@ -18,11 +18,14 @@ for arg in "$@"; do
   esac
 done
 cd "$(dirname "$0")/.."
-# bubblewrap isolates the code-execution reward (training/sandbox.py); without it (not root, no apt)
-# the sandbox falls back to weaker isolation and says so.
-if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq bubblewrap >/dev/null; } ||
-    echo "bootstrap.sh: could not install bubblewrap; code rewards use the weaker sandbox" >&2
+# bubblewrap isolates model-written code (training/sandbox: the code reward, the python tool); libseccomp2 is
+# what pyseccomp loads for the sandbox's seccomp filter. Without bubblewrap (not root, no apt) the sandbox uses user
+# namespaces through util-linux unshare; where neither works, tool rollouts refuse to run (allow_weak_sandbox).
+if { ! command -v bwrap >/dev/null || ! ldconfig -p | grep -q 'libseccomp.so.2 '; } && [ "$(id -u)" = 0 ] &&
+    command -v apt-get >/dev/null; then
+  { timeout 300 apt-get update -qq &&
+    DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq bubblewrap libseccomp2 >/dev/null; } ||
+    echo "bootstrap.sh: could not install bubblewrap/libseccomp2; the sandbox uses namespaces (unshare)" >&2
 fi
 # Debian's chromium: the browser the UI test drives (tests/test_ui_browser.py, through playwright with the system
 # browser: playwright's own browser download is not reachable everywhere).

@@ -12,7 +12,7 @@
   when the program exits 0 and its output equals the expected one up to whitespace.
 
 The reward is the pass fraction in [0, 1]; no tests, no code, a crash, a timeout or anything the
-sandbox refuses count as failures. Isolation and limits: ``training/sandbox.py``.
+sandbox refuses count as failures. Isolation and limits: ``training/sandbox/``.
 """
 from __future__ import annotations
 

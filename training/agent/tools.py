@@ -148,6 +148,7 @@ class PersistentSession:
     def __init__(self, limits: sandbox.SandboxLimits, level: str) -> None:
         self.limits = limits
         self.box = PythonSandbox(level, limits)
+        self.box.start()  # boots while the trajectory's first turn is generated, off the tool calls' path
 
     def run(self, code: str) -> ToolResult:
         return _tool_result(self.box.run(code, f"<cell {len(self.box.kept) + 1}>"), self.limits)[0]

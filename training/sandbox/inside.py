@@ -165,9 +165,16 @@ def audit_guard(root, stdlib):
     sys.addaudithook(hook)
 
 
-def harden(plan):
+def set_limits(limits):
+    """rlimits set here, before any model code, rather than between fork and exec in the parent: a parent that
+    sets none can start us with vfork, which stays cheap when the parent is a trainer holding gigabytes."""
     import resource
-    resource.setrlimit(resource.RLIMIT_NPROC, (plan["processes"], plan["processes"]))
+    for name, value in limits.items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+
+def harden(plan):
+    set_limits(plan["limits"])
     if plan.get("mounts"):
         setup_mounts(plan["mounts"])
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")

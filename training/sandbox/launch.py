@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import pwd
-import resource
 import shutil
 import subprocess
 import sys
@@ -82,7 +81,7 @@ NAMESPACES = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--mount
 def _plan(level: str, scratch: str, prefix: str, limits: SandboxLimits, mode: str) -> dict:
     """What ``inside.py`` applies before the model's code runs (paths as the sandboxed process sees them)."""
     cwd = SCRATCH_IN_BWRAP if level == "bwrap" else scratch
-    plan: dict = {"mode": mode, "cwd": cwd, "processes": limits.processes}
+    plan: dict = {"mode": mode, "cwd": cwd, "limits": _rlimits(limits)}
     if level == "namespaces":
         hide = hidden_paths()
         plan["mounts"] = {"hide": hide, "scratch": scratch,
@@ -95,17 +94,11 @@ def _plan(level: str, scratch: str, prefix: str, limits: SandboxLimits, mode: st
     return plan
 
 
-def _limit(limits: SandboxLimits):
-    def apply() -> None:
-        mem = limits.memory_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        cpu = int(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        size = limits.file_size_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
+def _rlimits(limits: SandboxLimits) -> dict[str, int]:
+    """The rlimits ``inside.py`` sets on itself before the model's code (soft = hard: the code cannot raise them)."""
+    cpu = int(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s) + 1
+    return {"RLIMIT_AS": limits.memory_mb * 2**20, "RLIMIT_CPU": cpu, "RLIMIT_FSIZE": limits.file_size_mb * 2**20,
+            "RLIMIT_NOFILE": limits.open_files, "RLIMIT_CORE": 0, "RLIMIT_NPROC": limits.processes}
 
 
 def start(level: str, scratch: str, limits: SandboxLimits, mode: str, pass_fds: tuple[int, ...] = (),
@@ -128,5 +121,4 @@ def start(level: str, scratch: str, limits: SandboxLimits, mode: str, pass_fds: 
         cmd = py
     env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"}
     return subprocess.Popen(cmd, cwd=scratch, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_limit(limits),
-                            pass_fds=pass_fds)
+                            stderr=subprocess.PIPE, start_new_session=True, pass_fds=pass_fds)

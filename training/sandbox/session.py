@@ -38,7 +38,9 @@ class PythonSandbox:
         self.scratch: str | None = None
         self.kept: list[tuple[str, str]] = []  # (cell, name) run without a fault: replayed after a restart
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the interpreter now (it boots while the caller goes on: the trajectory's first turn is generated
+        meanwhile); ``run`` starts it itself when needed."""
         self.scratch = self.scratch or tempfile.mkdtemp(prefix="batchrl-sandbox-")
         to_child, self._control = os.pipe()
         self._replies, from_child = os.pipe()
@@ -60,7 +62,7 @@ class PythonSandbox:
         """Run ``code`` as cell ``name`` (its traceback's file name); never raises for anything the code does."""
         started = time.monotonic()
         if self.proc is None:
-            self._start()
+            self.start()
         token = secrets.token_hex(8)
         marker = b"\0" + token.encode() + b"\0"
         out = Stream(self.proc.stdout.fileno(), self.limits.max_output_bytes, marker)
