@@ -45,6 +45,10 @@ ATTEMPTS = {
                              "r = libc.ptrace(16, {victim}, 0, 0)\n"
                              "raise SystemExit(f'ptrace {{r}} errno {{ctypes.get_errno()}}') if r else None",
                              ("ptrace -1 errno", "sandbox:")),
+    "mount_over_a_path": ("import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+                          "r = libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)\n"
+                          "raise SystemExit(f'mount {{r}} errno {{ctypes.get_errno()}}')",
+                          ("mount -1 errno", "sandbox:")),  # no capability left, even in its own namespaces
     "exec_a_shell": ("import os; os.execv('/bin/sh', ['sh', '-c', 'echo escaped > {outside}/pwned.txt'])",
                      DENIED + ("Directory nonexistent",)),  # bare bwrap: the shell runs, the host path is not there
     "fork_bomb": ("import os\nwhile True:\n    os.fork()", DENIED),

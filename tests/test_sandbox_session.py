@@ -1,8 +1,10 @@
 """The python tool's persistent interpreter: the same observations as the replay it replaces on the tool task, one
 interpreter per trajectory (reused between its calls, gone with it), and no model code at a weak level without the
 explicit opt-in."""
+import glob
 import json
 import os
+import time
 
 import pytest
 from helpers_agent import _expression
@@ -75,3 +77,34 @@ def test_tool_rollouts_refuse_a_weak_sandbox_unless_allowed(monkeypatch):
     run_config["ops"]["rollouts"]["config"]["agent"]["allow_weak_sandbox"] = True
     check_run_config(run_config, ["rollouts"])
     check_run_config({"ops": {"evaluation": {"config": {}}}}, ["evaluation"])  # no tools: nothing to refuse
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(entry, "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(entry.split("/")[2]))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("level", [lv for lv in sandbox.BOUNDARIES if sandbox.available(lv)])
+def test_a_hung_cell_takes_its_whole_sandbox_down(level):
+    """The interpreter of a cell killed at the wall clock is gone with it (not at its CPU limit, a minute later), and
+    so is every process of its sandbox, the namespace's init included, though the cell left the process group."""
+    from batchrl.training.sandbox.session import PythonSandbox
+
+    box = PythonSandbox(level, sandbox.SandboxLimits(timeout_s=1.0, cpu_s=60.0))
+    assert box.run("x = 1", "<cell 1>").returncode == 0
+    scratch = box.scratch
+    assert _processes_mentioning(scratch), "the interpreter is not running between calls"
+    result = box.run("import os\nos.setsid()\nwhile True:\n    pass", "<cell 2>")
+    assert result.timed_out and box.proc is None
+    deadline = time.monotonic() + 3  # SIGKILLed processes of a namespace take a moment to be gone on a loaded box
+    while _processes_mentioning(scratch) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_mentioning(scratch) == []
+    box.close()

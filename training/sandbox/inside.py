@@ -89,8 +89,8 @@ def setup_mounts(plan):
 
 def drop_capabilities():
     """No capability left (the namespace's root could otherwise unmount the tmpfs over the secrets)."""
-    for cap in range(64):
-        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 and ctypes.get_errno() == 22:  # EINVAL: past the last cap
+    for cap in range(64):  # EPERM where it may not (no CAP_SETPCAP: then it had none to keep); EINVAL past the last
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 and ctypes.get_errno() == 22:
             break
     header = struct.pack("II", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     data = ctypes.create_string_buffer(24)
@@ -178,8 +178,7 @@ def harden(plan):
     if plan.get("mounts"):
         setup_mounts(plan["mounts"])
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    if plan.get("mounts"):
-        drop_capabilities()
+    drop_capabilities()  # at every level: bubblewrap run by root keeps them in its namespace, so does root itself
     if plan.get("landlock"):
         landlock(plan["landlock"])
     if plan.get("seccomp"):

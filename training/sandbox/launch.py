@@ -59,8 +59,11 @@ def hidden_paths() -> list[str]:
 
 def _bwrap_command(binary: str, scratch: str, prefix: str, mode: str) -> list[str]:
     # --die-with-parent fires when the *thread* that started it ends: a persistent interpreter started from a tool
-    # thread pool would die with the pool's thread; it ends instead at its control pipe's EOF (or its CPU limit)
-    cmd = [binary, "--unshare-all", *(["--die-with-parent"] if mode == "run" else []), "--new-session", "--clearenv",
+    # thread pool would die with the pool's thread, so only one-shot runs take it. No --new-session: every bwrap
+    # process stays in the process group Popen made (its own session, no terminal), so killing the group kills the
+    # namespace's init and with it everything inside, whatever group the model's code moved to
+    cmd = [binary, "--unshare-all", "--cap-drop", "ALL", *(["--die-with-parent"] if mode == "run" else []),
+           "--clearenv",
            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH_IN_BWRAP, "--setenv", "TMPDIR",
            SCRATCH_IN_BWRAP, "--setenv", "LANG", "C.UTF-8",
            "--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
