@@ -75,38 +75,15 @@ def find_tool_call(text: str, tool_format: str) -> ToolCall | None:
     return ToolCall(name, arguments, match.end())
 
 
+# the replayed program, run by the sandbox's own first module (training/sandbox/inside.py, ``__main__`` there), whose
+# cell runner the persistent interpreter uses too: the same echo, traceback and exit-status rules in both
 _REPLAY = r'''
-import ast as _ast, sys as _sys, traceback as _tb
-class _Discard:
-    def write(self, text): return len(text)
-    def flush(self): pass
-_scope = {"__name__": "__main__"}
-def _run(source, name, echo):
-    tree = _ast.parse(source, name)
-    last = tree.body.pop() if echo and tree.body and isinstance(tree.body[-1], _ast.Expr) else None
-    exec(compile(tree, name, "exec"), _scope)
-    if last is not None:
-        value = eval(compile(_ast.Expression(last.value), name, "eval"), _scope)
-        if value is not None:
-            print(repr(value))
-_stdout, _stderr = _sys.stdout, _sys.stderr
-_sys.stdout = _sys.stderr = _Discard()
+import sys as _sys
+_boot, _streams, _scope = _sys.modules["__main__"], (_sys.stdout, _sys.stderr), {"__name__": "__main__"}
 for _i, _cell in enumerate(%(earlier)r):
-    try:
-        _run(_cell, "<cell %%d>" %% (_i + 1), False)
-    except BaseException:
-        pass
-_sys.stdout, _sys.stderr = _stdout, _stderr
-try:
-    _run(%(cell)r, "<cell %(number)d>", True)
-except SystemExit:
-    raise
-except BaseException as _e:
-    _trace = _e.__traceback__
-    while _trace is not None and not _trace.tb_frame.f_code.co_filename.startswith("<cell"):
-        _trace = _trace.tb_next
-    _tb.print_exception(type(_e), _e, _trace)
-    _sys.exit(1)
+    _boot.cell(_scope, {"cell": _cell, "name": "<cell %%d>" %% (_i + 1), "silent": True}, _streams)
+    _sys.stdout, _sys.stderr = _streams
+_sys.exit(_boot.cell(_scope, {"cell": %(cell)r, "name": "<cell %(number)d>"}, _streams))
 '''
 
 

@@ -241,7 +241,8 @@ def _run_cell(scope, source, name, echo):
             print(repr(value))
 
 
-def _cell(scope, message, streams):
+def cell(scope, message, streams):
+    """Run one cell message (``silent``: a replay, output dropped, errors swallowed); its exit code."""
     if message.get("silent"):  # a replay after a restart: output dropped, errors swallowed
         sys.stdout = sys.stderr = _Discard()
         try:
@@ -277,7 +278,7 @@ def serve(control_in, control_out):
                 return
             body += chunk
         message = json.loads(body)
-        code = _cell(scope, message, streams)
+        code = cell(scope, message, streams)
         sys.stdout, sys.stderr = streams  # a cell that swapped them does not keep them (as in a fresh process)
         if message.get("silent"):
             continue
