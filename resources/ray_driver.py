@@ -22,7 +22,7 @@ import time
 from batchrl.common import fsutil
 
 PLACEMENT_TIMEOUT_S = float(os.environ.get("BATCHRL_RAY_PLACEMENT_TIMEOUT_S", "300"))
-FAILURE_GRACE_S = 20.0  # after one rank fails: how long the others get to end (and say why) before they are killed
+FAILURE_GRACE_S = 5.0  # after one rank fails: how long the others get to end (and say why) before they are killed
 PIPES_ENV_PREFIX = "DAGSTER_PIPES_"
 
 

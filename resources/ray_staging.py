@@ -77,7 +77,10 @@ def upload(fs, prefix: str, files: dict[str, str]) -> None:
     """Each local file of ``files`` to ``<prefix>/<name>`` (one PUT each: atomic on object stores)."""
     def put(item):
         name, local = item
-        fs.put_file(local, fsutil.join(prefix, name))
+        remote = fsutil.join(prefix, name)
+        if fsutil.is_local(fs):  # a local storage root (one machine): folders first; object stores need none
+            fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(local, remote)
     with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
         list(pool.map(put, files.items()))
 

@@ -49,18 +49,19 @@ def test_two_node_ray_cluster_in_a_loopback_only_network(tmp_path):
     env = {**os.environ, "BATCHRL_RAY_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
     command = [*NETNS_COMMAND, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
-               "--basetemp", str(tmp_path / "inner"), os.path.abspath(__file__), "-k", "on_the_cluster"]
+               "--durations=0", "--basetemp", str(tmp_path / "inner"), os.path.abspath(__file__), "-k", "on_the_cluster"]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     print(proc.stdout[-4000:])
     assert proc.returncode == 0, proc.stdout[-12000:] + proc.stderr[-4000:]
     assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
 
 
-def resources(storage: StorageResource, catalog: str, trainer: TrainerLauncherResource) -> dict:
-    """Every model stage a job (the rollouts and the inference tasks too): on the cluster, or local processes."""
+def resources(storage: StorageResource, catalog: str, trainer: TrainerLauncherResource, jobs: bool) -> dict:
+    """``jobs``: every model stage a job (the rollouts and the inference tasks too, as in the ray environment);
+    else as in the local environment (those in this process)."""
     return {"storage": storage, "catalog": CatalogResource(path=catalog), "landing": LandingResource(),
-            "rollout_engine": RolloutEngineResource(in_subprocess=True), "trainer": trainer,
-            "compute": ComputeResource(in_subprocess=True)}
+            "rollout_engine": RolloutEngineResource(in_subprocess=jobs), "trainer": trainer,
+            "compute": ComputeResource(in_subprocess=jobs)}
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +90,21 @@ def on_ray(cluster, s3_server, tmp_path_factory):
     storage = StorageResource(root=root, storage_options=options, cache_dir=str(folder / "cache"))
     trainer = TrainerLauncherResource(backend="ray", ray=ray)
     (folder / "home").mkdir()
-    return {"resources": resources(storage, str(folder / "catalog.duckdb"), trainer), "home": str(folder / "home"),
-            "root": root, "options": options, "ray": ray}
+    return {"resources": resources(storage, str(folder / "catalog.duckdb"), trainer, jobs=True),
+            "home": str(folder / "home"), "root": root, "options": options, "ray": ray}
 
 
 @pytest.fixture(scope="module")
 def local_versions(tmp_path_factory) -> dict[str, str]:
-    """The local environment's data versions of the same runs (trainers on 2 gloo ranks under torchrun)."""
+    """The local environment's data versions of the same runs (its trainers on 2 gloo ranks under torchrun; the
+    rollouts and the inference tasks in this process, one torch thread like the nodes')."""
     folder = tmp_path_factory.mktemp("local")
     root = str(folder / "storage")
     storage = StorageResource(root=root, cache_dir=str(folder / "cache"))
     trainer = TrainerLauncherResource(num_gpus=2)
     (folder / "home").mkdir()
     with dg.DagsterInstance.local_temp(str(folder / "home")) as instance:
-        assert run_assets(resources(storage, str(folder / "catalog.duckdb"), trainer), instance,
+        assert run_assets(resources(storage, str(folder / "catalog.duckdb"), trainer, jobs=False), instance,
                           UPSTREAM + DPO_PATH + RL_LOOP, RUN_CONFIG).success
         return {a: latest_metadata(instance, a)["data_version"] for a in DPO_PATH + RL_LOOP + ["base_model"]}
 

@@ -1,0 +1,78 @@
+"""How a Ray job's files travel through the storage root (resources/ray_staging.py) and how rollout replicas split
+and join (resources/ray_launch.py), without a cluster: the paths that travel, their rewriting on a node, the
+upload / download round trip of what a job wrote, the replicas' shards and merged numbers."""
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+
+from batchrl.common import fsutil
+from batchrl.resources import ray_staging
+from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE, join_shards, merged_numbers, shard_configs
+
+
+def test_the_paths_that_travel_are_the_outermost_existing_or_writable_ones(tmp_path):
+    work = tmp_path / "work"
+    (work / "model").mkdir(parents=True)
+    (tmp_path / "pairs.parquet").write_text("x")
+    config = {"out_dir": str(work), "model_path": str(work / "model"), "pairs_parquet": str(tmp_path / "pairs.parquet"),
+              "result_json": str(tmp_path / "result.json"), "missing": "/no/such/folder/file", "name": "relative/path",
+              "engine": {"compile_cache_dir": str(tmp_path), "kind": "transformers"}, "uri": "s3://bucket/x"}
+    assert ray_staging.path_roots(config) == sorted([str(tmp_path / "pairs.parquet"), str(tmp_path / "result.json"),
+                                                     str(work)])
+    moved = ray_staging.rewrite_paths(config, {str(work): "/scratch/0/work"})
+    assert moved["model_path"] == "/scratch/0/work/model" and moved["out_dir"] == "/scratch/0/work"
+    assert moved["engine"]["compile_cache_dir"] == str(tmp_path)  # a node's own cache stays the node's
+
+
+def test_what_a_job_wrote_comes_back_and_nothing_else(tmp_path):
+    fs, prefix = fsutil.filesystem_for(str(tmp_path / "storage"))
+    work = tmp_path / "here" / "work"
+    (work / "checkpoints").mkdir(parents=True)
+    (work / "checkpoints" / "old.pt").write_text("old")
+    ray_staging.upload(fs, f"{prefix}/in/0", ray_staging.local_files(str(work)))
+    node = tmp_path / "node" / "work"
+    assert ray_staging.download(fs, f"{prefix}/in/0", str(node)) == 1
+    found = ray_staging.snapshot([str(node)])
+    (node / "model").mkdir()
+    (node / "model" / "weights.bin").write_text("new")
+    changed = ray_staging.changed_files(str(node), found)
+    assert changed == {"tree/model/weights.bin": str(node / "model" / "weights.bin")}
+    ray_staging.upload(fs, f"{prefix}/out/0", changed)
+    ray_staging.download(fs, f"{prefix}/out/0", str(work))
+    assert (work / "model" / "weights.bin").read_text() == "new" and (work / "checkpoints" / "old.pt").exists()
+    assert not [f for f in os.listdir(work / "model") if ".tmp-" in f]
+
+
+def test_a_single_file_root_round_trips(tmp_path):
+    fs, prefix = fsutil.filesystem_for(str(tmp_path / "storage"))
+    (tmp_path / "result.json").write_text("{}")
+    ray_staging.upload(fs, f"{prefix}/out/1", ray_staging.local_files(str(tmp_path / "result.json")))
+    assert ray_staging.download(fs, f"{prefix}/out/1", str(tmp_path / "back.json")) == 1
+    assert (tmp_path / "back.json").read_text() == "{}"
+
+
+def test_replicas_sample_contiguous_shards_joined_in_order(tmp_path):
+    pd.DataFrame({"prompt": [f"p{i}" for i in range(5)]}).to_parquet(tmp_path / "prompts.parquet")
+    config = {"prompts_parquet": str(tmp_path / "prompts.parquet"), "out_parquet": str(tmp_path / "samples.parquet"),
+              "seed": 7, "n": 2}
+    shards = shard_configs(config, str(tmp_path), 2)
+    assert [c["seed"] for c in shards] == [7 * REPLICA_SEED_STRIDE, 7 * REPLICA_SEED_STRIDE + 1]
+    assert [pd.read_parquet(c["prompts_parquet"])["prompt"].tolist() for c in shards] == [["p0", "p1"],
+                                                                                          ["p2", "p3", "p4"]]
+    for c in shards:  # each replica numbers its own prompts from 0
+        count = len(pd.read_parquet(c["prompts_parquet"]))
+        pd.DataFrame({"prompt_index": [i for i in range(count) for _ in range(2)]}).to_parquet(c["out_parquet"])
+    join_shards(shards, config["out_parquet"])
+    assert pd.read_parquet(config["out_parquet"])["prompt_index"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert len(shard_configs(config, str(tmp_path), 9)) == 5  # never an empty shard
+
+
+def test_replicas_numbers_merge_into_one_report():
+    merged = merged_numbers([{"samples": 4, "generate_s": 2.0, "generated_tokens_per_s": 10.0, "stop_rate": 1.0,
+                              "engine_reused": False},
+                             {"samples": 12, "generate_s": 3.0, "generated_tokens_per_s": 30.0, "stop_rate": 0.5,
+                              "engine_reused": False}])
+    assert merged == {"samples": 16, "generate_s": 3.0, "generated_tokens_per_s": 40.0, "stop_rate": 0.625,
+                      "engine_reused": False}
