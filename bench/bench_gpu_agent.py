@@ -10,7 +10,8 @@ Measures, writing ``--out/agent.json`` after every phase (a killed run still ret
   (``training/agent/evaluate.tool_metrics``), before and after GRPO with tools;
 - ``throughput``: one training-size rollout batch (T = 1) with tools vs without: the model's own tokens per second of
   generation, tokens per second of the whole rollout wall (tools included), and the share of the rollout wall spent
-  in the sandbox (``tool_share``; calls run side by side on ``tool_workers`` threads);
+  in the sandbox (``tool_share``; calls run side by side on ``tool_workers`` threads), with the python tool's
+  persistent interpreter and, as before issue 51, by replay (``with_tools_replay``);
 - ``train``: GRPO rounds with tools for ``--minutes``: rollouts with tools → ``final_answer`` rewards → GRPO
   advantages over each prompt's trajectories (0 on observation tokens) → one policy update
   (``training.trainer.policy.train_policy``: DeepSpeed, bf16 autocast, KL 0.01 to the base, observation tokens masked
@@ -71,9 +72,11 @@ def sandbox_check() -> dict:
         return {"levels": levels, "error": "no sandbox level works here: tool calls cannot run"}
     level = sandbox.isolation_level()
     result = sandbox.run_python("print(6 * 7)")
-    note = ("bubblewrap works" if level == "bwrap" else "bubblewrap does NOT work here: tool calls run with the "
-            f"weaker {level!r} isolation (training/sandbox.py: an audit hook, not a security boundary)")
-    return {"levels": levels, "level": level, "note": note, "probe_ok": result.stdout.strip() == "42",
+    note = ("bubblewrap works" if level == "bwrap" else "bubblewrap does NOT work here (carry the copy of "
+            f"bench/sandbox_bundle.py, set BATCHRL_BWRAP): tool calls run at the {level!r} level"
+            + ("" if sandbox.is_boundary(level) else ", not a boundary: tool rollouts refuse it"))
+    return {"levels": levels, "level": level, "note": note, "pieces": sandbox.describe(level),
+            "why": {lv: sandbox.probe(lv)[1] for lv in sandbox.LEVELS}, "probe_ok": result.stdout.strip() == "42",
             "probe_wall_s": result.wall_s, "probe_stderr": result.stderr[-300:]}
 
 
@@ -99,8 +102,11 @@ def throughput(engine, agent, prompts: list[str], n: int, seed: int) -> dict:
     from batchrl.training.agent.stats import trajectory_stats
 
     out = {}
-    for label, tools in (("with_tools", True), ("without_tools", False)):
-        loop = AgentRollouts(engine, agent, tools=tools)
+    # with_tools_replay: the python tool as before issue 51 (a fresh sandbox per call replaying the earlier cells),
+    # beside the persistent interpreter per trajectory: the sandbox's share of the rollout wall before/after
+    for label, tools, state in (("with_tools_replay", True, "replay"), ("with_tools", True, "persistent"),
+                                ("without_tools", False, "persistent")):
+        loop = AgentRollouts(engine, agent.model_copy(update={"python_state": state}), tools=tools)
         started = time.perf_counter()
         rows = loop.generate(prompts, n=n, seed=seed)
         wall = time.perf_counter() - started

@@ -172,7 +172,8 @@ def test_a_configured_bwrap_with_a_wrong_sha256_is_refused(tmp_path, monkeypatch
 
 
 def test_a_configured_bwrap_copy_is_found_checked_and_used_without_one_on_path(tmp_path, monkeypatch):
-    """The GPU bundle's way (bench/sandbox_bundle.py): Debian's binary copied with its sha256, named by BATCHRL_BWRAP."""
+    """The GPU bundle's way (bench/sandbox_bundle.py): Debian's binary copied with its sha256, named by
+    BATCHRL_BWRAP."""
     import hashlib
     import shutil
 

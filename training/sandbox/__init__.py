@@ -67,8 +67,7 @@ def run_python(program: str, *, stdin: str = "", limits: SandboxLimits = Sandbox
         with open(os.path.join(scratch, "main.py"), "w") as f:
             f.write(program)
         proc = start(level, scratch, limits, "run")
-        out, err = Stream(proc.stdout.fileno(), limits.max_output_bytes), Stream(proc.stderr.fileno(),
-                                                                                limits.max_output_bytes)
+        out, err = (Stream(stream.fileno(), limits.max_output_bytes) for stream in (proc.stdout, proc.stderr))
         if not stdin:
             proc.stdin.close()
         outcome = pump([out, err], started + limits.timeout_s,
@@ -79,8 +78,9 @@ def run_python(program: str, *, stdin: str = "", limits: SandboxLimits = Sandbox
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: streams closed, process still running
                 outcome = "timeout"
         kill(proc)
-        return SandboxResult(None if outcome == "timeout" else proc.returncode, out.text(), err.text(),
-                             outcome == "timeout", level, time.monotonic() - started, output_truncated=outcome == "over")
+        timed_out = outcome == "timeout"
+        return SandboxResult(None if timed_out else proc.returncode, out.text(), err.text(), timed_out, level,
+                             time.monotonic() - started, output_truncated=outcome == "over")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
