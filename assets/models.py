@@ -38,6 +38,10 @@ class BaseModelConfig(dg.Config):
     intermediate_size: int = Field(512, description="tiny default: MLP size")
     num_layers: int = Field(4, description="tiny default: transformer layers")
     seed: int = Field(0, description="tiny default: seed of the weights' initialisation")
+    warm_start_steps: int = Field(0, ge=0, description="tiny default: supervised steps on the prompts' gold answers "
+                                  "after it is built, so RL starts from a model that is sometimes right "
+                                  "(training/warm_start.py); 0: random weights")
+    warm_start_lr: float = Field(1e-3, gt=0, description="tiny default: learning rate of the warm start")
 
     @model_validator(mode="after")
     def _split_gguf_names_its_hash(self):
@@ -62,7 +66,8 @@ RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 TOKENIZER_CORPUS = ("preference_window", "prompts")
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.gguf_source",
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.warm_start",
+                                                      "batchrl.training.gguf_source",
                                                       "batchrl.training.gguf_parts", "batchrl.ingest.window",
                                                       config=BaseModelConfig),
           kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in TOKENIZER_CORPUS})
@@ -86,6 +91,8 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
 
             texts, inputs = _tokenizer_corpus(preference_window, prompts)
             info = build_tiny_model(texts, staging, **config.model_dump(include=TINY_DIMS))
+            if config.warm_start_steps:
+                info.update(_warm_started(staging, prompts, config))
         shown = {k: v for k, v in info.items() if isinstance(v, (int, float, str))}
         in_staging = {k for k, v in shown.items() if isinstance(v, str) and v.startswith(staging)}
         output = publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
@@ -124,6 +131,19 @@ def _from_gguf_parts(parts: list[str], sha256: str | None, storage: StorageResou
     files = [{"uri": part["spec"], "sha256": part["sha256"], "bytes": part["bytes"], "package": part["package"],
               "package_version": part["package_version"]} for part in provenance["parts"]]
     return {**info, "gguf_spec": f"{len(parts)} parts", "gguf_parts": len(parts)}, files
+
+
+def _warm_started(model_dir: str, prompts: Artifact | None, config: BaseModelConfig) -> dict:
+    """The tiny default trained ``warm_start_steps`` on the prompts' (prompt, answer) pairs, in place."""
+    from batchrl.training.warm_start import warm_start
+
+    table = prompts.read_table() if prompts is not None else None
+    if table is None or "answer" not in table or not table["answer"].notna().any():
+        raise dg.Failure("base_model: warm_start_steps trains on the prompts' gold answers, and the prompts have "
+                         "none: materialise prompts with an answer column, or set warm_start_steps: 0")
+    rows = table[table["answer"].notna()]
+    return warm_start(model_dir, list(zip(rows["prompt"], rows["answer"].astype(str))),
+                      steps=config.warm_start_steps, lr=config.warm_start_lr, seed=config.seed)
 
 
 def _tokenizer_corpus(preference_window: Artifact | None, prompts: Artifact | None) -> tuple[list[str], dict]:
