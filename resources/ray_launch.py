@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import uuid
 from typing import Any, Literal
 
@@ -117,16 +118,19 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
             ray_staging.upload(fs, fsutil.join(prefix, "in", str(i)), ray_staging.local_files(root))
     protocol = ray.storage_root.split("://", 1)[0] + "://" if "://" in ray.storage_root else ""
     spec_uri = protocol + fsutil.join(prefix, "spec.json")
-    fs.pipe_file(fsutil.join(prefix, "spec.json"),
-                 json.dumps(job_spec(job, configs, roots, protocol + prefix, ray)).encode())
+    fsutil.atomic_write_bytes(fs, fsutil.join(prefix, "spec.json"),
+                              json.dumps(job_spec(job, configs, roots, protocol + prefix, ray)).encode())
     client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s)
-    submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {spec_uri}",
+    submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {shlex.quote(spec_uri)}",
               "runtime_env": {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS": json.dumps(ray.storage_options)}}}
     try:
         invocation = client.run(context=context, submit_job_params=submit)
     except RuntimeError as error:  # dagster-ray: the Ray job FAILED or STOPPED, with its logs' tail
         raise dg.Failure(f"job {job!r} failed on the Ray cluster at {ray.address}; nothing is published "
                          f"(work dir {workdir}).\n{error}") from error
+    except OSError as error:  # requests' ConnectionError: no job server there
+        raise dg.Failure(f"job {job!r}: could not reach the Ray cluster's job server at {ray.address} "
+                         f"(trainer.ray.address, BATCHRL_RAY_ADDRESS): {error}") from error
     finally:  # the inputs were the job's only: gone whatever it ended with
         if fs.exists(fsutil.join(prefix, "in")):
             fs.rm(fsutil.join(prefix, "in"), recursive=True)

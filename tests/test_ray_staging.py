@@ -1,15 +1,15 @@
 """How a Ray job's files travel through the storage root (resources/ray_staging.py) and how rollout replicas split
 and join (resources/ray_launch.py), without a cluster: the paths that travel, their rewriting on a node, the
 upload / download round trip of what a job wrote, the replicas' shards and merged numbers."""
-from __future__ import annotations
 
 import os
 
+import dagster as dg
 import pandas as pd
 
 from batchrl.common import fsutil
-from batchrl.resources import ray_staging
-from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE, join_shards, merged_numbers, shard_configs
+from batchrl.resources import TrainerLauncherResource, ray_staging
+from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE, RayJobs, join_shards, merged_numbers, shard_configs
 
 
 def test_the_paths_that_travel_are_the_outermost_existing_or_writable_ones(tmp_path):
@@ -76,3 +76,17 @@ def test_replicas_numbers_merge_into_one_report():
                               "engine_reused": False}])
     assert merged == {"samples": 16, "generate_s": 3.0, "generated_tokens_per_s": 40.0, "stop_rate": 0.625,
                       "engine_reused": False}
+
+
+@dg.asset
+def scored(context: dg.AssetExecutionContext, trainer: TrainerLauncherResource) -> None:
+    workdir = os.path.dirname(trainer.ray.storage_root)
+    trainer.run_job(context, "inference", {"task": "rewards", "out": os.path.join(workdir, "out.json")}, workdir)
+
+
+def test_an_unreachable_cluster_fails_the_step_with_the_address(tmp_path):
+    ray = RayJobs(address="http://127.0.0.1:9", storage_root=str(tmp_path / "storage"))  # nothing listens on 9
+    result = dg.materialize([scored], resources={"trainer": TrainerLauncherResource(backend="ray", ray=ray)},
+                            raise_on_error=False)
+    message = [e.step_failure_data.error.message for e in result.all_events if e.is_step_failure][0]
+    assert "could not reach the Ray cluster's job server at http://127.0.0.1:9" in message
