@@ -248,15 +248,26 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def evaluation_table(report: dict) -> list[str]:
-    """One row per numeric metric, one column per model (the comparison the UI shows)."""
+# the evaluated models' column headings: a terminal of 100 columns holds the table with five models
+SHORT_MODEL_NAMES = {"base_model": "base", "policy_checkpoint": "policy", "dpo_checkpoint": "dpo",
+                     "offline_policy_checkpoint": "offline", "kto_checkpoint": "kto"}
+TABLE_WIDTH = 100
+
+
+def evaluation_table(report: dict, width: int = TABLE_WIDTH) -> list[str]:
+    """One row per numeric metric, one column per model (the comparison the UI shows), ``width`` columns at most
+    (a metric name too long for what the models leave is cut with an ellipsis)."""
     models = list(report)
+    headings = [SHORT_MODEL_NAMES.get(m, m) for m in models]
     metrics = sorted({m for r in report.values() for m, v in r.items() if isinstance(v, (int, float))})
-    width = max([len(m) for m in metrics] + [6])
-    lines = [f"{'metric':<{width}}  " + "  ".join(f"{m:>17}" for m in models)]
+    cell = max([len(h) for h in headings] + [10])  # _fmt gives 10 characters at most (-1.234e-05)
+    name_width = max(6, min(max([len(m) for m in metrics] + [6]), width - len(models) * (cell + 2)))
+    name = lambda text: text if len(text) <= name_width else text[:name_width - 1] + "…"  # noqa: E731
+    lines = [f"{'metric':<{name_width}}" + "".join(f"  {h:>{cell}}" for h in headings)]
     for metric in metrics:
         cells = [report[m].get(metric) for m in models]
-        lines.append(f"{metric:<{width}}  " + "  ".join(f"{'' if v is None else _fmt(round(v, 4)):>17}" for v in cells))
+        lines.append(f"{name(metric):<{name_width}}" +
+                     "".join(f"  {'' if v is None else _fmt(round(v, 4)):>{cell}}" for v in cells))
     return lines
 
 

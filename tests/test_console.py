@@ -130,3 +130,16 @@ def test_the_footer_names_the_dagster_home_and_the_batchrl_in_use(tmp_path, monk
     # found on PATH: by name
     assert "audit:  batchrl audit" in footer(str(program), f"{program.parent}{os.pathsep}{os.defpath}")
     assert " -m batchrl.cli audit" in footer("-m", os.defpath)  # python -m batchrl.cli
+
+
+def test_the_evaluation_table_fits_100_columns_with_every_model():
+    from batchrl.cli.console import evaluation_table
+
+    models = ["base_model", "policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint", "kto_checkpoint"]
+    metrics = {"arith_accuracy": 0.123456, "preference_accuracy/prefs_001.jsonl": 0.5, "logratio_margin": -1.234e-05,
+               "a_metric_name_much_longer_than_any_column_could_ever_hold_in_a_terminal_of_a_hundred": 1.0}
+    lines = evaluation_table({m: dict(metrics) for m in models})
+    assert max(len(line) for line in lines) <= 100
+    assert lines[0].split() == ["metric", "base", "policy", "dpo", "offline", "kto"]
+    assert any(line.startswith("arith_accuracy ") and "0.1235" in line for line in lines)
+    assert any("…" in line for line in lines)
