@@ -28,6 +28,7 @@ class Scores(dg.Config):
     base: float = 0.1
     policy: float = 0.5
     max_regression: float = 0.05
+    prompts: int = 50
 
 
 @dg.asset
@@ -50,7 +51,8 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: Scores, base_mo
 @dg.asset(metadata=declared_files(results="evaluation.json"))
 def evaluation(context: dg.AssetExecutionContext, config: Scores, base_model, policy_checkpoint,
                storage: StorageResource, catalog: CatalogResource):
-    results = {"base_model": {"arith_accuracy": config.base}, "policy_checkpoint": {"arith_accuracy": config.policy}}
+    results = {"base_model": {"arith_accuracy": config.base, "arith_n": config.prompts},
+               "policy_checkpoint": {"arith_accuracy": config.policy, "arith_n": config.prompts}}
     flat = {f"{model}/arith_accuracy": r["arith_accuracy"] for model, r in results.items()}
     return _published(context, storage, catalog, "evaluation", results, metadata=flat,
                       config={"max_regression": config.max_regression},
@@ -103,6 +105,11 @@ def test_a_policy_worse_than_the_previous_one_is_withdrawn_for_it(run):
 def test_a_loss_within_the_margin_is_kept(run):
     check, promoted, evaluated = run(base=0.5, policy=0.46, max_regression=0.05)
     assert check.passed and promoted.data_version == evaluated
+
+
+def test_a_smoke_size_evaluation_is_not_judged(run):
+    check, promoted, evaluated = run(base=0.5, policy=0.25, prompts=4)
+    assert check.passed and "not judged" in check.description and promoted.data_version == evaluated
 
 
 def test_verdict_compares_with_the_best_baseline():
