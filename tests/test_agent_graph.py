@@ -50,6 +50,9 @@ def test_the_rl_chain_trains_on_tool_trajectories(tool_run):
     rollouts, rewards, advantages, checkpoint = (tool_run[a] for a in RL_LOOP)
     assert rollouts["mean_tool_calls"] == 3.0 and rollouts["finish/stop"] == 1.0 and rollouts["tool_error_rate"] == 0.0
     assert 0.0 < rollouts["tool_share"] < 1.0
+    # the sandbox the calls ran in, named with each piece in force (issue 51)
+    assert rollouts["sandbox/level"] in ("bwrap", "namespaces") and rollouts["sandbox/boundary"] is True
+    assert rollouts["sandbox/landlock"] and rollouts["sandbox/seccomp"] and rollouts["sandbox/rlimits"]
     shown = rollouts["example_trajectory"]  # one trajectory in the UI (Markdown), turn by turn
     assert shown.count("status ok, exit_code 0") == 3 and "finish_reason **stop**, 3 tool calls" in shown
     assert rewards["mean_reward"] == 1.0  # every forced trajectory reads its answer off the sandbox
