@@ -7,7 +7,7 @@ choice requires from another's is checked by ``check_run_config`` (``RunConfigEr
 what the estimators registered they need (``algos.registry``): a greedy baseline for ReMax, several samples per
 prompt for group estimators, a critic for GAE, one place for the KL term, reward names that resolve, a DPO pair
 source that exists and whose graph has the inputs it takes, one truncation (``max_length``) for the reference
-log-probs and DPO; and, given the code location's resources, what the policy update takes from the rollout engine
+log-probs and DPO, a sandbox that is a boundary for tool-using rollouts (or ``allow_weak_sandbox``); and, given the code location's resources, what the policy update takes from the rollout engine
 (its temperature; sampled-token log-probs, which vLLM reports only when asked). It is called by
 ``runs.run_config.check_whole_run`` (`batchrl run`'s up-front ``validate_plan``, and ``runs.execute.execute_assets``
 before executing) and by the ``rollouts`` asset for runs launched from the UI, which skip both (without the
