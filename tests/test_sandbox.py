@@ -18,8 +18,9 @@ GOOD = "Here is the function:\n```python\ndef add(a, b):\n    return a + b\n```\
 FAST = sandbox.SandboxLimits(timeout_s=2.0, memory_mb=256)
 ESCAPE = sandbox.SandboxLimits(timeout_s=1.0, memory_mb=256)  # the loops only need to outlive it
 
-# bwrap is the real isolation (installed by scripts/bootstrap.sh when run as root, as CI does); the
-# weaker levels are the documented fallbacks and must hold the same line on these cases.
+# bwrap and namespaces are the boundaries (training/sandbox/levels.py; bubblewrap is installed by scripts/bootstrap.sh
+# when run as root, as CI does); rlimits is not one (tool rollouts refuse it without allow_weak_sandbox) and must
+# hold the same line on these cases all the same.
 LEVELS = ["bwrap", "namespaces", "rlimits"]
 
 

@@ -178,8 +178,6 @@ ALLOWED = {
         "fixed log-prob cache the trainer wrote in its work dir",
     ("training/reward_code.py", "eval/exec"):
         "the code reward's harness text: it execs the response inside the sandboxed child (training/sandbox.py)",
-    ("training/agent/tools.py", "eval/exec"):
-        "the python tool's harness text: it execs the model's cells inside the sandboxed child (training/sandbox.py)",
     ("training/sandbox/inside.py", "eval/exec"):
         "the sandboxed interpreter's own first module: runs the model's code after hardening itself (never imported)",
 }
