@@ -57,12 +57,12 @@ def _expand(value: Any) -> Any:
     return value
 
 
-class _ConfigLoader(yaml.SafeLoader):
+class _FloatAwareSafeLoader(yaml.SafeLoader):
     """YAML 1.1's SafeLoader reads ``1e-5`` (no dot) as a string, so ``lr: 1e-5`` failed the config check as
     "expected Float" (and so did JSON's ``1e-05``); config files here read it as the float YAML 1.2 and JSON mean."""
 
 
-_ConfigLoader.add_implicit_resolver(
+_FloatAwareSafeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
 
@@ -70,7 +70,7 @@ _ConfigLoader.add_implicit_resolver(
 def _read_yaml(path: str) -> dict:
     try:
         with open(path) as f:
-            raw = yaml.load(f, Loader=_ConfigLoader) or {}
+            raw = yaml.load(f, Loader=_FloatAwareSafeLoader) or {}
     except (OSError, yaml.YAMLError) as error:
         raise ProfileError(f"{path}: {' '.join(str(error).split())}") from None
     if not isinstance(raw, dict):
