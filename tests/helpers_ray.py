@@ -25,14 +25,20 @@ GCS_PORT, DASHBOARD_PORT = 6379, 8265
 # node death noticed in ~3 s instead of Ray's default ~15 s (period 3 s x 5 failures)
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
                           "health_check_timeout_ms": 1000}
-NETNS_COMMAND = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc"]
+NAMESPACES = ["--net", "--pid", "--fork", "--mount-proc"]
+# unprivileged (a user namespace), or as root where user namespaces are off
+NETNS_COMMANDS = (["unshare", "--user", "--map-root-user", *NAMESPACES], ["unshare", *NAMESPACES])
 
 
-def namespaces_available() -> bool:
-    try:
-        return subprocess.run([*NETNS_COMMAND, "true"], capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def namespaces_command() -> list[str] | None:
+    """The first ``unshare`` command line that works here, or None."""
+    for command in NETNS_COMMANDS:
+        try:
+            if subprocess.run([*command, "true"], capture_output=True, timeout=30).returncode == 0:
+                return command
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return None
 
 
 def bring_loopback_up() -> None:

@@ -20,8 +20,8 @@ import dagster as dg
 import pandas as pd
 import pytest
 from helpers_ray import (
-    DASHBOARD_PORT, NETNS_COMMAND, bring_loopback_up, job_processes, kill_node, listening_addresses,
-    namespaces_available, only_loopback, start_node, wait_for_nodes,
+    DASHBOARD_PORT, bring_loopback_up, job_processes, kill_node, listening_addresses, namespaces_command,
+    only_loopback, start_node, wait_for_nodes,
 )
 from pipeline_helpers import RL_LOOP, SMALL, UPSTREAM, latest_metadata, run_assets
 
@@ -42,13 +42,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.skipif(INNER, reason="the outer test")
 def test_two_node_ray_cluster_in_a_loopback_only_network(tmp_path):
-    if not namespaces_available():
+    unshare = namespaces_command()
+    if unshare is None:
         pytest.skip("no user+network namespaces here (`unshare --user --net`): Ray's servers listen on every "
                     "interface, which tests here must not")
     # one thread per process everywhere, as on the 1-CPU nodes: the same float sums in every process
     env = {**os.environ, "BATCHRL_RAY_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
-    command = [*NETNS_COMMAND, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
+    command = [*unshare, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
                "--durations=0", "--basetemp", str(tmp_path / "inner"), os.path.abspath(__file__), "-k", "on_the_cluster"]
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=840)
     print(proc.stdout[-4000:])
