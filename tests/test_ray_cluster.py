@@ -11,6 +11,7 @@ this module's `on_the_cluster` tests there and passes when they pass.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -140,6 +141,8 @@ def test_on_the_cluster_a_node_lost_mid_dpo_fails_the_step_and_publishes_nothing
         failures = _step_failures(result)
         assert len(failures) == 1 and "job 'train_dpo' failed on the Ray cluster" in failures[0], failures
         assert "rank 1 on 127.0.0.1" in failures[0] and "nothing was uploaded" in failures[0], failures[0]
+        nodes = re.findall(r"rank [01] on 127\.0\.0\.1 \(node (\w+)\)", failures[0])
+        assert len(set(nodes)) == 2, failures[0]  # the placement group put one rank on each node
         assert instance.get_latest_materialization_event(dg.AssetKey("dpo_checkpoint")) is None
         assert latest_metadata(instance, "reference_logprobs")["data_version"]  # the steps before it published
     fs = s3fs.S3FileSystem(**on_ray["options"])
