@@ -78,6 +78,8 @@ class JobRank:
             yield line.rstrip("\n")
         code = proc.wait()
         echo.join(timeout=10)
+        if code != 0:  # nothing of a failed job is uploaded: its scratch goes now (a killed actor leaves it)
+            self.close()
         yield {"exit": code, "stderr_tail": list(tail)}
 
     @staticmethod
