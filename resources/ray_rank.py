@@ -10,11 +10,9 @@ actor (``PR_SET_PDEATHSIG``), so a rank killed by Ray or lost with its node leav
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,12 +24,12 @@ from batchrl.common import fsutil
 from batchrl.resources import ray_staging
 
 STDERR_TAIL_LINES = 40
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the job's child process: SIGKILL when the actor's process ends (Linux)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+# the job's process: SIGKILLed when the actor's process ends (PR_SET_PDEATHSIG = 1; set by the child itself, as a
+# preexec_fn would run Python between fork and exec in a process full of Ray's threads), gone at once if the actor
+# already is, then the job module run as `python -m` runs it
+CHILD = ("import ctypes, os, runpy, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+         "os.getppid() == int(sys.argv[1]) or os._exit(1); module = sys.argv[2]; sys.argv = [module, *sys.argv[3:]]; "
+         "runpy.run_module(module, run_name='__main__', alter_sys=True)")
 
 
 def _with(base, changes: dict[str, str | None]) -> dict[str, str]:
@@ -68,9 +66,9 @@ class JobRank:
         """Stage the inputs, run the job; yields its stdout lines, then ``{"exit": code, "stderr_tail": [...]}``."""
         config_path = self._stage()
         module = f"batchrl.training.jobs.{self.spec['job']}"
-        proc = subprocess.Popen([sys.executable, "-m", module, config_path], cwd=self.scratch, text=True,
-                                env=_with(os.environ, env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(os.getpid()), module, config_path],
+                                cwd=self.scratch, text=True, env=_with(os.environ, env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
         tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         echo = threading.Thread(target=self._echo_stderr, args=(proc.stderr, tail), daemon=True)
         echo.start()
