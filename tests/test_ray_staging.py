@@ -90,3 +90,20 @@ def test_an_unreachable_cluster_fails_the_step_with_the_address(tmp_path):
                             raise_on_error=False)
     message = [e.step_failure_data.error.message for e in result.all_events if e.is_step_failure][0]
     assert "could not reach the Ray cluster's job server at http://127.0.0.1:9" in message
+
+
+def test_the_ray_environment_takes_its_cluster_and_storage_from_the_variables(monkeypatch):
+    from batchrl.resources.environments import environment_resources
+
+    monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
+    for name, value in {"BATCHRL_RAY_ADDRESS": "http://head:8265", "BATCHRL_RAY_WORLD_SIZE": "4",
+                        "BATCHRL_RAY_ROLLOUT_REPLICAS": "2", "BATCHRL_RAY_PLACEMENT": "STRICT_SPREAD",
+                        "BATCHRL_S3_ROOT": "s3://team/artifacts", "BATCHRL_S3_ENDPOINT": "http://127.0.0.1:9"}.items():
+        monkeypatch.setenv(name, value)
+    resources = environment_resources("ray")
+    trainer = resources["trainer"]
+    assert trainer.backend == "ray" and (trainer.ray.address, trainer.ray.world_size) == ("http://head:8265", 4)
+    assert (trainer.ray.rollout_replicas, trainer.ray.placement_strategy) == (2, "STRICT_SPREAD")
+    assert trainer.ray.storage_root == resources["storage"].root == "s3://team/artifacts"
+    assert trainer.ray.storage_options == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    assert resources["rollout_engine"].in_subprocess and resources["compute"].in_subprocess  # every model stage a job
