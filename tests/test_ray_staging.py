@@ -107,3 +107,20 @@ def test_the_ray_environment_takes_its_cluster_and_storage_from_the_variables(mo
     assert trainer.ray.storage_root == resources["storage"].root == "s3://team/artifacts"
     assert trainer.ray.storage_options == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
     assert resources["rollout_engine"].in_subprocess and resources["compute"].in_subprocess  # every model stage a job
+
+
+def test_a_failed_rank_is_named_with_its_node_and_why(monkeypatch):
+    from batchrl.resources import ray_driver
+
+    monkeypatch.setattr(ray_driver, "FAILURE_GRACE_S", 0.2)
+    outcomes = ray_driver.RankOutcomes(3)
+    outcomes.end(0, {"exit": 1, "stderr_tail": ["Traceback (most recent call last):", "RuntimeError: gloo: peer gone"]})
+    outcomes.end(1, ConnectionError("actor died\nmore"))
+    outcomes.wait()  # rank 2 never ends: the grace runs out instead of waiting for it
+    assert outcomes.failed() == [0, 1]
+    message = ray_driver.failure_message({"job": "train_dpo"}, outcomes, {0: "10.0.0.1 (node a)", 1: "10.0.0.2 (node b)"})
+    assert "batchrl job 'train_dpo' failed on the Ray cluster (3 rank(s)); nothing was uploaded" in message
+    assert "rank 0 on 10.0.0.1 (node a): exited with code 1; last stderr lines:" in message
+    assert "    RuntimeError: gloo: peer gone" in message
+    assert "rank 1 on 10.0.0.2 (node b): lost (ConnectionError: actor died)" in message
+    assert "rank 2 on unknown node: still running when the job was stopped" in message
