@@ -68,8 +68,10 @@ def test_every_asset_materialises_and_checks_pass(pipeline):
     for asset in ALL_ASSETS:
         latest_metadata(instance, asset)
     checks = _events(instance, "ASSET_CHECK_EVALUATION")
-    assert sorted(c.event_specific_data.check_name for c in checks) == sorted(["nothing_lost", "reject_rate_below_threshold"] * 2)
-    assert all(c.event_specific_data.passed for c in checks)  # per log drop
+    # the data checks per log drop, the promotion gate on the evaluation
+    assert sorted(c.event_specific_data.check_name for c in checks) == \
+        sorted(["nothing_lost", "reject_rate_below_threshold"] * 2 + ["policy_not_regressed"])
+    assert all(c.event_specific_data.passed for c in checks)
 
 
 @pytest.mark.parametrize("asset", ["policy_checkpoint", "dpo_checkpoint"])
