@@ -43,7 +43,10 @@ def previous_policy(instance: dg.DagsterInstance, storage: StorageResource, curr
     metadata = records[1].asset_materialization.metadata if len(records) > 1 else {}
     if f"{POLICY}/{METRIC}" not in metadata or "uri" not in metadata:
         return None
-    earlier = make_local(storage, ArtifactRef("evaluation", metadata["uri"].value, metadata["data_version"].value))
+    try:
+        earlier = make_local(storage, ArtifactRef("evaluation", metadata["uri"].value, metadata["data_version"].value))
+    except OSError:  # its files gone (a root cleaned by hand): no like-for-like number, the base model still judges
+        return None
     if earlier.data_version == current.data_version or _basis(earlier) != _basis(current):
         return None
     return Baseline(earlier.input_ref(POLICY), float(metadata[f"{POLICY}/{METRIC}"].value))
