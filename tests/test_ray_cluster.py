@@ -112,7 +112,8 @@ def local_versions(tmp_path_factory) -> dict[str, str]:
 
 
 def _kill_second_node_when_training(cluster: dict, killed: dict) -> None:
-    """Once rank 1 of the DPO job (on the second node) has run 2 s: the whole node SIGKILLed, as a machine lost."""
+    """Once the DPO job's rank on the second node (0 or 1: Ray picks each bundle's node) has run 2 s: the whole node
+    SIGKILLed, as a machine lost."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not killed:
         procs = job_processes(cluster["second"], "batchrl.training.jobs.train_dpo")
@@ -136,11 +137,12 @@ def test_on_the_cluster_a_node_lost_mid_dpo_fails_the_step_and_publishes_nothing
     with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
         result = run_assets(on_ray["resources"], instance, UPSTREAM + DPO_PATH, RUN_CONFIG)
         killer.join(timeout=5)
-        assert killed.get("processes"), "the second node was never seen running rank 1"
+        assert killed.get("processes"), "the second node was never seen running a rank"
         assert not result.success
         failures = _step_failures(result)
         assert len(failures) == 1 and "job 'train_dpo' failed on the Ray cluster" in failures[0], failures
-        assert "rank 1 on 127.0.0.1" in failures[0] and "nothing was uploaded" in failures[0], failures[0]
+        assert "nothing was uploaded" in failures[0], failures[0]
+        assert len(re.findall(r"rank [01] on 127\.0\.0\.1 \(node \w+\): lost \(", failures[0])) == 1, failures[0]
         nodes = re.findall(r"rank [01] on 127\.0\.0\.1 \(node (\w+)\)", failures[0])
         assert len(set(nodes)) == 2, failures[0]  # the placement group put one rank on each node
         assert instance.get_latest_materialization_event(dg.AssetKey("dpo_checkpoint")) is None
