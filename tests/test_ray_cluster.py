@@ -149,6 +149,7 @@ def test_on_the_cluster_a_node_lost_mid_dpo_fails_the_step_and_publishes_nothing
         assert latest_metadata(instance, "reference_logprobs")["data_version"]  # the steps before it published
     fs = s3fs.S3FileSystem(**on_ray["options"])
     assert not fs.exists(f"{on_ray['root']}/dpo_checkpoint")  # nothing partial under the storage root
+    wait_for_nodes(1)  # the lost node marked dead first: else the count of 2 below could still include it
     cluster["second"] = start_node(head=False)  # a replacement node for the rerun
     wait_for_nodes(2)
 
