@@ -55,6 +55,12 @@ def _events(instance, kind: str) -> list:
             if e.dagster_event and e.dagster_event.event_type_value == kind]
 
 
+def _data_checks(instance) -> list:
+    """The per-drop data checks evaluated so far (not the evaluation's promotion check)."""
+    return [e for e in _events(instance, "ASSET_CHECK_EVALUATION")
+            if e.event_specific_data.check_name in ("nothing_lost", "reject_rate_below_threshold")]
+
+
 def _step_seconds(instance, run_id: str, step: str) -> float:
     """Wall time of ``step`` in the run, from its start and success events."""
     at = {e.dagster_event.event_type_value: e.timestamp for e in instance.all_logs(run_id)
@@ -368,7 +374,7 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     old = latest_metadata(instance, "policy_checkpoint")
     with open(os.path.join(old["uri"], "lineage.json")) as f:
         old_base = json.load(f)["inputs"]["reference"]["data_version"]  # the base model of its chain
-    data_runs = len(_events(instance, "ASSET_CHECK_EVALUATION"))
+    data_runs = len(_data_checks(instance))
     new_file = os.path.join(landing.preferences, "prefs_002.jsonl")
     with open(new_file, "w") as f:
         f.write("".join(json.dumps({"prompt": f"What is {i} + {i}?", "chosen": f"{i} + {i} = {2 * i}.",
@@ -391,7 +397,9 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
         records = instance.fetch_materializations(dg.AssetRecordsFilter(
             asset_key=dg.AssetKey("validated_preferences"), asset_partitions=[drop]), limit=10).records
         assert len(records) == 1 and records[0].run_id != run.run_id
-    assert len(_events(instance, "ASSET_CHECK_EVALUATION")) == data_runs + 2  # the new drop's two checks
+    assert len(_data_checks(instance)) == data_runs + 2  # the new drop's two checks (old drops' not run again)
+    assert "policy_not_regressed" in {e.event_specific_data.check_name for e in run.all_events
+                                      if e.event_type_value == "ASSET_CHECK_EVALUATION"}  # the retrain's evaluation
     window = latest_metadata(instance, "preference_window")
     assert window["drops"] == ["prefs_000.jsonl", "prefs_001.jsonl", "prefs_002.jsonl"]
 
