@@ -10,6 +10,7 @@ from pydantic import Field, field_validator
 
 from batchrl.assets.common import code_version, declared_files, output_file, publish, run_config_for, train_and_publish
 from batchrl.assets.run_rules import reference_mismatch, self_play_missing
+from batchrl.assets.stage_configs import ReferenceConfig
 from batchrl.ingest import IngestConfig
 from batchrl.ingest.pairs import rewards_to_scored, scored_to_pairs
 from batchrl.resources import (
@@ -20,15 +21,6 @@ from batchrl.resources.profiles import pair_sources
 from batchrl.training.trainer.config import DPOConfig
 
 DPORunConfig = run_config_for(DPOConfig, "DPORunConfig")
-
-
-class ReferenceConfig(dg.Config):
-    max_length: int = Field(256, description="tokens per prompt + completion")
-    batch_size: int = Field(16, description="pairs per forward pass (at most)")
-    batch_tokens: Optional[int] = Field(None, ge=1, description="padded tokens per forward pass, both rows of a "
-                                        "pair counted: set, short pairs go in larger batches (up to batch_size "
-                                        "pairs), which keeps a GPU busy; unset, batch_size alone")
-    dtype: str = Field("auto", description="auto = bfloat16 on GPU, float32 on CPU")
 
 
 class DPOPairsConfig(dg.Config):

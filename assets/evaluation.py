@@ -11,14 +11,14 @@ from batchrl.assets.charts import grouped_bars
 from batchrl.assets.common import code_version, declared_files, publish
 from batchrl.assets.data_quality import printable
 from batchrl.assets.dpo import reference_max_length
-from batchrl.assets.rl import AgentRunConfig, PromptFormatConfig
+from batchrl.assets.stage_configs import AgentRunConfig, PromptFormatConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, StorageResource, TrainerLauncherResource,
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.resources.landing import landing_input
-from batchrl.training.prompts import load_prompts
+from batchrl.training.data.prompts import load_prompts
 
 
 class EvaluationConfig(PromptFormatConfig):
@@ -46,7 +46,7 @@ OFFLINE_MODELS = ("offline_policy_checkpoint", "kto_checkpoint")  # compared onc
 RESULTS_FILE = "evaluation.json"
 
 
-@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluate", "batchrl.training.agent",
+@dg.asset(group_name="evaluation", code_version=code_version("batchrl.training.evaluation.evaluate", "batchrl.training.agent",
                                                                        config=EvaluationConfig),
           kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in OFFLINE_MODELS},
           metadata={**landing_input("eval_prompts"), **declared_files(results=RESULTS_FILE)})

@@ -40,7 +40,7 @@ class BaseModelConfig(dg.Config):
     seed: int = Field(0, description="tiny default: seed of the weights' initialisation")
     warm_start_steps: int = Field(0, ge=0, description="tiny default: supervised steps on the prompts' gold answers "
                                   "after it is built, so RL starts from a model that is sometimes right "
-                                  "(training/warm_start.py); 0: random weights")
+                                  "(training/models/warm_start.py); 0: random weights")
     warm_start_lr: float = Field(1e-3, gt=0, description="tiny default: learning rate of the warm start")
 
     @model_validator(mode="after")
@@ -51,7 +51,7 @@ class BaseModelConfig(dg.Config):
         if self.gguf_sha256 and not self.gguf_parts:
             raise ValueError("gguf_sha256 is set without gguf_parts (a single gguf_file is hashed when converted)")
         if self.gguf_parts:
-            from batchrl.training.gguf_parts import check_expected_sha256
+            from batchrl.training.models.gguf_parts import check_expected_sha256
 
             check_expected_sha256(self.gguf_sha256)
         return self
@@ -66,9 +66,9 @@ RewardModelRunConfig = run_config_for(RewardModelConfig, "RewardModelRunConfig")
 TOKENIZER_CORPUS = ("preference_window", "prompts")
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.tiny_model", "batchrl.training.warm_start",
-                                                      "batchrl.training.gguf_source",
-                                                      "batchrl.training.gguf_parts", "batchrl.ingest.window",
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.models.tiny", "batchrl.training.models.loading", "batchrl.training.models.warm_start",
+                                                      "batchrl.training.models.gguf",
+                                                      "batchrl.training.models.gguf_parts", "batchrl.ingest.window",
                                                       config=BaseModelConfig),
           kinds={"pytorch"}, ins={name: dg.AssetIn(metadata={OPTIONAL_KEY: True}) for name in TOKENIZER_CORPUS})
 def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, preference_window: Optional[Artifact],
@@ -87,7 +87,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
             shutil.copytree(config.model_path, staging, dirs_exist_ok=True)
             info = {"source": config.model_path}
         else:
-            from batchrl.training.tiny_model import build_tiny_model  # torch: only to build the tiny default
+            from batchrl.training.models.tiny import build_tiny_model  # torch: only to build the tiny default
 
             texts, inputs = _tokenizer_corpus(preference_window, prompts)
             info = build_tiny_model(texts, staging, **config.model_dump(include=TINY_DIMS))
@@ -108,7 +108,7 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
 
 def _from_gguf(gguf_file: str, storage: StorageResource, staging: str) -> tuple[dict, list[dict]]:
     """The GGUF's cached HF folder copied into ``staging``: (its info, the GGUF as the lineage's input file)."""
-    from batchrl.training.gguf_source import cached_hf_from_gguf
+    from batchrl.training.models.gguf import cached_hf_from_gguf
 
     folder, info = cached_hf_from_gguf(gguf_file, storage.cache_dir)
     shutil.copytree(folder, staging, dirs_exist_ok=True)
@@ -120,8 +120,8 @@ def _from_gguf_parts(parts: list[str], sha256: str | None, storage: StorageResou
                      staging: str) -> tuple[dict, list[dict]]:
     """The parts joined (once, verified) and converted like a GGUF file; the lineage names every part's package,
     version, bytes and sha256 beside the joined file's hash."""
-    from batchrl.training.gguf_parts import join_parts
-    from batchrl.training.gguf_source import GgufSourceError
+    from batchrl.training.models.gguf_parts import join_parts
+    from batchrl.training.models.gguf import GgufSourceError
 
     try:
         joined, provenance = join_parts(parts, sha256, storage.cache_dir)
@@ -135,7 +135,7 @@ def _from_gguf_parts(parts: list[str], sha256: str | None, storage: StorageResou
 
 def _warm_started(model_dir: str, prompts: Artifact | None, config: BaseModelConfig) -> dict:
     """The tiny default trained ``warm_start_steps`` on the prompts' (prompt, answer) pairs, in place."""
-    from batchrl.training.warm_start import warm_start
+    from batchrl.training.models.warm_start import warm_start
 
     table = prompts.read_table() if prompts is not None else None
     if table is None or "answer" not in table or not table["answer"].notna().any():
@@ -164,7 +164,7 @@ def _tokenizer_corpus(preference_window: Artifact | None, prompts: Artifact | No
     return texts, inputs
 
 
-@dg.asset(group_name="models", code_version=code_version("batchrl.training.jobs.train_reward_model", "batchrl.training.reward_model",
+@dg.asset(group_name="models", code_version=code_version("batchrl.training.jobs.train_reward_model", "batchrl.training.rewards.reward_model",
                                                        config=RewardModelRunConfig),
           kinds={"deepspeed"})
 def reward_model(context: dg.AssetExecutionContext, config: RewardModelRunConfig, preference_window: Artifact,

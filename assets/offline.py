@@ -1,5 +1,5 @@
 """Offline objectives beside the on-policy loop and the DPO path, with no new samples: a policy trained on
-logged completions with rewards (scored logs, ``training/offline_policy.py``) and KTO on unpaired thumbs
+logged completions with rewards (scored logs, ``training/rl/offline_policy.py``) and KTO on unpaired thumbs
 (feedback logs, ``training/trainer/kto.py``)."""
 import os
 
@@ -7,7 +7,7 @@ import dagster as dg
 
 from batchrl.assets.common import code_version, run_config_for, train_and_publish
 from batchrl.resources import Artifact, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
-from batchrl.training.offline_policy import OfflinePolicyConfig, has_logged_logprobs
+from batchrl.training.rl.offline_policy import OfflinePolicyConfig, has_logged_logprobs
 from batchrl.training.trainer.config import KTOConfig
 
 OfflinePolicyRunConfig = run_config_for(OfflinePolicyConfig, "OfflinePolicyRunConfig")
@@ -15,7 +15,7 @@ KTORunConfig = run_config_for(KTOConfig, "KTORunConfig")
 
 
 @dg.asset(group_name="offline", kinds={"deepspeed"},
-          code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.offline_policy",
+          code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.rl.offline_policy",
                                     "batchrl.training.algos"))
 def offline_policy_checkpoint(context: dg.AssetExecutionContext, config: OfflinePolicyRunConfig,
                               scored_logs: Artifact, base_model: Artifact, storage: StorageResource,

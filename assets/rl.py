@@ -1,11 +1,10 @@
 """RL assets: prompts → rollouts → rewards → advantages → policy_checkpoint (→ promoted_policy → rollouts)."""
 
 import os
-from typing import Literal, Optional
+from typing import Optional
 
 import dagster as dg
 import pandas as pd
-from pydantic import Field, model_validator
 
 from batchrl.assets.common import (
     code_version, declared_files, output_file, publish, run_config_for, to_library_config, train_and_publish,
@@ -21,6 +20,7 @@ from batchrl.assets.rollout_prefetch import (
     prompt_subset, sample_ahead_request, start_prefetch,
 )
 from batchrl.assets.run_rules import check_run_config, kl_placement
+from batchrl.assets.stage_configs import PromptsConfig, RolloutConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
@@ -28,40 +28,16 @@ from batchrl.resources import (
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.resources.landing import landing_input
-from batchrl.training.advantages import ALL_GROUPS_KEPT_NOTE, AdvantageSettings
-from batchrl.training.agent.config import AgentConfig
-from batchrl.training.prompt_shapes import PromptQuarantine
-from batchrl.training.prompts import load_prompts
-from batchrl.training.phases import PhaseClock
-from batchrl.training.rewards import OVERLONG_PENALTY, REWARD_MODEL, RULE, RewardConfig
-from batchrl.training.text import prompt_messages
+from batchrl.training.rl.advantages import ALL_GROUPS_KEPT_NOTE, AdvantageSettings
+from batchrl.training.data.prompt_shapes import PromptQuarantine
+from batchrl.training.data.prompts import load_prompts
+from batchrl.training.timing.phases import PhaseClock
+from batchrl.training.rewards.registry import OVERLONG_PENALTY, REWARD_MODEL, RULE, RewardConfig
+from batchrl.training.data.text import prompt_messages
 from batchrl.training.trainer.config import PolicyConfig
 
 RewardRunConfig = run_config_for(RewardConfig, "RewardRunConfig")
 PolicyRunConfig = run_config_for(PolicyConfig, "PolicyRunConfig")
-
-
-class PromptFormatConfig(dg.Config):
-    """How a prompt file's rows read (``training/prompt_shapes.py``); the training and held-out sets share it."""
-
-    shape: Literal["plain", "gsm8k"] = Field("plain", description="plain: rows carry prompt (+ answer) after "
-                                             "field_mapping; gsm8k: the original GSM8K jsonl (prompt = question + "
-                                             "prompt_suffix, gold = the number after '####'; a row without it is "
-                                             "quarantined with reason missing_gold_answer)")
-    prompt_suffix: Optional[str] = Field(None, description="text appended to every prompt; unset: none for plain, "
-                                         "verl's ' Let's think step by step and output the final answer after "
-                                         "\"####\".' for gsm8k")
-
-
-class PromptsConfig(PromptFormatConfig):
-    """``field_mapping``: ``{source field (dotted path into nested records): prompt field}``, e.g. verl
-    Parquet ``{"reward_model.ground_truth": "answer"}``, GSM8K ``{"question": "prompt"}``."""
-
-    field_mapping: dict[str, str] = Field(default_factory=dict, description="{source field (dotted path into "
-                                          "nested records): prompt field}")
-    data_sources: Optional[list[str]] = Field(None, description="the data_source values a prompt may carry; a prompt "
-                                              "with another is refused here, not when rewards run. Unset: the "
-                                              "rewards routing keys when this run routes by data_source, else any")
 
 
 def known_data_sources(config: PromptsConfig, run_config: dict) -> Optional[list[str]]:
@@ -74,67 +50,10 @@ def known_data_sources(config: PromptsConfig, run_config: dict) -> Optional[list
     return None
 
 
-AgentRunConfig = run_config_for(AgentConfig, "AgentRunConfig")
-
-
-def _check_rollout_config(**config) -> None:
-    """``ops.rollouts.config``'s combinations, checked by ``batchrl run`` before anything runs and at launch."""
-    if config.get("sample_ahead") and config.get("off_policy_steps"):
-        raise ValueError("sample_ahead with off_policy_steps: 1: the off-policy rollouts are prefetched already "
-                         "(from the published parent); sampling ahead is the on-policy overlap")
-    if config.get("sample_ahead") and config.get("policy", "latest") != "latest":
-        raise ValueError(f"sample_ahead with policy: {config['policy']}: the samples drawn ahead come from the new "
-                         "checkpoint, which only policy: latest samples next")
-    if config.get("agent") is None:
-        return
-    AgentConfig.model_validate(config["agent"])
-    if config.get("greedy_baseline"):
-        raise ValueError("agent with greedy_baseline: the greedy baseline is one turn without tools, not a "
-                         "trajectory of the same agent; ReMax over tool-using rollouts is not supported")
-
-
-class RolloutConfig(dg.Config):
-    """``policy``: "latest" samples from the last policy_checkpoint of this base model's chain (the
-    base model itself when the chain is new); "base" always samples from the base model.
-    ``max_prompts``: a sample of that many prompts drawn with ``seed`` (all prompts when unset)."""
-
-    policy: str = Field("latest", description="latest: the promoted checkpoint of this base model's chain (the base "
-                        "model on a new chain); base: always the base model")
-    samples_per_prompt: int = Field(8, description="sampled responses per prompt (a group, for GRPO/RLOO)")
-    max_prompts: int | None = Field(None, description="a seeded sample of this many prompts (all when unset)")
-    seed: int = Field(0, description="seed of the prompt sample and of sampling")
-    greedy_baseline: bool = Field(False, description="also decode one greedy response per prompt; its reward "
-                                  "becomes the prompt's baseline (ReMax, advantages.estimator: remax)")
-    agent: Optional[AgentRunConfig] = Field(None, description="multi-turn, tool-using rollouts (docs/AGENT.md): "
-                                            "the model's tool calls run in the sandbox and their output comes back "
-                                            "as a turn; unset: one turn per rollout")
-    off_policy_steps: int = Field(0, ge=0, le=1, description="1: one-step off-policy (verl's one_step_off_policy): "
-                                  "sample from the promoted policy's parent, one update behind, so that the job "
-                                  "worker samples the next iteration's rollouts (with the seed `batchrl run "
-                                  "--rl-iterations N` announces for it) while this iteration's "
-                                  "update trains; the staleness is in the rollouts' lineage and the update "
-                                  "corrects it (needs the policy's old_logprobs: recompute and "
-                                  "rollout_is_threshold). 0: on-policy")
-    sample_ahead: bool = Field(False, description="on-policy: the policy update samples the next iteration's "
-                               "rollouts (the seed `batchrl run --rl-iterations N` announces for it) from its new "
-                               "weights while it exports, hashes and publishes them; the next rollouts step takes them "
-                               "(the same samples, so the same data version). Needs job-worker sampling "
-                               "(trainer.backend worker, rollout_engine.in_subprocess, not vLLM) and a next "
-                               "iteration announced: elsewhere it is off, and the update's metadata says why")
-
-    @model_validator(mode="after")
-    def _combinations(self):  # the library model's rules (e.g. user tools need tool_call_json), at launch
-        _check_rollout_config(**self.model_dump())
-        return self
-
-
 AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 
 
-RolloutConfig.library_model = _check_rollout_config
-
-
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.prompts", "batchrl.training.prompt_shapes",
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.data.prompts", "batchrl.training.data.prompt_shapes",
                                                     config=PromptsConfig), kinds={"parquet"},
           metadata={**declared_files(table=PROMPTS_FILE, quarantine="quarantine.parquet"), **landing_input("prompts")})
 def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: LandingResource,
@@ -207,7 +126,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                     request.n, next_seed, request.agent))
                 ahead = {"prefetch": "started", "prefetch_seed": next_seed, "prefetch_worker_pid": pid}
         if config.greedy_baseline:
-            from batchrl.training.remax import add_greedy_baselines, greedy_engine
+            from batchrl.training.rl.remax import add_greedy_baselines, greedy_engine
 
             greedy_dir = os.path.join(workdir, "greedy")
             os.makedirs(greedy_dir, exist_ok=True)
@@ -235,7 +154,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                                  **{f"step_s/{k}": v for k, v in clock.summary().items()}})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards"), kinds={"pytorch"},
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rewards.registry"), kinds={"pytorch"},
           ins={"reward_model": dg.AssetIn(metadata={OPTIONAL_KEY: True})},
           metadata=declared_files(table="rewards.parquet"))
 def rewards(context: dg.AssetExecutionContext, config: RewardRunConfig, rollouts: Artifact,
@@ -281,9 +200,9 @@ def reward_headline(scored: pd.DataFrame, components: list[str]) -> dict[str, fl
     return numbers
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.advantages", "batchrl.training.algos",
-                                                    "batchrl.training.kl_reward", "batchrl.training.remax",
-                                                    "batchrl.training.value_model", config=AdvantageConfig),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.rl.advantages", "batchrl.training.algos",
+                                                    "batchrl.training.rewards.kl_in_reward", "batchrl.training.rl.remax",
+                                                    "batchrl.training.models.value_model", config=AdvantageConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN,
                                   "reward_model": dg.AssetIn(metadata={OPTIONAL_KEY: True})},
           metadata=declared_files(table="advantages.parquet"))

@@ -10,7 +10,7 @@ import dagster as dg
 
 from batchrl.assets.common import as_ref
 from batchrl.resources import Artifact, ArtifactRef, StorageResource
-from batchrl.training.advantages import AdvantageSettings
+from batchrl.training.rl.advantages import AdvantageSettings
 
 _CONTROLLER_FIELDS = ("kl_ctrl", "target_kl", "kl_horizon", "kl_penalty")
 

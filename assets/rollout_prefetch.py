@@ -24,7 +24,7 @@ import pandas as pd
 from batchrl.common.prefetch_key import FOLDER, request_folder, request_parts
 from batchrl.resources import RolloutEngineResource, StorageResource, TrainerLauncherResource
 from batchrl.resources.artifacts import Artifact, make_local
-from batchrl.training.text import prompt_messages
+from batchrl.training.data.text import prompt_messages
 
 PROMPTS_FILE = "prompts.parquet"  # the prompts asset's table
 # a run's tag: the rollouts seed of the RL iteration that follows it (`batchrl run --rl-iterations N` sets it)

@@ -25,11 +25,12 @@ from typing import Iterable
 import dagster as dg
 import pydantic
 
+from batchrl.assets.stage_configs import ReferenceConfig, RolloutConfig
 from batchrl.common.run_config_error import RunConfigError, pydantic_problems
 from batchrl.resources.profiles import pair_sources
-from batchrl.training.advantages import AdvantageSettings
+from batchrl.training.rl.advantages import AdvantageSettings
 from batchrl.training.algos import estimator_needs
-from batchrl.training.rewards import RewardConfig, get_reward_function
+from batchrl.training.rewards.registry import RewardConfig, get_reward_function
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig
 
 
@@ -63,8 +64,8 @@ def _check_base_model_parts(ops: dict, chosen) -> None:
     parts = ((ops.get("base_model") or {}).get("config") or {}).get("gguf_parts")
     if not parts or not chosen("base_model"):
         return
-    from batchrl.training.gguf_parts import resolve_parts
-    from batchrl.training.gguf_source import GgufSourceError
+    from batchrl.training.models.gguf_parts import resolve_parts
+    from batchrl.training.models.gguf import GgufSourceError
 
     try:
         resolve_parts(parts)
@@ -98,8 +99,6 @@ def _chooser(selected: set[str] | None):
 
 
 def _check_rl(ops: dict, chosen) -> None:
-    from batchrl.assets.rl import RolloutConfig
-
     rollouts = _config(ops, "rollouts", RolloutConfig) if chosen("rollouts") else None
     algorithm = _config(ops, "advantages", AdvantageSettings) if chosen("advantages") else None
     policy = _config(ops, "policy_checkpoint", PolicyConfig) if chosen("policy_checkpoint") else None
@@ -154,8 +153,6 @@ def _check_dpo_lengths(ops: dict, chosen) -> None:
     mismatch only inside the training job)."""
     if not chosen("reference_logprobs", "dpo_checkpoint"):
         return  # a reference from an earlier run: dpo_checkpoint checks its recorded max_length (reference_mismatch)
-    from batchrl.assets.dpo import ReferenceConfig
-
     problem = reference_mismatch(_config(ops, "reference_logprobs", ReferenceConfig).max_length,
                                  _config(ops, "dpo_checkpoint", DPOConfig).max_length)
     if problem:
@@ -193,8 +190,6 @@ def _check_engine(ops: dict, chosen, engine) -> None:
         raise RunConfigError("ops.policy_checkpoint.config.old_logprobs='rollout' takes the engine's sampled-token "
                              "log-probs, which resources.rollout_engine.kind='vllm' reports only with "
                              "resources.rollout_engine.sampled_logprobs: true (or use old_logprobs: recompute)")
-    from batchrl.assets.rl import RolloutConfig
-
     if chosen("rollouts") and _config(ops, "rollouts", RolloutConfig).off_policy_steps:
         raise RunConfigError("ops.rollouts.config.off_policy_steps=1 corrects the staleness with the engine's "
                              "sampled-token log-probs, which resources.rollout_engine.kind='vllm' reports only with "

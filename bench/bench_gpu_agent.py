@@ -84,13 +84,13 @@ def base_model(args, work: str) -> str:
     if args.model:
         return args.model
     if args.tiny:
-        from batchrl.training.tiny_model import build_tiny_model
+        from batchrl.training.models.tiny import build_tiny_model
 
         rows = _read(os.path.join(REPO, "sample_data", "tools", "train.jsonl"))
         path = os.path.join(work, "tiny")
         build_tiny_model([r["prompt"] + " " + r["answer"] for r in rows] + [SYSTEM_PROMPT], path, seed=0)
         return path
-    from batchrl.training.gguf_source import cached_hf_from_gguf
+    from batchrl.training.models.gguf import cached_hf_from_gguf
 
     path, _ = cached_hf_from_gguf(args.gguf, os.path.join(work, "cache"))
     return path
@@ -123,10 +123,10 @@ def grpo_round(engine, agent, policy_cfg, prompts: list[dict], *, n: int, seed: 
     """Rollouts with tools -> rewards -> GRPO advantages -> one policy update; returns (numbers, new model folder)."""
     import pandas as pd
 
-    from batchrl.training.advantages import compute_advantages
+    from batchrl.training.rl.advantages import compute_advantages
     from batchrl.training.agent import AgentRollouts
     from batchrl.training.agent.stats import trajectory_stats
-    from batchrl.training.rewards import RewardConfig, compute_rewards
+    from batchrl.training.rewards.registry import RewardConfig, compute_rewards
     from batchrl.training.trainer.policy import train_policy
 
     clock = {}
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     from batchrl.training.agent import AgentConfig
     from batchrl.training.agent.evaluate import tool_metrics
     from batchrl.training.rollout import make_rollout_engine
-    from batchrl.training.tiny_model import load_checkpoint_in_place
+    from batchrl.training.models.loading import load_checkpoint_in_place
     from batchrl.training.trainer.config import PolicyConfig
 
     t0 = time.perf_counter()

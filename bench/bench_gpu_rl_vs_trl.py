@@ -239,7 +239,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from batchrl.training.rewards import get_reward_function
+    from batchrl.training.rewards.registry import get_reward_function
 
     state_dir = state
     rows = task_prompts("train")
@@ -301,7 +301,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
 
 
 def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
-    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.evaluation.evaluate import evaluate_models
 
     heldout = task_prompts("eval")
     heldout = heldout[:8] if SMOKE else heldout

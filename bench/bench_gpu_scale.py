@@ -126,7 +126,7 @@ def part_dpo_prepare(args) -> dict:
     import pandas as pd
     from transformers import AutoTokenizer
 
-    from batchrl.training import tiny_model
+    from batchrl.training.models import loading
     from batchrl.training.trainer import reference
 
     base = shape_dir(args, "7b")
@@ -176,7 +176,7 @@ def part_dpo_prepare(args) -> dict:
             return result
         return wrapper
 
-    tiny_model.load_model_and_tokenizer = timed(tiny_model.load_model_and_tokenizer)
+    loading.load_model_and_tokenizer = timed(loading.load_model_and_tokenizer)
     reference.encode_pairs = timed(reference.encode_pairs)
     dpo_bench.reset_peak(args.device)
     t = time.perf_counter()
@@ -288,9 +288,11 @@ def part_dpo_ref_profile(args) -> dict:
     import pandas as pd
     import torch
 
-    from batchrl.training import phases, profiling
+    from batchrl.training.timing import phases
+
+    from batchrl.training.timing import profiling
     from batchrl.training.algos import token_logprobs_from_hidden
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.models.loading import load_model_and_tokenizer
     from batchrl.training.trainer import reference
     from batchrl.training.trainer.batching import (FUSED_CHUNK_ROWS, completion_logprobs, encode_pairs,
                                                    fused_lm_head, length_sorted_batches, pair_batch, to_device)

@@ -77,7 +77,7 @@ def prepare(args, model_config) -> dict:
     out = {}
     # time spent loading the model and tokenising inside the pass, so the pass can also be reported at
     # TRL's scope (its precompute starts from a loaded model and tokenised data)
-    from batchrl.training import tiny_model
+    from batchrl.training.models import loading
     from batchrl.training.trainer import reference
     setup_s: list[float] = []
 
@@ -91,8 +91,8 @@ def prepare(args, model_config) -> dict:
             return result
         return wrapper
 
-    load, encode = tiny_model.load_model_and_tokenizer, reference.encode_pairs
-    tiny_model.load_model_and_tokenizer, reference.encode_pairs = timed(load), timed(encode)
+    load, encode = loading.load_model_and_tokenizer, reference.encode_pairs
+    loading.load_model_and_tokenizer, reference.encode_pairs = timed(load), timed(encode)
     for dtype in ("bfloat16", "float32"):
         setup_s.clear()
         _sync()
@@ -102,7 +102,7 @@ def prepare(args, model_config) -> dict:
         out[f"reference_pass_{dtype}_s"] = time.perf_counter() - t
         out[f"reference_pass_{dtype}_load_and_tokenise_s"] = sum(setup_s)
         out[f"reference_mean_chosen_len_{dtype}"] = stats["mean_chosen_len"]
-    tiny_model.load_model_and_tokenizer, reference.encode_pairs = load, encode
+    loading.load_model_and_tokenizer, reference.encode_pairs = load, encode
     with open(f"{WORK}/prepare.json", "w") as f:
         json.dump(out, f)
     return out

@@ -36,8 +36,8 @@ def use_gsm8k(folder: str, state: str, smoke: bool) -> tuple | None:
 
 def task_prompts(split: str) -> list[dict]:
     """The task's training (``train``) or held-out (``eval``) prompts, as the prompts asset reads them."""
-    from batchrl.training.prompt_shapes import PromptQuarantine
-    from batchrl.training.prompts import load_prompts
+    from batchrl.training.data.prompt_shapes import PromptQuarantine
+    from batchrl.training.data.prompts import load_prompts
 
     if TASK["name"] == "real":
         name = "train.jsonl" if split == "train" else "heldout.jsonl"

@@ -20,7 +20,9 @@ import time
 
 import torch
 
-from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+from batchrl.training.models.loading import load_model_and_tokenizer
+
+from batchrl.training.models.tiny import build_tiny_model
 from batchrl.training.trainer import optimizer_state
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.engine import make_optimizer

@@ -23,7 +23,7 @@ DEVICE = os.environ.get("CHECK_DEVICE", "cuda")
 def rollout_rows(tokenizer, vocab: int, n: int = 1536, seed: int = 0) -> tuple[list, list]:
     import numpy as np
 
-    from batchrl.training.text import encode_prompts
+    from batchrl.training.data.text import encode_prompts
 
     rows = [json.loads(line) for line in open(os.path.join(REPO, "sample_data/real/train.jsonl"))]
     prompts = encode_prompts(tokenizer, [rows[i % len(rows)]["prompt"] for i in range(n // 8) for _ in range(8)])
@@ -35,7 +35,7 @@ def rollout_rows(tokenizer, vocab: int, n: int = 1536, seed: int = 0) -> tuple[l
 def timed_steps(model, optimizer, prompts, completions, layout, steps: int) -> float:
     import torch
 
-    from batchrl.training.batch_layout import completion_logprobs, to_device
+    from batchrl.training.data.batch_layout import completion_logprobs, to_device
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -58,9 +58,9 @@ def main() -> None:
     import torch
 
     from bench_gpu_rl_vs_trl import prepare_base
-    from batchrl.training.batch_layout import completion_logprobs, pad_prompt_completion, to_device
-    from batchrl.training.packing import pack_prompt_completion
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.data.batch_layout import completion_logprobs, pad_prompt_completion, to_device
+    from batchrl.training.data.packing import pack_prompt_completion
+    from batchrl.training.models.loading import load_model_and_tokenizer
     from batchrl.training.trainer.loop import compile_layers
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -40,7 +40,7 @@ def full_vocab_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from batchrl.training.tiny_model import CHAT_TEMPLATE, IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS
+    from batchrl.training.models.tiny import CHAT_TEMPLATE, IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + alphabet)}

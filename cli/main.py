@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"BATCHRL_CONCURRENT_STEPS: {error}")
     lineage_commands.add_commands(sub)
     warm_server.add_command(sub, run_command=main)  # a served command runs this same `main`
-    from batchrl.training import export  # `batchrl export`: its logic lives there (torch only when it runs)
+    from batchrl.training.jobs import export  # `batchrl export`: its logic lives there (torch only when it runs)
 
     export.add_command(sub, target_uri)
     args = parser.parse_args(argv)

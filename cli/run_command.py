@@ -203,7 +203,7 @@ def _run(args: argparse.Namespace) -> int:
     # in this process: every step of a one-at-a-time run, and each RL iteration (a chain: ``execute.is_chain``)
     in_process = args.concurrent_steps <= 1 or iterations > 1
     if in_process and any(sel is None or TORCH_IN_PROCESS & set(sel) for _, sel, _ in plan):
-        _import_in_background(["torch", "batchrl.training.advantages", "batchrl.training.rewards"])
+        _import_in_background(["torch", "batchrl.training.rl.advantages", "batchrl.training.rewards.registry"])
     tags = config_file_tags(args.config or [])
     started = time.monotonic()
     done: list[dict] = []

@@ -13,7 +13,7 @@ from batchrl.ingest.config import (
 from batchrl.ingest.discover import InputFile, discover_inputs
 from batchrl.ingest.faults import BadInputFiles
 from batchrl.ingest.pairs import scored_to_pairs
-from batchrl.ingest.records import RowError
+from batchrl.ingest.row_error import RowError
 from batchrl.ingest.validate import ingest_logs, validate_feedback, validate_preferences, validate_scored
 
 __all__ = [

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchrl.ingest.config import IngestConfig, IngestError
+from batchrl.ingest.row_error import RowError
 from batchrl.ingest.shapes import ShapeMapper, carried_fields, get_path, nested_error
 from batchrl.schemas import ARROW_SCHEMAS, VALUE_FIELDS
 
@@ -25,12 +26,6 @@ class Reject:
     detail: str
     source_line: int
     raw: str
-
-
-class RowError(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
 
 
 def raw_text(raw: bytes | str | Any) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from batchrl.ingest.row_error import RowError
 from batchrl.ingest.config import ChatMapping, IngestConfig, TranscriptFormat
 from batchrl.ingest.labels import BUILTIN_LABELS, thumbs  # noqa: F401 (BUILTIN_LABELS: re-exported)
 
@@ -35,7 +36,6 @@ AUTO_MESSAGES_FIELD = "messages"
 
 
 def _row_error(reason: str, detail: str):
-    from batchrl.ingest.records import RowError  # records imports this module
 
     return RowError(reason, detail)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, BinaryIO, Iterator
 
 from batchrl.ingest.config import IngestConfig
-from batchrl.ingest.records import RowError
+from batchrl.ingest.row_error import RowError
 
 _ESCAPES = {"t": "\t", "n": "\n", "\\": "\\"}
 

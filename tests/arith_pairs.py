@@ -4,7 +4,7 @@ import os
 
 import pandas as pd
 
-from batchrl.training.tiny_model import build_tiny_model
+from batchrl.training.models.tiny import build_tiny_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARITH = [json.loads(line) for line in open(os.path.join(REPO, "sample_data", "arith", "train.jsonl"))]

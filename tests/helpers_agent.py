@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from batchrl.training.batch_layout import sequence_token_logprobs
+from batchrl.training.data.batch_layout import sequence_token_logprobs
 from batchrl.training.rollout.transformers_engine import TransformersRolloutEngine
 
 

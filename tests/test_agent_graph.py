@@ -86,6 +86,6 @@ def test_the_rollouts_job_in_its_own_process_runs_the_agent_too(tool_run):
 
 
 def _decode(tool_run, ids) -> str:
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.models.loading import load_tokenizer
 
     return load_tokenizer(tool_run["rollouts"]["policy"]).decode(list(ids))

@@ -12,7 +12,7 @@ from batchrl.schemas.trajectory import TrajectoryContractError, check_trajectori
 from batchrl.training.agent import AgentConfig, AgentRollouts
 from batchrl.training.agent.render import observation_text
 from batchrl.training.agent.tools import ToolBox, find_tool_call
-from batchrl.training.tiny_model import build_tiny_model
+from batchrl.training.models.tiny import build_tiny_model
 
 QUESTION = "What is 4821 * 937? Answer with a number."
 
@@ -169,8 +169,8 @@ def test_config_refuses_what_cannot_work():
 
 
 def test_trajectories_round_trip_through_parquet_into_a_training_batch(tiny, tmp_path, monkeypatch):
-    from batchrl.training.advantages import compute_advantages
-    from batchrl.training.rewards import RewardConfig, compute_rewards
+    from batchrl.training.rl.advantages import compute_advantages
+    from batchrl.training.rewards.registry import RewardConfig, compute_rewards
     from batchrl.training.rollout import ROLLOUT_ENGINES
     from batchrl.training.rollout.sampling_job import sample_to_parquet
     from batchrl.training.trainer.policy import _row_batch, load_batch

@@ -99,8 +99,9 @@ def test_exported_model_loads_with_transformers(dpo_inputs, tmp_path):
     assert not (tmp_path / "model" / "batchrl_train.json").exists()
     assert meta["config"]["beta"] == 0.1 and meta["global_step"] == 2
     # the tokenizer's files are its base's, byte for byte: the checkpoint is the same model but for its weights
-    from batchrl.training.tiny_model import tokenizer_files, tokenizer_key
-    from batchrl.training.weights import same_model_files
+    from batchrl.training.models.folders import tokenizer_files
+    from batchrl.training.models.loading import tokenizer_key
+    from batchrl.training.models.weights import same_model_files
 
     names = tokenizer_files(dpo_inputs["model_path"])
     assert names and names == tokenizer_files(str(tmp_path / "model"))
@@ -114,7 +115,7 @@ def test_policy_resume_is_exact(dpo_inputs, tmp_path):
     rng = np.random.default_rng(0)
     rows = [{"prompt_index": i // 4, "prompt_ids": [1, 2, 3 + i % 5], "response_ids": list(rng.integers(3, 60, 1 + i % 4)),
              "reward": float(i % 2)} for i in range(32)]
-    from batchrl.training.advantages import compute_advantages
+    from batchrl.training.rl.advantages import compute_advantages
 
     compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
     cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, ppo_epochs=2, kl_coef=0.05)
@@ -140,8 +141,8 @@ def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo
     a reference loaded from a copy of the folder."""
     import shutil
 
-    from batchrl.training import tiny_model
-    from batchrl.training.advantages import compute_advantages
+    from batchrl.training.models import loading
+    from batchrl.training.rl.advantages import compute_advantages
     from batchrl.training.trainer.policy import FIXED_LOGPROBS
 
     rng = np.random.default_rng(1)
@@ -152,8 +153,8 @@ def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo
     compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
     copy = shutil.copytree(dpo_inputs["model_path"], tmp_path / "reference_copy")
     loads = []
-    load = tiny_model.load_model_and_tokenizer
-    monkeypatch.setattr(tiny_model, "load_model_and_tokenizer", lambda *a, **kw: loads.append(a[0]) or load(*a, **kw))
+    load = loading.load_model_and_tokenizer
+    monkeypatch.setattr(loading, "load_model_and_tokenizer", lambda *a, **kw: loads.append(a[0]) or load(*a, **kw))
     cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, kl_coef=0.1, old_logprobs=old_logprobs)
     runs = {}
     for name, reference in (("same", dpo_inputs["model_path"]), ("copy", str(copy))):
@@ -309,7 +310,7 @@ class _FakeTime:
 def test_library_phases_are_recorded_only_while_a_job_records(monkeypatch):
     """``phase`` marks in library code: summed per name into the recording clock, ``other`` the rest; a
     no-op when nobody records (the functions stay usable anywhere)."""
-    from batchrl.training import phases
+    from batchrl.training.timing import phases
 
     clock = _FakeTime()
     monkeypatch.setattr(phases, "time", clock)
@@ -334,7 +335,7 @@ def test_library_phases_are_recorded_only_while_a_job_records(monkeypatch):
 def test_work_beside_a_load_runs_on_a_thread_and_its_phase_is_the_wait_after_the_load(monkeypatch):
     import threading
 
-    from batchrl.training import phases
+    from batchrl.training.timing import phases
 
     caller, loaded_event, waiting = threading.current_thread(), threading.Event(), threading.Event()
 

@@ -5,13 +5,13 @@ import pandas as pd
 import pytest
 import torch
 
-from batchrl.training.advantages import compute_advantages
-from batchrl.training.rewards import REWARD_FUNCTIONS
+from batchrl.training.rl.advantages import compute_advantages
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.batch_layout import pad_prompt_completion
+from batchrl.training.data.batch_layout import pad_prompt_completion
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.policy import train_policy
-from batchrl.training.value_model import is_value_model, load_value_model, predict_values, value_predictions
+from batchrl.training.models.value_model import is_value_model, load_value_model, predict_values, value_predictions
 
 from arith_pairs import ARITH as TRAIN, ARITH_EVAL as EVAL  # noqa: E402
 
@@ -80,7 +80,7 @@ def test_ppo_with_critic_learns_values_and_raises_the_reward(base_model, tmp_pat
 def test_a_critic_from_the_reward_model_starts_at_the_rm_score_of_each_prefix(base_model, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.models.loading import load_tokenizer
 
     torch.manual_seed(0)
     rm = AutoModelForSequenceClassification.from_pretrained(base_model, num_labels=1).eval()

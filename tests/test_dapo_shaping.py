@@ -13,9 +13,9 @@ from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources
 from pydantic import ValidationError
 
 from batchrl.resources import StorageResource
-from batchrl.training.advantages import AdvantageSettings, compute_advantages
+from batchrl.training.rl.advantages import AdvantageSettings, compute_advantages
 from batchrl.training.algos import compute_overlong_penalty, dynamic_sampling_keep, overlong_filter_mask
-from batchrl.training.rewards import OverlongBuffer, RewardConfig, compute_rewards
+from batchrl.training.rewards.registry import OverlongBuffer, RewardConfig, compute_rewards
 
 
 def test_overlong_penalty_is_zero_then_linear_through_the_buffer_then_minus_one():

@@ -6,11 +6,12 @@ import pandas as pd
 import pytest
 import torch
 
-from batchrl.training.batch_layout import encode_pairs, pair_logprobs
-from batchrl.training.evaluate import evaluate_policy
-from batchrl.training.rewards import REWARD_FUNCTIONS
-from batchrl.training.text import encode_prompt_completion, render_prompt
-from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+from batchrl.training.data.batch_layout import encode_pairs, pair_logprobs
+from batchrl.training.evaluation.evaluate import evaluate_policy
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS
+from batchrl.training.data.text import encode_prompt_completion, render_prompt
+from batchrl.training.models.loading import load_model_and_tokenizer
+from batchrl.training.models.tiny import build_tiny_model
 
 ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 
@@ -92,8 +93,8 @@ def test_evaluate_policy_with_reward_model(model_path, pairs, tmp_path):
 
 
 def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pairs, tmp_path, monkeypatch):
-    from batchrl.training import reward_model as rm_module
-    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.rewards import reward_model as rm_module
+    from batchrl.training.evaluation.evaluate import evaluate_models
     from batchrl.training.trainer.config import RewardModelConfig
     from batchrl.training.trainer.reward import train_reward_model
 
@@ -117,7 +118,7 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
     real_policy_load = transformers_engine.load_model_and_tokenizer
     monkeypatch.setattr(transformers_engine, "load_model_and_tokenizer",
                         lambda *a, **k: policy_loads.append(a) or real_policy_load(*a, **k))
-    from batchrl.training import evaluate as evaluate_module
+    from batchrl.training.evaluation import evaluate as evaluate_module
 
     encodes = []
     real_encode = evaluate_module.encode_pairs
@@ -148,7 +149,7 @@ def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tm
 
     from safetensors.torch import load_file, save_file
 
-    from batchrl.training.weights import load_weights_in_place, read_weights, same_model_files
+    from batchrl.training.models.weights import load_weights_in_place, read_weights, same_model_files
 
     def variant(name, change):
         folder = tmp_path / name
@@ -189,8 +190,8 @@ def test_evaluation_takes_the_reference_pass_for_its_model_at_its_truncation(mod
     """The pairs are scored at the reference pass's truncation (else the log-ratio margins compare sums over
     other tokens), and the model the reference pass ran (the base) is not scored again: its numbers are that
     pass's, so its log-ratio margin is exactly 0."""
-    from batchrl.training import evaluate as evaluate_module
-    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.evaluation import evaluate as evaluate_module
+    from batchrl.training.evaluation.evaluate import evaluate_models
     from batchrl.training.trainer.reference import compute_reference_logprobs
 
     pairs.assign(id=[str(i) for i in range(len(pairs))]).to_parquet(tmp_path / "pairs.parquet")
@@ -239,7 +240,7 @@ def test_weights_read_ahead_equal_the_files_and_a_truncated_file_is_named(model_
 
     from safetensors.torch import load_file
 
-    from batchrl.training.weights import read_weights
+    from batchrl.training.models.weights import read_weights
 
     expected = load_file(str(Path(model_path) / "model.safetensors"))
     got = read_weights(model_path)
@@ -257,7 +258,7 @@ def test_preference_metrics_are_reported_per_pair_source():
     import numpy as np
     import pandas as pd
 
-    from batchrl.training.evaluate import _preference_metrics
+    from batchrl.training.evaluation.evaluate import _preference_metrics
 
     pairs = pd.DataFrame({"pair_source": ["logged/a.jsonl", "logged/a.jsonl", "scored/s.jsonl", None]})
     logps = {"chosen_logp": np.array([-1.0, -5.0, -1.0, -1.0]), "rejected_logp": np.array([-2.0, -2.0, -3.0, -0.5])}

@@ -10,8 +10,8 @@ import os
 import pytest
 from gguf_helpers import write_tiny_gguf
 
-from batchrl.training.gguf_parts import join_parts, joined_path, resolve_parts
-from batchrl.training.gguf_source import GgufSourceError, cached_hf_from_gguf
+from batchrl.training.models.gguf_parts import join_parts, joined_path, resolve_parts
+from batchrl.training.models.gguf import GgufSourceError, cached_hf_from_gguf
 
 
 def _install_part(site, dist: str, rel: str, data: bytes) -> str:

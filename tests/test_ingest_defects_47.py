@@ -111,8 +111,8 @@ def test_logged_logprobs_mapped_by_config_reach_offline_grpo_importance_weights(
     model's make every truncated importance weight the threshold."""
     from batchrl.training.jobs._runtime import Reporter
     from batchrl.training.jobs.train_policy import work
-    from batchrl.training.offline_policy import OfflinePolicyConfig, has_logged_logprobs
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.rl.offline_policy import OfflinePolicyConfig, has_logged_logprobs
+    from batchrl.training.models.loading import load_tokenizer
 
     tok = load_tokenizer(arith_model)
     rows = []

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from batchrl.training.advantages import compute_advantages
-from batchrl.training.rewards import REWARD_FUNCTIONS
+from batchrl.training.rl.advantages import compute_advantages
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig
 from batchrl.training.trainer.dpo import train_dpo

@@ -26,14 +26,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_code_version_follows_imports_not_just_named_modules():
     trainer = module_closure("batchrl.training.jobs.train_policy")
-    assert {"batchrl.training.trainer.batching", "batchrl.training.text", "batchrl.training.algos.policy_loss"} <= set(trainer)
+    assert {"batchrl.training.trainer.batching", "batchrl.training.data.text", "batchrl.training.algos.policy_loss"} <= set(trainer)
     assert "batchrl.training.trainer.dpo" not in trainer  # the policy job does not run the DPO trainer
     rollout = module_closure("batchrl.training.rollout")
-    assert "batchrl.training.text" in rollout and "batchrl.training.trainer.batching" not in rollout
+    assert "batchrl.training.data.text" in rollout and "batchrl.training.trainer.batching" not in rollout
     assert "batchrl.ingest.nfc_table" in module_closure("batchrl.ingest.textclean")  # imported inside a function
     # the algos package exports on first use (no torch at load): its modules are still in the closure
     assert {"batchrl.training.algos.advantages", "batchrl.training.algos.kl"} <= set(
-        module_closure("batchrl.training.advantages"))
+        module_closure("batchrl.training.rl.advantages"))
 
 
 def test_parsed_imports_reach_the_next_process_and_only_for_the_same_file(tmp_path, monkeypatch):
@@ -72,9 +72,9 @@ def test_code_version_includes_the_config_schema():
         n: int = 1
         m: int = 2
 
-    base = code_version("batchrl.training.prompts")
-    assert code_version("batchrl.training.prompts", config=Small) != base
-    assert code_version("batchrl.training.prompts", config=Small) != code_version("batchrl.training.prompts", config=Wider)
+    base = code_version("batchrl.training.data.prompts")
+    assert code_version("batchrl.training.data.prompts", config=Small) != base
+    assert code_version("batchrl.training.data.prompts", config=Small) != code_version("batchrl.training.data.prompts", config=Wider)
 
 
 def test_environment_record_reads_the_torch_build_without_importing_it():

@@ -151,7 +151,7 @@ def test_two_landing_copies_at_different_paths_give_equal_data_versions(tmp_path
 
 
 def test_verl_prompt_set_refuses_an_unknown_data_source_when_validated(tmp_path):
-    from batchrl.training.prompts import PromptFileError, load_prompts
+    from batchrl.training.data.prompts import PromptFileError, load_prompts
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1 + 1?"}],
              "reward_model": {"style": "rule", "ground_truth": "2"}},

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from arith_pairs import ARITH, ARITH_EVAL, build_arith_pairs
 
-from batchrl.training import lora
+from batchrl.training.models import lora
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig, RewardModelConfig
 from batchrl.training.trainer.dpo import train_dpo
 from batchrl.training.trainer.reference import compute_reference_logprobs
@@ -42,13 +42,13 @@ def dpo_adapter(inputs):
 
 @pytest.fixture(scope="module")
 def merged(inputs, dpo_adapter):
-    from batchrl.training.export import export_checkpoint
+    from batchrl.training.jobs.export import export_checkpoint
 
     return export_checkpoint(dpo_adapter[1], str(inputs["root"] / "merged"))["path"]
 
 
 def _ids(model_path: str) -> torch.Tensor:
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.models.loading import load_tokenizer
 
     tok = load_tokenizer(model_path)
     return torch.tensor([tok(row["prompt"] + " " + row["answer"])["input_ids"][:12] for row in ARITH[:4]])
@@ -136,8 +136,8 @@ def test_peft_loads_the_exported_adapter_with_the_merged_logits(inputs, dpo_adap
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
-    from batchrl.training.export import ExportError, export_checkpoint
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.jobs.export import ExportError, export_checkpoint
+    from batchrl.training.models.loading import load_model_and_tokenizer
 
     folder = export_checkpoint(dpo_adapter[1], str(tmp_path / "peft"), adapter=True)["path"]
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(os.listdir(folder))
@@ -186,10 +186,10 @@ def test_rollouts_from_base_plus_adapter_equal_the_merged_models(dpo_adapter, me
 def test_evaluation_and_reference_logprobs_from_base_plus_adapter_equal_the_merged_models(inputs, dpo_adapter,
                                                                                           merged, tmp_path,
                                                                                           monkeypatch):
-    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.evaluation.evaluate import evaluate_models
     from batchrl.training.rollout import make_rollout_engine
 
-    from batchrl.training import evaluate
+    from batchrl.training.evaluation import evaluate
 
     pairs, reference = pd.read_parquet(inputs["pairs_parquet"]), pd.read_parquet(inputs["reference_parquet"])
     built = []
@@ -208,8 +208,8 @@ def test_evaluation_and_reference_logprobs_from_base_plus_adapter_equal_the_merg
 
 
 def test_reward_model_lora_saves_the_score_head_with_the_adapter_and_scores_like_its_merged_export(inputs, tmp_path):
-    from batchrl.training.export import export_checkpoint
-    from batchrl.training.rewards import score_with_reward_model
+    from batchrl.training.jobs.export import export_checkpoint
+    from batchrl.training.rewards.registry import score_with_reward_model
     from batchrl.training.trainer.reward import train_reward_model
 
     result = train_reward_model(RewardModelConfig(epochs=3, micro_batch_size=8, lr=1e-2, **LORA),
@@ -229,8 +229,8 @@ def test_reward_model_lora_saves_the_score_head_with_the_adapter_and_scores_like
 
 
 def _scored_batch(model_path: str, path, *, seed: int, with_values: bool = False) -> str:
-    from batchrl.training.advantages import compute_advantages
-    from batchrl.training.rewards import REWARD_FUNCTIONS
+    from batchrl.training.rl.advantages import compute_advantages
+    from batchrl.training.rewards.registry import REWARD_FUNCTIONS
     from batchrl.training.rollout import make_rollout_engine
 
     rows = ARITH[seed * 8:(seed + 1) * 8]
@@ -249,10 +249,10 @@ def test_policy_chain_of_adapters_with_a_lora_critic(inputs, tmp_path):
     """Two RL iterations with LoRA (GAE, critic): the second trains the first's adapter further on the same frozen
     base, its KL reference comes from the disabled adapter (the base, no second model), and the critic is an
     adapter with its value head."""
-    from batchrl.training.tiny_model import load_model_and_tokenizer
-    from batchrl.training.batch_layout import sequence_token_logprobs
+    from batchrl.training.models.loading import load_model_and_tokenizer
+    from batchrl.training.data.batch_layout import sequence_token_logprobs
     from batchrl.training.trainer.policy import FIXED_LOGPROBS, load_batch, train_policy
-    from batchrl.training.value_model import load_value_model, predict_values
+    from batchrl.training.models.value_model import load_value_model, predict_values
 
     base = inputs["model_path"]
     cfg = PolicyConfig(adv_estimator="gae", critic=True, micro_batch_size=16, lr=1e-2, critic_lr=1e-2, kl_coef=0.05,

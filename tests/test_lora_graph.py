@@ -12,7 +12,7 @@ from pipeline_helpers import latest_metadata, local_resources, run_assets
 
 from batchrl.common import fsutil
 from batchrl.resources import StorageResource
-from batchrl.training import lora
+from batchrl.training.models import lora
 
 DATA = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs",
         "prompts", "base_model"]

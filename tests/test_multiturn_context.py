@@ -7,10 +7,10 @@ import json
 
 import pandas as pd
 
-from batchrl.training.batch_layout import encode_pairs
-from batchrl.training.reward_model import encode_pairs_scored
-from batchrl.training.text import encode_prompts
-from batchrl.training.tiny_model import load_tokenizer
+from batchrl.training.data.batch_layout import encode_pairs
+from batchrl.training.rewards.reward_model import encode_pairs_scored
+from batchrl.training.data.text import encode_prompts
+from batchrl.training.models.loading import load_tokenizer
 from batchrl.training.trainer.kto import encode_feedback
 
 CONTEXT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},

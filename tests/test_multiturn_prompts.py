@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrl.training.prompts import PromptFileError, load_prompts
+from batchrl.training.data.prompts import PromptFileError, load_prompts
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import load_tokenizer
+from batchrl.training.models.loading import load_tokenizer
 
 CHAT = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2 + 2?"},
         {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 5?"}]
@@ -98,11 +98,11 @@ def test_engines_render_the_chat_template_over_every_turn(arith_model, kind):
 
 def test_rollouts_keep_the_messages_and_the_policy_batch_the_sampled_ids(arith_model, tmp_path):
     from batchrl.resources import RolloutEngineResource
-    from batchrl.training.advantages import compute_advantages
+    from batchrl.training.rl.advantages import compute_advantages
     from batchrl.training.jobs._runtime import Reporter
     from batchrl.training.jobs.rollouts import work
-    from batchrl.training.rewards import compute_rewards
-    from batchrl.training.text import prompt_messages
+    from batchrl.training.rewards.registry import compute_rewards
+    from batchrl.training.data.text import prompt_messages
     from batchrl.training.trainer.policy import load_batch
 
     table = load_prompts(_verl_parquet(tmp_path / "train.parquet", [CHAT, [{"role": "user", "content": "1 + 1?"}]]),
@@ -143,8 +143,8 @@ def chat_reward_model(arith_model, tmp_path_factory) -> str:
 def test_the_reward_model_scores_a_multi_turn_sample_after_its_whole_conversation(chat_reward_model, monkeypatch):
     import numpy as np
 
-    from batchrl.training import reward_model
-    from batchrl.training.rewards import REWARD_MODEL, RewardConfig, compute_rewards
+    from batchrl.training.rewards import reward_model
+    from batchrl.training.rewards.registry import REWARD_MODEL, RewardConfig, compute_rewards
 
     tok = load_tokenizer(chat_reward_model)
     other = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}, CHAT[-1]]

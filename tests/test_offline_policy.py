@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from batchrl.training.offline_policy import OfflinePolicyConfig, logged_batch
-from batchrl.training.tiny_model import load_tokenizer
+from batchrl.training.rl.offline_policy import OfflinePolicyConfig, logged_batch
+from batchrl.training.models.loading import load_tokenizer
 
 LOG = pd.DataFrame({
     "prompt": ["1 + 1", "1 + 1", "1 + 1", "2 + 2", "3 + 3"],

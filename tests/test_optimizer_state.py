@@ -12,9 +12,9 @@ import torch
 
 from arith_pairs import build_arith_pairs
 
-from batchrl.training.advantages import compute_advantages
+from batchrl.training.rl.advantages import compute_advantages
 from batchrl.training.jobs._runtime import tree_hash
-from batchrl.training.tiny_model import load_model_and_tokenizer
+from batchrl.training.models.loading import load_model_and_tokenizer
 from batchrl.training.trainer import optimizer_state
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.engine import make_optimizer

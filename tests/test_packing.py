@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 import torch
 
-from batchrl.training.batch_layout import completion_logprobs, pad_prompt_completion
-from batchrl.training.packing import first_fit_rows, pack_prompt_completion
-from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+from batchrl.training.data.batch_layout import completion_logprobs, pad_prompt_completion
+from batchrl.training.data.packing import first_fit_rows, pack_prompt_completion
+from batchrl.training.models.loading import load_model_and_tokenizer
+from batchrl.training.models.tiny import build_tiny_model
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.policy import train_policy
 
@@ -110,7 +111,7 @@ def test_packed_update_equals_padded(tiny, tmp_path):
 
 def test_packed_scoring_pass_equals_padded(tiny):
     """The update's fixed log-probs (old policy, reference) through length-sorted scoring batches, packed."""
-    from batchrl.training.batch_layout import sequence_token_logprobs
+    from batchrl.training.data.batch_layout import sequence_token_logprobs
 
     model, _ = load_model_and_tokenizer(tiny)
     prompts, completions = _ragged(40, 4, model.config.vocab_size)
@@ -132,7 +133,7 @@ def test_a_model_that_ignores_packed_positions_is_refused_before_training(tiny, 
     rows would attend across sequences and train on wrong log-probs: the update refuses at its start."""
     import transformers.masking_utils as masking
 
-    from batchrl.training.packing import check_packing_supported
+    from batchrl.training.data.batch_layout import check_packing_supported
 
     model, _ = load_model_and_tokenizer(tiny)
     check_packing_supported(model, "cpu")  # the real path: accepted

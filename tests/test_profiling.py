@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from batchrl.training import phases, profiling
+from batchrl.training.timing import phases
+
+from batchrl.training.timing import profiling
 
 
 def _span(cat: str, name: str, ts: float, dur: float) -> dict:

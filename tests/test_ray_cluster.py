@@ -178,7 +178,7 @@ def cluster_case_rollout_replicas_join_their_shards_in_order(cluster, on_ray):
     shards joined in order with the prompt indices of the whole request: the table sampling each shard here gives."""
     from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE
     from batchrl.training.rollout.sampling_job import sample_to_parquet
-    from batchrl.training.text import prompt_messages
+    from batchrl.training.data.text import prompt_messages
 
     replicated = {**on_ray["resources"], "trainer": TrainerLauncherResource(
         backend="ray", ray=on_ray["ray"].model_copy(update={"rollout_replicas": 2}))}

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from batchrl.resources.profiles import ProfileError, apply_resource_overrides, deep_merge, load_profile
-from batchrl.training.rewards import compute_rewards, final_answer, final_number
+from batchrl.training.rewards.registry import compute_rewards, final_answer, final_number
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL = os.path.join(REPO, "sample_data", "real")
@@ -38,7 +38,7 @@ def test_final_answer_credits_worked_solutions_not_restated_questions():
 
 
 def _cfg(rule):
-    from batchrl.training.rewards import RewardConfig
+    from batchrl.training.rewards.registry import RewardConfig
 
     return RewardConfig(rule=rule)
 

@@ -1,6 +1,6 @@
 """The resident-policy loop (issue 32): in the job worker with its weight cache on, the rollout engine stays from one
 iteration to the next and samples the trainer's weights copied in from the device (training/rollout/resident.py,
-training/resident.py), not reloaded from the export. Two RL iterations so give the same data versions and the same
+training/models/resident_weights.py), not reloaded from the export. Two RL iterations so give the same data versions and the same
 loss curves as the loop that loads every stage's model from the published files (the cache off), for a fixed seed.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jo
 
 def test_kept_engine_is_reused_only_for_the_same_settings_and_model_and_within_its_limit(arith_job_inputs,
                                                                                          monkeypatch):
-    from batchrl.training import weight_cache
+    from batchrl.training.models import weight_cache
     from batchrl.training.rollout import resident as engines
 
     options = {"kind": "transformers", "model_path": arith_job_inputs["model_path"], "max_new_tokens": 4,

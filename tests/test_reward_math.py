@@ -1,8 +1,8 @@
 """Math verifiers on GSM8K-style solutions and MATH-style boxed LaTeX answers."""
 import pytest
 
-from batchrl.training import reward_math
-from batchrl.training.rewards import REWARD_FUNCTIONS, REWARD_NEEDS, RewardConfig, compute_rewards
+from batchrl.training.rewards import math_answers
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS, REWARD_NEEDS, RewardConfig, compute_rewards
 
 GSM8K_GOLD = ("Tom buys 3 packs of 12 pencils, so he has 3 * 12 = <<3*12=36>>36 pencils.\n"
               "He gives away 1,200 / 100 = 12 pencils, so 36 - 12 = <<36-12=24>>24 remain.\n#### 24")
@@ -102,10 +102,10 @@ def test_math_flexible_reads_unboxed_answers_strict_does_not():
 
 
 def test_last_boxed_handles_nesting_and_braceless():
-    assert reward_math.last_boxed("a \\boxed{\\frac{1}{\\sqrt{2}}} b") == "\\frac{1}{\\sqrt{2}}"
-    assert reward_math.last_boxed("\\boxed 7.") == "7"
-    assert reward_math.last_boxed("\\fbox{x}") == "x"
-    assert reward_math.last_boxed("nothing") is None
+    assert math_answers.last_boxed("a \\boxed{\\frac{1}{\\sqrt{2}}} b") == "\\frac{1}{\\sqrt{2}}"
+    assert math_answers.last_boxed("\\boxed 7.") == "7"
+    assert math_answers.last_boxed("\\fbox{x}") == "x"
+    assert math_answers.last_boxed("nothing") is None
 
 
 def test_format_rewards():
@@ -120,7 +120,7 @@ def test_format_rewards():
 
 def test_fallback_without_math_verify(monkeypatch):
     """Documented fallback: string/rational equality; it never credits a wrong answer."""
-    monkeypatch.setattr(reward_math, "math_verify", None)
+    monkeypatch.setattr(math_answers, "math_verify", None)
     assert score("math_strict", "\\boxed{\\dfrac{1}{2}}", "\\frac12") == 1.0
     assert score("math_strict", "\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}") == 1.0
     assert score("math_strict", "\\boxed{0.5}", "\\frac{1}{2}") == 1.0

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from transformers import AutoModelForSequenceClassification
 
-from batchrl.training.rewards import RewardConfig, compute_rewards, score_with_reward_model
-from batchrl.training.tiny_model import build_tiny_model
+from batchrl.training.rewards.registry import RewardConfig, compute_rewards, score_with_reward_model
+from batchrl.training.models.tiny import build_tiny_model
 from batchrl.training.trainer.config import RewardModelConfig
 from batchrl.training.trainer.reward import train_reward_model
 
@@ -107,7 +107,7 @@ def test_rm_scores_and_reward_mix(trained):
 def test_rm_scoring_tokenises_while_the_model_loads_with_the_same_scores(trained, monkeypatch):
     import threading
 
-    from batchrl.training import reward_model as rm_module
+    from batchrl.training.rewards import reward_model as rm_module
 
     pairs = toy_pairs()
     model, tokenizer = rm_module.load_reward_model(trained["model_dir"])
@@ -131,7 +131,7 @@ def test_empty_pairs_rejected(base_path, tmp_path):
 
 
 def test_scores_in_input_order_whatever_the_batching(trained):
-    from batchrl.training.reward_model import load_reward_model, reward_scores, score_texts
+    from batchrl.training.rewards.reward_model import load_reward_model, reward_scores, score_texts
 
     model, tokenizer = load_reward_model(trained["model_dir"])
     pairs = toy_pairs(13)

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from batchrl.training.rewards import (
+from batchrl.training.rewards.registry import (
     REWARD_FUNCTIONS,
     RewardConfig,
     compute_rewards,

@@ -323,7 +323,7 @@ def test_prompt_files_map_fields_and_refuse_what_they_cannot_carry(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchrl.training.prompts import PromptFileError, load_prompts
+    from batchrl.training.data.prompts import PromptFileError, load_prompts
 
     gsm8k = tmp_path / "gsm8k.jsonl"
     gsm8k.write_text(json.dumps({"question": "Tom has 3 apples...", "answer": "3 + 2 = 5\n#### 5"}) + "\n")

@@ -71,7 +71,7 @@ def test_deterministic_for_seed_and_rng_untouched(engine):
 
 @torch.no_grad()
 def test_rollout_logprobs_match_forward_pass(engine, model_path):
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.models.loading import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(model_path)
     samples = engine.generate(PROMPTS, n=4, seed=3)
@@ -109,7 +109,7 @@ def test_unknown_engine_and_missing_vllm(model_path):
 
 @pytest.mark.parametrize("kind", ["transformers", "static"])
 def test_in_memory_model_matches_path_and_keeps_train_mode(kind, model_path):
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_path)
     model.train()

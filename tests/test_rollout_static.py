@@ -79,7 +79,7 @@ def test_top_p_keeps_the_nucleus():
 
 
 def test_unsupported_architecture_is_refused_clearly(tmp_path, model_path):
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.models.loading import load_tokenizer
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(UnsupportedModelError, match="'gpt2'.*rollout engine 'transformers'"):

@@ -20,7 +20,7 @@ from batchrl.common.storage_layout import cache_dir_of
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.resources.artifacts import Artifact
 from batchrl.training.rollout.sampling_job import sample_to_parquet
-from batchrl.training.text import prompt_messages
+from batchrl.training.data.text import prompt_messages
 
 AHEAD = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipeline_helpers.TINY_BASE)
     "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8, "sample_ahead": True}},
@@ -166,7 +166,7 @@ def test_a_sampling_ahead_that_cannot_start_leaves_the_update_to_export(monkeypa
     ({"sample_ahead": True, "policy": "base"}, "only policy: latest samples next"),
 ])
 def test_sample_ahead_is_refused_where_nothing_could_take_its_samples(rollouts, refused):
-    from batchrl.assets.rl import RolloutConfig
+    from batchrl.assets.stage_configs import RolloutConfig
 
     with pytest.raises(ValueError, match=refused):
         RolloutConfig(**rollouts)

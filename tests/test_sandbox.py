@@ -10,8 +10,8 @@ import time
 import pytest
 
 from batchrl.training import sandbox
-from batchrl.training.reward_code import code_pass_fraction, extract_code
-from batchrl.training.rewards import REWARD_FUNCTIONS, compute_rewards
+from batchrl.training.rewards.code_tests import code_pass_fraction, extract_code
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS, compute_rewards
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 GOOD = "Here is the function:\n```python\ndef add(a, b):\n    return a + b\n```\n"
@@ -121,7 +121,7 @@ ESCAPES = {
 
 @pytest.mark.parametrize("attempt", sorted(ESCAPES))
 def test_escape_attempts_score_zero_and_leave_nothing(level, attempt, tmp_path, monkeypatch):
-    monkeypatch.setattr("batchrl.training.reward_code.LIMITS", ESCAPE)
+    monkeypatch.setattr("batchrl.training.rewards.code_tests.LIMITS", ESCAPE)
     secret_dir = tmp_path / "host"
     secret_dir.mkdir()
     (secret_dir / "secret.txt").write_text("host secret")
@@ -174,7 +174,7 @@ def test_code_reward_through_compute_rewards():
     rows = [{"prompt": "add", "response": GOOD, "tests": ADD_TESTS},
             {"prompt": "add", "response": "```python\ndef add(a, b):\n    return a * b\n```", "tests": ADD_TESTS},
             {"prompt": "chat", "response": "hello", "tests": None}]
-    from batchrl.training.rewards import RewardConfig
+    from batchrl.training.rewards.registry import RewardConfig
 
     out = compute_rewards(rows, RewardConfig(rule="code_exec"))
     assert out["reward"].tolist() == pytest.approx([1.0, 1 / 3, 0.0])

@@ -176,7 +176,7 @@ ALLOWED = {
         "RNG states of our own checkpoints (numpy/python RNG tuples need full unpickling)",
     ("training/trainer/policy.py", "torch.load without weights_only=True"):
         "fixed log-prob cache the trainer wrote in its work dir",
-    ("training/reward_code.py", "eval/exec"):
+    ("training/rewards/code_tests.py", "eval/exec"):
         "the code reward's harness text: it execs the response inside the sandboxed child (training/sandbox.py)",
     ("training/sandbox/inside.py", "eval/exec"):
         "the sandboxed interpreter's own first module: runs the model's code after hardening itself (never imported)",

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from batchrl.ingest import IngestConfig, clean_logs, discover_inputs, scored_to_pairs, validate_scored
-from batchrl.training.rewards import RewardConfig, compute_rewards
+from batchrl.training.rewards.registry import RewardConfig, compute_rewards
 
 ROWS = [
     ("My parcel never arrived and nobody answers.", "We are sorry. Refund issued, order #123.", 5, "complaint"),

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchrl.training.text import render_prompt
-from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+from batchrl.training.data.text import render_prompt
+from batchrl.training.models.loading import load_model_and_tokenizer
+from batchrl.training.models.tiny import build_tiny_model
 
 ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 
@@ -82,8 +83,8 @@ def test_weights_are_loaded_onto_the_device_they_run_on(built, monkeypatch):
     host copy); on the CPU the default loading. Checked through the keywords from_pretrained receives."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from batchrl.training.reward_model import load_reward_model
-    from batchrl.training.tiny_model import placed_on
+    from batchrl.training.rewards.reward_model import load_reward_model
+    from batchrl.training.models.loading import placed_on
 
     assert placed_on("cpu") == {} and placed_on(torch.device("cpu")) == {}
     assert placed_on("cuda") == {"device_map": "cuda"} and placed_on("cuda:1") == {"device_map": "cuda:1"}
@@ -103,14 +104,14 @@ def test_tokenizer_loaded_once_per_content_each_caller_its_own_settings(built, t
 
     import transformers
 
-    from batchrl.training import tiny_model
+    from batchrl.training.models import loading
 
     calls = []
     real = transformers.AutoTokenizer.from_pretrained
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         classmethod(lambda cls, *a, **k: calls.append(a) or real(*a, **k)))
-    monkeypatch.setattr(tiny_model, "_TOKENIZERS", type(tiny_model._TOKENIZERS)())
-    first = tiny_model.load_tokenizer(built["path"])
+    monkeypatch.setattr(loading, "_TOKENIZERS", type(loading._TOKENIZERS)())
+    first = loading.load_tokenizer(built["path"])
     export = tmp_path / "export"  # an exported checkpoint: the same tokenizer files, other weights
     shutil.copytree(built["path"], export, ignore=shutil.ignore_patterns("*.safetensors"))
     (export / "lineage.json").write_text("{}")  # its own records beside it
@@ -118,7 +119,7 @@ def test_tokenizer_loaded_once_per_content_each_caller_its_own_settings(built, t
         model_config = json.load(f)
     with open(export / "config.json", "w") as f:
         json.dump({**model_config, "architectures": ["Qwen2ForSequenceClassification"], "num_labels": 1}, f)
-    second = tiny_model.load_tokenizer(str(export))
+    second = loading.load_tokenizer(str(export))
     assert len(calls) == 1  # parsed once
     second.padding_side, second.pad_token = "right", "<|im_end|>"
     assert (first.padding_side, first.pad_token) == ("left", "<|endoftext|>")  # the callers' settings are apart
@@ -129,4 +130,4 @@ def test_tokenizer_loaded_once_per_content_each_caller_its_own_settings(built, t
     config["model_max_length"] = 77  # edited tokenizer files: loaded afresh
     with open(export / "tokenizer_config.json", "w") as f:
         json.dump(config, f)
-    assert tiny_model.load_tokenizer(str(export)).model_max_length == 77 and len(calls) == 2
+    assert loading.load_tokenizer(str(export)).model_max_length == 77 and len(calls) == 2

@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from batchrl.training.advantages import compute_advantages
-from batchrl.training.batch_layout import pad_prompt_completion
+from batchrl.training.rl.advantages import compute_advantages
+from batchrl.training.data.batch_layout import pad_prompt_completion
 from batchrl.training.jobs import job_command
 from batchrl.training.trainer.batching import epoch_order
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig

@@ -55,7 +55,7 @@ def test_reward_model_zero3_on_two_ranks_equals_one_process(arith_job_inputs, tm
 def test_policy_update_on_two_ranks_equals_one_process(arith_job_inputs, tmp_path, zero_stage):
     """The PPO/GRPO update, data-parallel on 2 gloo ranks under ZeRO-2/3 (torchrun), follows the one-process
     curve with the same global batch and exports the same model (to float rounding)."""
-    from batchrl.training.advantages import compute_advantages
+    from batchrl.training.rl.advantages import compute_advantages
     from batchrl.training.trainer.config import PolicyConfig
     from batchrl.training.trainer.policy import train_policy
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrl.training.advantages import compute_advantages
+from batchrl.training.rl.advantages import compute_advantages
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import build_tiny_model
+from batchrl.training.models.tiny import build_tiny_model
 from batchrl.training.trainer.config import DPOConfig, PolicyConfig
 from batchrl.training.trainer.dpo import train_dpo
 from batchrl.training.trainer.policy import train_policy
@@ -207,8 +207,8 @@ def test_cpu_jobs_do_not_build_deepspeeds_shared_memory_op():
 
 
 def test_margin_pass_in_length_sorted_batches_matches_pair_by_pair(setup):
-    from batchrl.training.tiny_model import load_model_and_tokenizer
-    from batchrl.training.batch_layout import encode_pairs
+    from batchrl.training.models.loading import load_model_and_tokenizer
+    from batchrl.training.data.batch_layout import encode_pairs
     from batchrl.training.trainer.dpo import _pair_logps, mean_margin
 
     model, tok = load_model_and_tokenizer(setup["base"])
@@ -227,7 +227,7 @@ def test_margin_pass_in_length_sorted_batches_matches_pair_by_pair(setup):
 
 
 def test_measurement_batches_fill_a_token_budget():
-    from batchrl.training.scoring import length_sorted_batches
+    from batchrl.training.data.scoring import length_sorted_batches
 
     lengths = list(np.random.default_rng(0).integers(1, 300, 500)) + [5000]  # one row over the budget
     batches = length_sorted_batches(lengths, max_tokens=4096)
@@ -255,7 +255,7 @@ def test_dpo_refuses_reference_log_probs_over_other_tokens(setup, tmp_path):
 def test_padding_by_array_indexing_equals_row_by_row():
     import random
 
-    from batchrl.training.batch_layout import pad_prompt_completion
+    from batchrl.training.data.batch_layout import pad_prompt_completion
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 99) for _ in range(rng.randrange(1, 9))] for _ in range(12)]

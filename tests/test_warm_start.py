@@ -1,12 +1,14 @@
-"""The tiny default's supervised warm start (training/warm_start.py): trained on the arithmetic prompts' gold
+"""The tiny default's supervised warm start (training/models/warm_start.py): trained on the arithmetic prompts' gold
 answers, in place, seeded; the loss falls and the saved folder loads. ~10 s."""
 import json
 import os
 
 import torch
 
-from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
-from batchrl.training.warm_start import _batch, _encoded, warm_start
+from batchrl.training.models.loading import load_model_and_tokenizer
+
+from batchrl.training.models.tiny import build_tiny_model
+from batchrl.training.models.warm_start import _batch, _encoded, warm_start
 
 ARITH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sample_data", "arith")
 

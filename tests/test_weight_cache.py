@@ -1,4 +1,4 @@
-"""The job worker's weight cache (``training/weight_cache.py``): a model built from cached weights is the model
+"""The job worker's weight cache (``training/models/weight_cache.py``): a model built from cached weights is the model
 the files give, bit for bit; the cache is never aliased by a loaded model; a rewritten weight file is a miss;
 entries are evicted least-recently-used by bytes; and it is off unless a process switches it on."""
 import json
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchrl.training import weight_cache
-from batchrl.training.tiny_model import build_tiny_model, load_model_and_tokenizer
+from batchrl.training.models import weight_cache
+from batchrl.training.models.loading import load_model_and_tokenizer
+from batchrl.training.models.tiny import build_tiny_model
 
 ARITH = Path(__file__).resolve().parents[1] / "sample_data" / "arith"
 TEXTS = [f"{r['prompt']} {r['answer']}" for r in map(json.loads, (ARITH / "train.jsonl").read_text().splitlines())]
@@ -102,7 +103,7 @@ def test_a_hit_is_the_model_the_files_give_and_reads_no_file(which, dtype, untie
 def test_the_cache_is_not_aliased_by_the_models_it_builds(untied, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from batchrl.training.weights import load_weights_in_place
+    from batchrl.training.models.weights import load_weights_in_place
 
     want = _uncached(untied)
     weight_cache.enable(10**9)
@@ -232,7 +233,7 @@ def test_the_worker_limit_follows_the_setting():
 
 def test_off_in_a_normal_process(untied):
     """A process that does not switch it on (the Dagster process, a job in a process of its own) keeps nothing."""
-    code = ("from batchrl.training import weight_cache; from batchrl.training.tiny_model import "
+    code = ("from batchrl.training.models import weight_cache; from batchrl.training.models.loading import "
             f"load_model_and_tokenizer as load; load({untied!r}); load({untied!r}); print(weight_cache.stats())")
     env = {k: v for k, v in os.environ.items() if k != "BATCHRL_WEIGHT_CACHE_GB"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
@@ -247,7 +248,7 @@ def test_a_reward_model_comes_from_the_cache_and_a_head_its_files_lack_is_not_ke
     import numpy as np
     from transformers import AutoModelForSequenceClassification
 
-    from batchrl.training.reward_model import load_reward_model, score_texts
+    from batchrl.training.rewards.reward_model import load_reward_model, score_texts
 
     rm = str(tmp_path / "rm")
     torch.manual_seed(3)
@@ -279,8 +280,8 @@ def test_a_checkpoint_copied_into_a_loaded_model_comes_from_the_cache_once_kept(
     first copy of a folder reads its files and keeps it; the next job's copy of it reads no file."""
     from safetensors.torch import load_file, save_file
 
-    from batchrl.training import weights
-    from batchrl.training.tiny_model import cached_in_worker, load_checkpoint_in_place
+    from batchrl.training.models import weights
+    from batchrl.training.models.loading import cached_in_worker, load_checkpoint_in_place
 
     other = shutil.copytree(untied, tmp_path / "trained")
     save_file({k: v * 0.5 for k, v in load_file(other / "model.safetensors").items()}, str(other / "model.safetensors"),
@@ -314,7 +315,7 @@ def test_a_load_not_worth_keeping_evicts_nothing(untied):
     """The 7B-shape RL iteration (LoRA reward model on the base's folder): the reward model's load (a head the
     base's files lack) must not push the policy's base out of a cache that holds one model (measured: the base
     reloaded by every policy update, 2.5 s an iteration)."""
-    from batchrl.training.reward_model import load_reward_model
+    from batchrl.training.rewards.reward_model import load_reward_model
 
     base = _uncached(untied)
     nbytes = weight_cache.snapshot(base).nbytes
@@ -336,9 +337,9 @@ def test_a_reward_models_adapter_is_kept_merged_and_scores_as_its_files_do(untie
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
 
-    from batchrl.training import lora
-    from batchrl.training.reward_model import load_reward_model, score_texts
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.models import lora
+    from batchrl.training.rewards.reward_model import load_reward_model, score_texts
+    from batchrl.training.models.loading import load_tokenizer
 
     torch.manual_seed(5)
     model = get_peft_model(AutoModelForSequenceClassification.from_pretrained(untied, num_labels=1),

@@ -8,7 +8,7 @@ import numpy as np
 from batchrl.training.agent.config import AgentConfig
 from batchrl.training.agent.loop import AgentRollouts
 from batchrl.training.agent.stats import trajectory_stats
-from batchrl.training.rewards import get_reward_function
+from batchrl.training.rewards.registry import get_reward_function
 
 
 def tool_metrics(engine: Any, rows: list[dict], agent: AgentConfig | dict, *, reward: str = "final_answer",

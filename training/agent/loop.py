@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from batchrl.training.agent.config import AgentConfig
 from batchrl.training.agent.render import observation_ids, with_instructions
 from batchrl.training.agent.tools import ToolBox, ToolCall, find_tool_call, observation_text
-from batchrl.training.text import Messages, encode_prompts
+from batchrl.training.data.text import Messages, encode_prompts
 
 # (contexts, max_new_tokens, seed) -> per context (new ids, their log-probs, stopped at an end-of-turn token)
 TurnGenerator = Callable[[list[list[int]], int, int], list[tuple[list[int], list[float], bool]]]

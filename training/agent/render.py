@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchrl.training.text import Messages, render_prompt
+from batchrl.training.data.text import Messages, render_prompt
 
 _MARK = "\x00batchrl-assistant-turn\x00"
 

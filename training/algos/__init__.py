@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # never executed; code versions (lineage.module_closure reads imports statically) follow
     # every module below from whatever imports this package, as when they were imported eagerly
-    from . import advantages, dapo, kl, logprobs, names, offline, policy_loss, preference, registry, utils  # noqa: F401
+    from . import advantages, dapo, kl, logprobs, lookup, names, offline, policy_loss, preference, registry, utils  # noqa: F401
 
 _EXPORTS = {
     "advantages": ("compute_drgrpo_outcome_advantage", "compute_gae_advantage_return",
@@ -32,8 +32,9 @@ _EXPORTS = {
     "preference": ("PREFERENCE_LOSSES", "bradley_terry_loss", "dpo_loss", "get_preference_loss",
                    "preference_metrics"),
     "names": ("ADV_ESTIMATOR_NEEDS", "KL_KINDS", "POLICY_LOSS_NAMES"),
-    "registry": ("ADV_ESTIMATORS", "POLICY_LOSSES", "estimator_needs", "get_adv_estimator", "get_policy_loss",
-                 "register_adv_estimator", "register_policy_loss"),
+    "registry": ("ADV_ESTIMATORS", "POLICY_LOSSES", "estimator_needs", "register_adv_estimator",
+                 "register_policy_loss"),
+    "lookup": ("get_adv_estimator", "get_policy_loss"),
     "utils": ("LOSS_AGG_MODES", "agg_loss", "masked_mean", "masked_var", "masked_whiten"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -45,7 +46,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
     if name in ("ADV_ESTIMATORS", "POLICY_LOSSES"):
-        importlib.import_module(f"{__name__}.registry")._definitions()  # the full registries, as before
+        importlib.import_module(f"{__name__}.lookup")._definitions()  # the full registries, as before
     globals()[name] = value
     return value
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from .names import ADV_ESTIMATOR_NEEDS, NEEDS, POLICY_LOSS_NAMES
 
-ADV_ESTIMATORS: dict[str, Callable] = {}  # filled as the definitions are imported (``_definitions``)
+ADV_ESTIMATORS: dict[str, Callable] = {}  # filled as the definitions are imported (``lookup._definitions``)
 POLICY_LOSSES: dict[str, Callable] = {}
 
 
@@ -45,24 +45,6 @@ def register_policy_loss(name: str) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def _definitions() -> None:
-    """Import the modules that register the functions (torch), once, at the first lookup."""
-    from . import advantages, offline, policy_loss  # noqa: F401  (a static import: code versions follow it)
-
-
-def _lookup(registry: dict, kind: str, name: str):
-    _definitions()
-    try:
-        return registry[name]
-    except KeyError:
-        raise ValueError(f"unknown {kind} {name!r}; expected one of {sorted(registry)}") from None
-
-
-def get_adv_estimator(name: str):
-    """Advantage estimator by name (keys of ``names.ADV_ESTIMATOR_NEEDS``)."""
-    return _lookup(ADV_ESTIMATORS, "advantage estimator", name)
-
-
 def estimator_needs(name: str) -> frozenset[str]:
     """What estimator ``name`` needs besides rewards and mask (subset of ``NEEDS``); no torch import."""
     try:
@@ -70,8 +52,3 @@ def estimator_needs(name: str) -> frozenset[str]:
     except KeyError:
         raise ValueError(f"unknown advantage estimator {name!r}; expected one of {sorted(ADV_ESTIMATOR_NEEDS)}") \
             from None
-
-
-def get_policy_loss(name: str):
-    """Policy loss by name (``names.POLICY_LOSS_NAMES``); all share ``compute_policy_loss``'s signature."""
-    return _lookup(POLICY_LOSSES, "policy loss", name)

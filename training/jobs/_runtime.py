@@ -140,7 +140,9 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     with ``data_version`` = content hash of ``output_dir`` and the job's ``weight_cache_hits``/``_misses``
     (its model loads built from the job worker's weight cache / read from their files while the cache was on;
     both 0 where it is off)."""
-    from batchrl.training import profiling, resident, weight_cache
+    from batchrl.training.timing import profiling
+    from batchrl.training.models import resident_weights
+    from batchrl.training.models import weight_cache
     from batchrl.training.trainer import resident_trainer
 
     config = read_job_config(argv if argv is not None else sys.argv[1:])
@@ -162,7 +164,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
         if version:
             meta.update(content_hash=version, hash_s=round(time.perf_counter() - started, 3))
         # the trainer's exported weights stay in the worker under the content they are published as
-        meta["resident_weights"] = resident.settle(output, version)
+        meta["resident_weights"] = resident_weights.settle(output, version)
         resident_trainer.settle(output, version)  # the kept policy trainer stands for this artifact
         meta.update(settle_ahead(version))  # the next iteration's samples, drawn meanwhile, named by this version
         rep.materialize(meta, version)

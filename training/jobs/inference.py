@@ -25,12 +25,12 @@ from typing import Any, Callable
 
 import pandas as pd
 
-from batchrl.training import phases
+from batchrl.training.timing import phases
 from batchrl.training.jobs._runtime import Reporter, run_job
 
 
 def score_rewards(config: dict) -> dict:
-    from batchrl.training.rewards import RewardConfig, compute_rewards
+    from batchrl.training.rewards.registry import RewardConfig, compute_rewards
 
     table = pd.read_parquet(config["rollouts_parquet"])
     scored = compute_rewards(table, RewardConfig(**config["reward_config"]),
@@ -42,7 +42,7 @@ def score_rewards(config: dict) -> dict:
 
 
 def evaluate_models(config: dict) -> dict:
-    from batchrl.training.evaluate import evaluate_models
+    from batchrl.training.evaluation.evaluate import evaluate_models
 
     prompts = pd.read_parquet(config["eval_prompts_parquet"]).to_dict("records")
     pairs = pd.read_parquet(config["pairs_parquet"])
@@ -60,7 +60,7 @@ def reference_logprobs(config: dict) -> dict:
 
 
 def advantages(config: dict) -> dict:
-    from batchrl.training.advantages import AdvantageSettings, advantages_with_models
+    from batchrl.training.rl.advantages import AdvantageSettings, advantages_with_models
 
     out = advantages_with_models(pd.read_parquet(config["rewards_parquet"]), AdvantageSettings(**config["settings"]),
                                  reference_model_path=config.get("reference_model_path"),

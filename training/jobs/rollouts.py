@@ -16,6 +16,7 @@ import time
 
 from batchrl.common.prefetch_key import SAMPLES_FILE, STATS_FILE, sampled_ahead
 from batchrl.training.jobs._runtime import Reporter, run_job
+from batchrl.training.rollout.sampling_job import write_stats
 
 AHEAD_WAIT_S = 900.0  # a sampling ahead in another process that never finishes: sampled here after this
 
@@ -43,7 +44,7 @@ def work(config: dict, rep: Reporter):
     import pandas as pd
 
     from batchrl.training.rollout.sampling_job import sample_to_parquet
-    from batchrl.training.text import prompt_messages
+    from batchrl.training.data.text import prompt_messages
 
     prefetched = config.get("prefetched_from")
     if prefetched:
@@ -70,13 +71,6 @@ def work(config: dict, rep: Reporter):
     if config.get("stats_json"):  # a detached prefetch: the statistics last, so that they mark it complete
         write_stats(config["stats_json"], stats)
     return {**stats, "prefetched": False, "sampled_ahead": False}, None
-
-
-def write_stats(path: str, stats: dict) -> None:
-    """The statistics of samples made ahead, written atomically after them: the mark that they are complete."""
-    with open(path + ".tmp", "w") as f:
-        json.dump({k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}, f)
-    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

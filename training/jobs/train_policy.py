@@ -2,7 +2,7 @@
 "model_path", "reference_model_path", "critic_path" (with trainer.critic), "out_dir", "sample_ahead"}``
 (``sample_ahead``: the next iteration's rollouts request, ``training/rollout/ahead.py``).
 
-On logged completions (``training/offline_policy.py``) the job gets ``"logged": {"scored_parquet",
+On logged completions (``training/rl/offline_policy.py``) the job gets ``"logged": {"scored_parquet",
 "offline": OfflinePolicyConfig fields}`` instead of ``batch_parquet`` and builds the batch itself (with the
 model's tokenizer, here rather than in the Dagster process), into ``out_dir``."""
 from __future__ import annotations
@@ -17,8 +17,8 @@ def logged_batch_parquet(logged: dict, model_path: str, out_dir: str, rep: Repor
     """The batch of an update on logged completions, written once into ``out_dir`` (a resumed job reuses it)."""
     import pandas as pd
 
-    from batchrl.training.offline_policy import OfflinePolicyConfig, logged_batch
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.rl.offline_policy import OfflinePolicyConfig, logged_batch
+    from batchrl.training.models.loading import load_tokenizer
 
     path = os.path.join(out_dir, "logged_batch.parquet")
     batch, metrics = logged_batch(pd.read_parquet(logged["scored_parquet"]), load_tokenizer(model_path),

@@ -31,7 +31,7 @@ JOB_SETTING_PREFIX = "BATCHRL_"  # resources.job_worker sends every one of these
 
 def _release_memory() -> None:
     """Between jobs: the job's garbage collected and torch's unused cached blocks given back. The weight cache
-    (``training/weight_cache.py``) stays: its tensors are in use, not free blocks."""
+    (``training/models/weight_cache.py``) stays: its tensors are in use, not free blocks."""
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
@@ -113,10 +113,10 @@ def run_request(request: dict) -> dict:
 
 # What the jobs import lazily (transformers' auto classes alone take seconds): loaded by ``preload``
 PRELOAD_MODULES = (
-    "batchrl.training.jobs._runtime", "batchrl.training.rollout.static_engine", "batchrl.training.evaluate",
-    "batchrl.training.rewards", "batchrl.training.reward_model", "batchrl.training.trainer.reference",
+    "batchrl.training.jobs._runtime", "batchrl.training.rollout.static_engine", "batchrl.training.evaluation.evaluate",
+    "batchrl.training.rewards.registry", "batchrl.training.rewards.reward_model", "batchrl.training.trainer.reference",
     "batchrl.training.trainer.dpo", "batchrl.training.trainer.policy", "batchrl.training.trainer.reward",
-    "peft",  # LoRA runs and adapter checkpoints (training/lora.py)
+    "peft",  # LoRA runs and adapter checkpoints (training/models/lora.py)
     "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
     "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama",
 )
@@ -138,7 +138,7 @@ def preload() -> None:
         import_deepspeed()
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")  # creates the context
-    from batchrl.training import weight_cache
+    from batchrl.training.models import weight_cache
 
     weight_cache.enable_for_worker()  # jobs of this process reuse the models loaded before (BATCHRL_WEIGHT_CACHE_GB)
 

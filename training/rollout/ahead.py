@@ -51,7 +51,7 @@ def start(request: dict[str, Any], *, module: Any = None, adapter: str | None = 
     update's last step, before its export) or from the exported LoRA ``adapter`` merged into its ``base`` (as a
     load of the published adapter merges it). Returns the job's metadata about it."""
     global _pending
-    from batchrl.training import weight_cache
+    from batchrl.training.models import weight_cache
     from batchrl.training.rollout import resident
 
     wait()
@@ -61,7 +61,7 @@ def start(request: dict[str, Any], *, module: Any = None, adapter: str | None = 
         entry = weight_cache.snapshot(module, clone=False)  # the trained weights as they are (never written again)
         built = None if entry is None else resident.engine_with_weights(options, entry.tensors)
     else:
-        from batchrl.training import lora
+        from batchrl.training.models import lora
 
         if not lora.merges_in_place(adapter):
             return {"sample_ahead": "off: the adapter replaces modules (modules_to_save, DoRA)"}
@@ -107,7 +107,7 @@ def wait() -> None:
 
 
 def _sample(pending: _Pending, built: tuple) -> None:
-    from batchrl.training.jobs.rollouts import write_stats
+    from batchrl.training.rollout.sampling_job import write_stats
     from batchrl.training.rollout.sampling_job import sample_to_parquet
 
     request = pending.request

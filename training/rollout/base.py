@@ -5,7 +5,7 @@
 
 - ``prompt_index``, ``sample_index`` (int); ``prompt`` (the raw prompt), ``response`` (decoded text,
   special tokens skipped);
-- ``prompt_ids``: token ids of the prompt rendered by ``batchrl.training.text.render_prompt``: a prompt's
+- ``prompt_ids``: token ids of the prompt rendered by ``batchrl.training.data.text.render_prompt``: a prompt's
   conversation (``messages``: per prompt its ``{role, content}`` list or JSON, or None) is rendered whole in
   its place. These are the ids the policy update trains on (it never re-encodes the prompt text);
 - ``response_ids``: generated ids, including the eos token when one was generated;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from batchrl.training.text import Messages
+from batchrl.training.data.text import Messages
 
 
 @runtime_checkable

@@ -5,7 +5,7 @@ weights. A new engine per iteration loaded the checkpoint from its files and, fo
 its CUDA graphs again (engine load ~0.2-0.3 s of a ~3 s rollouts step on the H200 with SmolLM2-135M, the captures
 inside generation besides). The worker keeps the last engine instead; the next job of the same engine settings on a
 folder of the same model (``weights.same_model_files``) copies the weights in place
-(``tiny_model.load_checkpoint_in_place``: from the trainer's weights still on the device, ``training/resident.py``,
+(``tiny_model.load_checkpoint_in_place``: from the trainer's weights still on the device, ``training/models/resident_weights.py``,
 else the weight cache, else the files), and the captured graphs stay valid (they replay on the same storage).
 
 Kept only where the worker's weight cache is on (never in the Dagster process), for the engines that hold a
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from batchrl.training import weight_cache
+from batchrl.training.models import weight_cache
 
 RESIDENT_KINDS = ("static", "transformers")
 ENV = "BATCHRL_RESIDENT_ENGINE_GB"
@@ -45,7 +45,7 @@ def limit_bytes() -> int:
 
 
 def _reusable(kept: dict, options: dict) -> bool:
-    from batchrl.training.weights import same_model_files
+    from batchrl.training.models.weights import same_model_files
 
     same_settings = {k: v for k, v in kept.items() if k != "model_path"} == \
         {k: v for k, v in options.items() if k != "model_path"}
@@ -71,7 +71,7 @@ def engine_for(options: dict[str, Any]) -> tuple[Any, bool]:
     """``(engine, reused)`` for ``make_rollout_engine(**options)`` (``kind`` among them): the kept engine with
     ``options["model_path"]``'s weights copied in when it can be, else a new one."""
     from batchrl.training.rollout import make_rollout_engine
-    from batchrl.training.tiny_model import load_checkpoint_in_place
+    from batchrl.training.models.loading import load_checkpoint_in_place
 
     options = dict(options)
     if options["kind"] not in RESIDENT_KINDS or not weight_cache.enabled():
@@ -89,7 +89,7 @@ def engine_with_weights(options: dict[str, Any], tensors: dict[str, torch.Tensor
     """``(engine, reused)`` for ``options`` with ``tensors`` (a trainer's state dict: another checkpoint of
     ``options["model_path"]``'s model) copied in, cast as a load of their export would cast them: the kept engine
     when it can be, else a new one built from ``options["model_path"]``. None when the weights do not fit it."""
-    from batchrl.training.weights import load_weights_in_place
+    from batchrl.training.models.weights import load_weights_in_place
 
     kept = _reusable_kept(options)
     engine = kept if kept is not None else _new_engine(options)

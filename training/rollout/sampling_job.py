@@ -6,6 +6,8 @@ engine with its own processes — is gone when the stage ends.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
@@ -57,3 +59,10 @@ def sample_to_parquet(engine: dict[str, Any], prompts: list[str], *, n: int, see
             "generated_tokens_per_s": float(lengths.sum() / generate_s) if generate_s > 0 else 0.0,
             "mean_response_tokens": float(lengths.mean()) if len(samples) else 0.0,
             "stop_rate": float((samples["finish_reason"] == "stop").mean()) if len(samples) else 0.0, **agent_stats}
+
+
+def write_stats(path: str, stats: dict) -> None:
+    """The statistics of samples made ahead, written atomically after them: the mark that they are complete."""
+    with open(path + ".tmp", "w") as f:
+        json.dump({k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}, f)
+    os.replace(path + ".tmp", path)

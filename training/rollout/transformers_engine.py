@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import torch
 
 from batchrl.training.rollout.base import make_sample
-from batchrl.training.text import Messages, context_texts, encode_prompts
-from batchrl.training.tiny_model import load_model_and_tokenizer
+from batchrl.training.data.text import Messages, context_texts, encode_prompts
+from batchrl.training.models.loading import load_model_and_tokenizer
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> set[int]:

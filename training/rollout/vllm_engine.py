@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from batchrl.training.rollout.base import make_sample
-from batchrl.training.text import Messages, encode_prompts
+from batchrl.training.data.text import Messages, encode_prompts
 
 
 class VLLMUnavailableError(ImportError):
@@ -47,7 +47,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank va
 def _with_adapter(model_path: str, llm_kwargs: dict[str, Any]) -> tuple[str, Any]:
     """``(model vLLM loads, LoRA request per generate call)``: for an adapter folder its base and the adapter
     (``enable_lora`` and a ``max_lora_rank`` that holds its rank set in ``llm_kwargs``), else the folder, None."""
-    from batchrl.training import lora
+    from batchrl.training.models import lora
 
     if not lora.is_adapter_folder(model_path):
         return model_path, None

@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 
 # bench/bench_gpu_scale.py imports the layout and the scoring batches from here
-from batchrl.training.batch_layout import (FUSED_CHUNK_ROWS, completion_logprobs, encode_pairs,  # noqa: F401
+from batchrl.training.data.batch_layout import (FUSED_CHUNK_ROWS, completion_logprobs, encode_pairs,  # noqa: F401
                                            fused_lm_head, pair_batch, to_device)
-from batchrl.training.scoring import length_sorted_batches  # noqa: F401
+from batchrl.training.data.scoring import length_sorted_batches  # noqa: F401
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:

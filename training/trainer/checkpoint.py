@@ -241,7 +241,7 @@ def _write_tokenizer(tokenizer: Any, folder: str) -> None:
     out the class's pipeline: another class name, the pre-tokenizer's regex, a normaliser), so a checkpoint's
     tokenizer key would differ from its base's although both tokenise alike — and evaluation, which shares one
     engine between checkpoints of one model and tokenizer, would load the model again."""
-    from batchrl.training.tiny_model import tokenizer_files
+    from batchrl.training.models.folders import tokenizer_files
 
     source = getattr(tokenizer, "name_or_path", "") or ""
     names = tokenizer_files(source) if os.path.isdir(source) else []

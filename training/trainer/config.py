@@ -74,7 +74,7 @@ class TrainerConfig(BaseModel):
                          "(out_dir/checkpoints/latest) when present")
     stop_after_steps: int | None = Field(None, ge=1, description="stop early (as if killed) after this many "
                                          "optimiser steps in all")
-    # LoRA (peft): adapters on the frozen base; the checkpoint is the adapter only (training/lora.py)
+    # LoRA (peft): adapters on the frozen base; the checkpoint is the adapter only (training/models/lora.py)
     lora_rank: int = Field(0, ge=0, description="LoRA rank r: train low-rank adapters on the frozen base model and "
                            "publish the adapter only (MBs); 0 = full fine-tuning (the default)")
     lora_alpha: int = Field(16, ge=1, description="LoRA scale numerator: the update is (lora_alpha / lora_rank) B A")
@@ -185,7 +185,7 @@ class PolicyConfig(TrainerConfig):
 
     KL to the reference is a loss term (``kl_coef * k3``) unless ``use_kl_in_reward`` (then it is
     expected folded into the rewards before advantages, and the loss term is off).
-    ``adv_estimator`` names the estimator the advantages stage used (``training/advantages.py``);
+    ``adv_estimator`` names the estimator the advantages stage used (``training/rl/advantages.py``);
     the update itself reads the per-token advantages from its input batch.
     """
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from batchrl.training import lora
+from batchrl.training.models import lora
 from batchrl.training.algos import compute_value_loss
-from batchrl.training.batch_layout import pad_floats, pad_prompt_completion, to_device
+from batchrl.training.data.batch_layout import pad_floats, pad_prompt_completion, to_device
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches
 from batchrl.training.trainer.config import PolicyConfig
-from batchrl.training.value_model import load_value_model, value_predictions
+from batchrl.training.models.value_model import load_value_model, value_predictions
 
 CRITIC_DIR = "critic"
 

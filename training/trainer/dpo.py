@@ -14,10 +14,10 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import dpo_loss, orpo_loss, preference_metrics, simpo_loss
-from batchrl.training.batch_layout import completion_logprobs, encode_pairs, pair_batch, pair_logprobs, to_device
+from batchrl.training.data.batch_layout import completion_logprobs, encode_pairs, pair_batch, pair_logprobs, to_device
 from batchrl.training.trainer.batching import steps_per_epoch
 from batchrl.training.trainer.config import DPOConfig
-from batchrl.training.transfer import to_device_async
+from batchrl.training.data.transfer import to_device_async
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 
 

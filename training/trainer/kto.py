@@ -18,12 +18,12 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import kto_kl_reference_point, kto_loss
-from batchrl.training.batch_layout import completion_logprobs, sequence_token_logprobs
+from batchrl.training.data.batch_layout import completion_logprobs, sequence_token_logprobs
 from batchrl.training.trainer.batching import seeded_rows, steps_per_epoch
 from batchrl.training.trainer.config import KTOConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
 from batchrl.training.trainer.policy import _row_batch
-from batchrl.training.transfer import to_device_async
+from batchrl.training.data.transfer import to_device_async
 
 KTO_REFERENCE = "kto_reference.pt"
 
@@ -43,7 +43,7 @@ def load_feedback(feedback_parquet: str, cfg: KTOConfig) -> pd.DataFrame:
 def encode_feedback(tokenizer: Any, frame: pd.DataFrame, max_length: int) -> dict[str, list]:
     """Prompt/completion ids of every row (``matched``) and of every prompt with the next row's completion
     (``mismatched``: row i's prompt, row (i + 1) mod n's completion), the KL reference point's pairs."""
-    from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
+    from batchrl.training.data.text import encode_prompt_completions, encode_prompts, prompt_messages
 
     prompts, completions = frame["prompt"].tolist(), frame["completion"].tolist()
     prompt_ids = encode_prompts(tokenizer, prompts, prompt_messages(frame.to_dict("records")))

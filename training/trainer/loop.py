@@ -11,8 +11,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from batchrl.training import lora, resident
-from batchrl.training.phases import PhaseClock
+from batchrl.training.models import lora
+
+from batchrl.training.models import resident_weights
+from batchrl.training.timing.phases import PhaseClock
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch, world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
                                                  save_checkpoint, seed_everything, write_completion,
@@ -26,7 +28,7 @@ Report = Callable[[dict, int], None]
 
 
 def load_trainable(model_path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
     model.config.use_cache = False
@@ -123,7 +125,7 @@ class TrainLoop:
 
     With ``cfg.lora_rank > 0`` the model is the base (``lora_base``, frozen) with LoRA adapters of
     ``task_type`` (a new adapter, or the one ``model_path`` holds, trained further); only the adapters are
-    optimised, checkpointed and exported (``training/lora.py``).
+    optimised, checkpointed and exported (``training/models/lora.py``).
 
     ``resident_trainer_ok`` (the policy update): the job worker's last policy engine is taken over when this job
     trains the checkpoint it exported (``resident_trainer``); any other trainer releases that engine first.
@@ -337,7 +339,7 @@ class TrainLoop:
             if self.lora_base is None:
                 export_hf_model(self.engine, self.tokenizer, out, record)
                 if self.cfg.zero_stage < 3 and world()[1] == 1:  # whole, plain weights: the next job may copy them
-                    resident.offer(out, self.engine.module)
+                    resident_weights.offer(out, self.engine.module)
             else:
                 write_train_record(out, {**record, "adapter_base": lora.base_reference(self.lora_base)})
                 out = lora.save_adapter(self.engine, out, self.lora_base)  # the adapter only: MBs, not the base

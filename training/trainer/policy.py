@@ -21,14 +21,15 @@ import torch
 
 from batchrl.training.algos import (agg_loss, compute_rollout_is_weights, get_policy_loss,
                                     kl_penalty, masked_mean)
-from batchrl.training.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
+from batchrl.training.data.batch_layout import (completion_logprobs, pad_floats, pad_prompt_completion,
                                            sequence_token_logprobs, to_device)
-from batchrl.training.packing import check_packing_supported, pack_prompt_completion
+from batchrl.training.data.batch_layout import check_packing_supported
+from batchrl.training.data.packing import pack_prompt_completion
 from batchrl.training.trainer import resident_trainer
 from batchrl.training.trainer.batching import steps_per_epoch, world
 from batchrl.training.trainer.config import PolicyConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
-from batchrl.training.transfer import to_device_async
+from batchrl.training.data.transfer import to_device_async
 
 FIXED_LOGPROBS = "fixed_logprobs.pt"
 
@@ -75,7 +76,7 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
             with loop.engine.module.disable_adapter():  # LoRA: the frozen base is the reference, no second model
                 fixed["ref"] = sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
         else:
-            from batchrl.training.tiny_model import load_model_and_tokenizer
+            from batchrl.training.models.loading import load_model_and_tokenizer
 
             ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
             fixed["ref"] = sequence_token_logprobs(ref, rows, pad_id, loop.device, **kw)

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training.batch_layout import encode_pairs, pair_logprobs
-from batchrl.training.phases import beside_load, phase
+from batchrl.training.data.batch_layout import encode_pairs, pair_logprobs
+from batchrl.training.timing.phases import beside_load, phase
 
 
 @torch.no_grad()
@@ -28,7 +28,7 @@ def compute_reference_logprobs(model_path: str, pairs_parquet: str, out_parquet:
 
     ``dtype="auto"``: bfloat16 on GPU (the precision the GPU trainer runs in; measured 5x faster than
     float32 on an H200, see bench/RESULTS.md), float32 on CPU."""
-    from batchrl.training.tiny_model import load_model_and_tokenizer, load_tokenizer
+    from batchrl.training.models.loading import load_model_and_tokenizer, load_tokenizer
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":

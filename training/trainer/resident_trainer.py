@@ -5,7 +5,7 @@ its model again (from the weight cache or the files), wrapped it in PEFT where i
 engine — ~0.3 s of set-up plus ~1 s of the job's wall outside its steps at SmolLM2-135M on the H200, 1.37 s at the
 Qwen2.5-7B shape with LoRA (``bench/RESULTS.md``). The worker keeps the last policy job's engine instead; the next
 policy job whose model is the artifact that engine's weights were published as (its data version, settled by the
-job's runtime as ``training/resident.py`` does for the weights it offers) and whose settings build the same engine
+job's runtime as ``training/models/resident_weights.py`` does for the weights it offers) and whose settings build the same engine
 takes it over with a new optimiser and schedule — what a fresh job starts from, as batchrl's update always starts
 each iteration with a fresh AdamW — and trains it in place.
 
@@ -27,7 +27,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from batchrl.training import resident, weight_cache
+from batchrl.training.models import resident_weights
+
+from batchrl.training.models import weight_cache
 
 ENV = "BATCHRL_RESIDENT_TRAINER_GB"
 # "1": a new engine around the kept module even where the kept engine could be renewed (what a bf16 engine always
@@ -83,9 +85,9 @@ def claim(cfg: Any, model_path: str, ckpt_dir: str) -> Kept | None:
     if kept is None or kept.data_version is None or not weight_cache.enabled():
         return None
     if os.listdir(ckpt_dir) or kept.settings != settings_of(cfg) or \
-            resident.data_version_of(model_path) != kept.data_version:
+            resident_weights.data_version_of(model_path) != kept.data_version:
         return None
-    weight_cache.forget(resident.artifact_key(kept.data_version))  # it aliases the module about to be trained
+    weight_cache.forget(resident_weights.artifact_key(kept.data_version))  # it aliases the module about to be trained
     return kept
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from batchrl.training.lora import SEQ_CLS
+from batchrl.training.models.lora import SEQ_CLS
 from batchrl.training.trainer.batching import seeded_rows, steps_per_epoch
 from batchrl.training.trainer.config import RewardModelConfig
 from batchrl.training.trainer.loop import Report, TrainLoop, completed_run, fit_batch
@@ -27,7 +27,7 @@ def load_pairs(pairs_parquet: str, cfg: RewardModelConfig) -> pd.DataFrame:
 
 
 def _trainable_reward_model(path: str, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    from batchrl.training.reward_model import load_reward_model
+    from batchrl.training.rewards.reward_model import load_reward_model
 
     model, tokenizer = load_reward_model(path, dtype=dtype, device=device)
     model.config.use_cache = False
@@ -39,7 +39,7 @@ def train_reward_model(cfg: RewardModelConfig, *, pairs_parquet: str, model_path
     """Train a Bradley-Terry RM from ``model_path`` on ``pairs_parquet`` (prompt/chosen/rejected);
     checkpoints in ``out_dir/checkpoints``, the HF classifier in ``out_dir/model``."""
     from batchrl.training.algos import bradley_terry_loss
-    from batchrl.training.reward_model import encode_pairs_scored, pair_accuracy, sequence_scores
+    from batchrl.training.rewards.reward_model import encode_pairs_scored, pair_accuracy, sequence_scores
 
     pairs = load_pairs(pairs_parquet, cfg)
     cfg = fit_batch(cfg, len(pairs))

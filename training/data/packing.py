@@ -75,33 +75,3 @@ def unpack_tokens(values: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch
     padding; differentiable w.r.t. ``values``."""
     B, R = batch["response_mask"].shape
     return values.new_zeros(B * R).index_copy(0, batch["packed_slot"], values).view(B, R)
-
-
-def check_packing_supported(model, device) -> None:
-    """Fail at the start of a packed update, not deep in a wrong one, when ``model`` lets packed sequences see each
-    other (its attention ignores the restarting position ids: an architecture or a transformers version without
-    the packed-sequence mask): the second of two packed sequences must score the same whatever the first holds
-    (masked keys weigh exactly 0, so even bf16 gives the same numbers)."""
-    from batchrl.training.batch_layout import completion_logprobs, to_device
-
-    vocab = int(getattr(model, "module", model).config.vocab_size)
-    ids = [t % vocab for t in range(1, 14)]
-    # 8 tokens alone set the row width; the 5-token and the 3-token sequence then share the second row
-    prompts, completions = [ids[:6], ids[:3], [ids[3], ids[4]]], [ids[6:8], ids[5:7], [ids[7]]]
-    scores = []
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for neighbour in (ids[:3], ids[8:11]):
-                batch = pack_prompt_completion([prompts[0], neighbour, prompts[2]], completions, 0)
-                assert batch["input_ids"].shape[0] == 2  # the two share a row
-                scores.append(completion_logprobs(model, to_device(batch, device))[2].float())
-    finally:
-        model.train(was_training)
-    gap = float((scores[0] - scores[1]).abs().max())
-    if gap > 1e-5:
-        raise ValueError(f"pack_samples: {type(getattr(model, 'module', model)).__name__} lets packed sequences "
-                         f"attend to each other (a sequence's log-probs moved by {gap:.3g} with its row neighbour's "
-                         "tokens): its attention does not mask by restarting position ids here; set pack_samples: "
-                         "false")

@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training import lora
-from batchrl.training.batch_layout import pad_prompt_completion, to_device
-from batchrl.training.scoring import score_in_batches
+from batchrl.training.models import lora
+from batchrl.training.data.batch_layout import pad_prompt_completion, to_device
+from batchrl.training.data.scoring import score_in_batches
 
 
 def _architectures(path: str) -> list[str]:
@@ -40,7 +40,7 @@ def load_value_model(path: str, *, device: str = "cpu", dtype: torch.dtype = tor
     its base."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.models.loading import load_tokenizer
 
     if lora.is_adapter_folder(path):
         if lora.read_adapter_config(path).get("task_type") == lora.TOKEN_CLS:

@@ -16,14 +16,14 @@ import pandas as pd
 import torch
 
 from batchrl.training.algos import AdaptiveKLController, FixedKLController, apply_kl_penalty
-from batchrl.training.batch_layout import pad_floats
+from batchrl.training.data.batch_layout import pad_floats
 
 
 def reference_token_logprobs(model_path: str, table: pd.DataFrame, *, batch_size: int = 16,
                              device: str = "cpu") -> list[np.ndarray]:
     """Per-row log-probs of ``response_ids`` given ``prompt_ids`` under the model at ``model_path``."""
-    from batchrl.training.tiny_model import load_model_and_tokenizer
-    from batchrl.training.batch_layout import sequence_token_logprobs
+    from batchrl.training.models.loading import load_model_and_tokenizer
+    from batchrl.training.data.batch_layout import sequence_token_logprobs
 
     model, tokenizer = load_model_and_tokenizer(model_path, dtype=torch.float32, device=device)
     rows = {"prompt_ids": [list(p) for p in table["prompt_ids"]],

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field
 
-from batchrl.training.phases import beside_load, phase
-from batchrl.training.text import Messages, prompt_messages
+from batchrl.training.timing.phases import beside_load, phase
+from batchrl.training.data.text import Messages, prompt_messages
 
 RewardFn = Callable[[str, str, dict], float]
 REWARD_FUNCTIONS: dict[str, RewardFn] = {}
@@ -170,8 +170,8 @@ def score_with_reward_model(
     the model runs in ``dtype`` (bfloat16 on GPUs: float32 matmuls there run at a fraction of the speed).
     The texts are tokenised on a thread while the model loads (the tokenizer's batch call releases the GIL
     and spreads over the cores); the ``tokenise`` phase is what remains of it once the model is loaded."""
-    from batchrl.training.reward_model import encode_scored, load_reward_model, score_sequences
-    from batchrl.training.tiny_model import load_tokenizer
+    from batchrl.training.rewards.reward_model import encode_scored, load_reward_model, score_sequences
+    from batchrl.training.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(rm_path)
     (model, _), sequences = beside_load(
@@ -338,7 +338,3 @@ def compute_rewards(
         out[name] = values
     out["reward"] = reward
     return out
-
-
-# Built-in reward families register themselves on import (they import the helpers above).
-from batchrl.training import reward_code, reward_math  # noqa: E402,F401

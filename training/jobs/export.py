@@ -48,20 +48,20 @@ def _into_place(fill: Callable[[str], None], to: str) -> None:
 
 def _load_merged(checkpoint: str):
     """(model, tokenizer) of the LoRA checkpoint, merged in memory, by the kind of model its adapter is for."""
-    from batchrl.training import lora
+    from batchrl.training.models import lora
 
     task = lora.read_adapter_config(checkpoint).get("task_type")
     if task == lora.SEQ_CLS:
-        from batchrl.training.reward_model import load_reward_model
+        from batchrl.training.rewards.reward_model import load_reward_model
 
         return load_reward_model(checkpoint)
     if task == lora.TOKEN_CLS:
-        from batchrl.training.value_model import load_value_model
+        from batchrl.training.models.value_model import load_value_model
 
         model, tokenizer = load_value_model(checkpoint)
         model.config.use_cache = True
         return model, tokenizer
-    from batchrl.training.tiny_model import load_model_and_tokenizer
+    from batchrl.training.models.loading import load_model_and_tokenizer
 
     return load_model_and_tokenizer(checkpoint)
 
@@ -69,7 +69,7 @@ def _load_merged(checkpoint: str):
 def export_merged(checkpoint: str, to: str, *, dtype: str | None = None) -> dict[str, Any]:
     """A merged HF folder at ``to`` from a full or LoRA checkpoint folder; ``dtype`` casts the weights."""
     from batchrl.common import fsutil
-    from batchrl.training import lora
+    from batchrl.training.models import lora
 
     to = _fresh_target(to)
     if not lora.is_adapter_folder(checkpoint) and dtype is None:  # a full checkpoint: its files as they are
@@ -87,7 +87,7 @@ def export_merged(checkpoint: str, to: str, *, dtype: str | None = None) -> dict
     if lora.is_adapter_folder(checkpoint):
         model, tokenizer = _load_merged(checkpoint)
     else:
-        from batchrl.training.tiny_model import load_model_and_tokenizer
+        from batchrl.training.models.loading import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(checkpoint)
     if dtype is not None:
@@ -100,8 +100,8 @@ def export_merged(checkpoint: str, to: str, *, dtype: str | None = None) -> dict
 def export_adapter(checkpoint: str, to: str, *, base_name: str | None = None) -> dict[str, Any]:
     """A PEFT folder at ``to`` from the LoRA checkpoint ``checkpoint``: its adapter, its base named by
     ``base_name`` (default: the base folder's absolute path), the base's tokenizer files."""
-    from batchrl.training import lora
-    from batchrl.training.tiny_model import tokenizer_files
+    from batchrl.training.models import lora
+    from batchrl.training.models.folders import tokenizer_files
 
     if not lora.is_adapter_folder(checkpoint):
         raise ExportError(f"{checkpoint} is a full checkpoint, not a LoRA adapter: export it without --adapter")

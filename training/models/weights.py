@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from batchrl.training.tiny_model import folder_key
+from batchrl.training.models.folders import folder_key
 
 
 def same_model_files(a: str, b: str) -> bool:
     """Both folders hold the same model but for its weights: config, generation config and tokenizer files
     byte-identical (batchrl's records beside a checkpoint do not count, ``folder_key``); a LoRA adapter folder
     counts as its base (its weights are the base's with the adapter merged in)."""
-    from batchrl.training.lora import resolve_base
+    from batchrl.training.models.lora import resolve_base
 
     a, b = resolve_base(a), resolve_base(b)
     return os.path.isdir(a) and os.path.isdir(b) and folder_key(a) == folder_key(b)
@@ -47,7 +47,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     safetensors' own loader and a pinning copy slowed the decode loop ~2x on the H200). Pageable, not page-locked:
     locking a GB of pages is a CUDA driver call beside the decode loop's launches (the copy in is staged instead).
     A LoRA adapter folder: its base's weights (what ``load_checkpoint_in_place`` copies before merging it)."""
-    from batchrl.training.lora import resolve_base
+    from batchrl.training.models.lora import resolve_base
 
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(resolve_base(path)):

@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchrl.training.phases import phase
-from batchrl.training.scoring import score_in_batches
-from batchrl.training.text import encode_prompt_completions, prompt_messages
-from batchrl.training.tiny_model import load_pretrained, load_tokenizer
+from batchrl.training.timing.phases import phase
+from batchrl.training.data.scoring import score_in_batches
+from batchrl.training.data.text import encode_prompt_completions, prompt_messages
+from batchrl.training.models.loading import load_pretrained, load_tokenizer
 
 
 def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,7 +29,7 @@ def right_padded_batch(sequences: list[list[int]], pad_id: int, device: Any = "c
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         mask[row, : len(seq)] = 1
-    from batchrl.training.transfer import to_device_async
+    from batchrl.training.data.transfer import to_device_async
 
     return to_device_async(ids, device), to_device_async(mask, device)
 

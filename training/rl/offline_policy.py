@@ -32,7 +32,7 @@ class OfflinePolicyConfig(PolicyConfig):
 
     objective: Literal[OBJECTIVES] = Field("awr", description=(  # type: ignore[valid-type]
         "grpo: group-normalised advantages over responses sharing a prompt, clipped surrogate; awr: "
-        "advantage-weighted regression; rwr: reward-weighted regression (training/offline_policy.py)"))
+        "advantage-weighted regression; rwr: reward-weighted regression (training/rl/offline_policy.py)"))
     weight_beta: float = Field(1.0, gt=0, description="awr/rwr temperature: w = exp(advantage / weight_beta)")
     max_weight: float = Field(20.0, gt=0, description="awr: weights are clipped at this value")
     importance_weights: bool = Field(False, description=(
@@ -95,7 +95,7 @@ def _logged_logprobs(frame: pd.DataFrame, field: str) -> list | None:
 def logged_batch(frame: pd.DataFrame, tokenizer: Any, cfg: OfflinePolicyConfig) -> tuple[pd.DataFrame, dict]:
     """The policy trainer's batch from validated scored logs, and metrics saying what was used. Raises
     ``ValueError`` naming the row when logged log-probs are asked for and missing or of the wrong length."""
-    from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
+    from batchrl.training.data.text import encode_prompt_completions, encode_prompts, prompt_messages
     from batchrl.training.trainer.batching import seeded_rows
 
     frame = frame.reset_index(drop=True)

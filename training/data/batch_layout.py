@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from batchrl.training.algos import entropy_from_logits, token_logprobs_from_hidden, token_logprobs_from_logits
-from batchrl.training.packing import pack_prompt_completion, unpack_tokens
-from batchrl.training.scoring import score_in_batches
-from batchrl.training.transfer import to_device_async
+from batchrl.training.data.packing import pack_prompt_completion, unpack_tokens
+from batchrl.training.data.scoring import score_in_batches
+from batchrl.training.data.transfer import to_device_async
 
 
 def _ragged(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -140,7 +140,7 @@ def _packed_completion_logprobs(model: Any, batch: dict[str, torch.Tensor], temp
 
 def encode_pairs(tokenizer: Any, rows: Sequence[dict], max_length: int) -> list[dict]:
     """Tokenise preference rows (``prompt, chosen, rejected``) into prompt / completion id lists."""
-    from batchrl.training.text import encode_prompt_completions, encode_prompts, prompt_messages
+    from batchrl.training.data.text import encode_prompt_completions, encode_prompts, prompt_messages
 
     prompts = [row["prompt"] for row in rows]
     prompt_ids = encode_prompts(tokenizer, prompts, prompt_messages(rows))  # once for both sides; multi-turn context
@@ -197,3 +197,31 @@ def sequence_token_logprobs(model: Any, rows: dict[str, list], pad_id: int, devi
     logps = score_in_batches(model, [len(p) + len(r) for p, r in zip(prompts, responses)], score,
                              batch_size=batch_size, max_tokens=max_tokens)
     return [logps[i, :len(r)] for i, r in enumerate(responses)]
+
+
+def check_packing_supported(model, device) -> None:
+    """Fail at the start of a packed update, not deep in a wrong one, when ``model`` lets packed sequences see each
+    other (its attention ignores the restarting position ids: an architecture or a transformers version without
+    the packed-sequence mask): the second of two packed sequences must score the same whatever the first holds
+    (masked keys weigh exactly 0, so even bf16 gives the same numbers)."""
+    vocab = int(getattr(model, "module", model).config.vocab_size)
+    ids = [t % vocab for t in range(1, 14)]
+    # 8 tokens alone set the row width; the 5-token and the 3-token sequence then share the second row
+    prompts, completions = [ids[:6], ids[:3], [ids[3], ids[4]]], [ids[6:8], ids[5:7], [ids[7]]]
+    scores = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for neighbour in (ids[:3], ids[8:11]):
+                batch = pack_prompt_completion([prompts[0], neighbour, prompts[2]], completions, 0)
+                assert batch["input_ids"].shape[0] == 2  # the two share a row
+                scores.append(completion_logprobs(model, to_device(batch, device))[2].float())
+    finally:
+        model.train(was_training)
+    gap = float((scores[0] - scores[1]).abs().max())
+    if gap > 1e-5:
+        raise ValueError(f"pack_samples: {type(getattr(model, 'module', model)).__name__} lets packed sequences "
+                         f"attend to each other (a sequence's log-probs moved by {gap:.3g} with its row neighbour's "
+                         "tokens): its attention does not mask by restarting position ids here; set pack_samples: "
+                         "false")

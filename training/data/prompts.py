@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 
 from batchrl.common import fsutil
-from batchrl.training.prompt_shapes import PromptQuarantine, QuarantinedPrompt, shape_row
+from batchrl.training.data.prompt_shapes import PromptQuarantine, QuarantinedPrompt, shape_row
 
 PROMPT_COLUMNS = ["prompt_id", "prompt", "answer", "category"]
 # Optional per-prompt fields carried to the rewards: where the prompt comes from (reward routing,

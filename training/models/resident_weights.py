@@ -12,7 +12,7 @@ How the two jobs agree on what is kept: the trainer ``offer``s its exported fold
 is over and its model is never written again); the job's runtime, having hashed that folder, ``settle``s them
 under its content hash, which the published artifact carries as its data version (``lineage.json``); a load of
 a folder whose ``lineage.json`` names that data version finds them (``key_of``). Entries live in the weight cache
-(``training/weight_cache.py``): its limit and LRU bound them, and nothing is kept where the cache is off (the
+(``training/models/weight_cache.py``): its limit and LRU bound them, and nothing is kept where the cache is off (the
 Dagster process, a CPU host unless ``BATCHRL_WEIGHT_CACHE_GB`` is set). Pure torch + stdlib.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from batchrl.training import weight_cache
+from batchrl.training.models import weight_cache
 
 LINEAGE_FILE = "lineage.json"  # a published artifact's record, data_version included (resources/storage.py)
 

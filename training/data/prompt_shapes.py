@@ -1,6 +1,6 @@
 """Prompt-set shapes: how a published prompt file's rows become ``prompt`` + gold ``answer``, by config alone.
 
-- ``plain``: rows already carry ``prompt`` (+ ``answer``, ...) after ``field_mapping`` (training/prompts.py).
+- ``plain``: rows already carry ``prompt`` (+ ``answer``, ...) after ``field_mapping`` (training/data/prompts.py).
 - ``gsm8k``: the original GSM8K release (``{"question", "answer"}``, the answer a worked solution ending in
   ``#### N``): prompt = question + the configured suffix, gold = N exactly as written after the last ``####``
   (thousands separators dropped). A row without ``####`` (or with no number after it) has no gold answer to

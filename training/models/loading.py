@@ -1,137 +1,19 @@
-"""The embedded default model: a byte-level BPE tokenizer and a tiny Qwen2 causal LM, built offline.
-
-``build_tiny_model`` makes an ordinary Hugging Face folder (``config.json``, ``model.safetensors``,
-``generation_config.json``, ``tokenizer.json`` ...), so every later stage loads it exactly like any
-hub model, and any HF causal-LM folder can take its place (``load_model_and_tokenizer``).
-
-Determinism: the tokenizer trainer is deterministic for the same texts, the weights come from
-``torch.manual_seed(seed)`` before ``from_config``; the same texts + seed give byte-identical
-``tokenizer.json`` and ``model.safetensors``.
+"""Loading any Hugging Face causal-LM folder (the tiny default, an export, a hub or GGUF-converted model) and its
+tokenizer, through the worker's weight and tokenizer caches: ``load_model_and_tokenizer``, ``load_pretrained``,
+``load_checkpoint_in_place``.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import json
 import os
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
-from batchrl.common import fsutil
-from batchrl.training.phases import phase
-
-PAD_TOKEN = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
-
-# Qwen2-style chat template: every turn is ``<|im_start|>{role}\n{content}<|im_end|>\n``.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def _train_tokenizer(texts: Iterable[str], vocab_size: int):
-    """Byte-level BPE; digits are split one per token so arithmetic answers are learnable."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    # Role names appear in every rendered prompt; include them so they merge into few tokens.
-    corpus = list(texts) + ["user\n", "assistant\n", "system\n"] * 2
-    backend.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=PAD_TOKEN,
-        eos_token=IM_END,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START],
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_model(
-    texts: Iterable[str],
-    out_dir: str,
-    *,
-    vocab_size: int = 1024,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Train the tokenizer on ``texts``, build a seeded random ``Qwen2ForCausalLM``, save both to ``out_dir``.
-
-    The model's vocabulary is exactly ``len(tokenizer)`` (BPE stops early when the texts have
-    fewer merges than ``vocab_size`` allows). Returns metadata: parameter count, vocab, token ids
-    and file paths.
-    """
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
-
-    tokenizer = _train_tokenizer(texts, vocab_size)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        use_cache=True,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return {
-        "architecture": type(model).__name__,
-        "num_parameters": int(sum(p.numel() for p in model.parameters())),
-        "vocab_size": len(tokenizer),
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "seed": seed,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "path": out_dir,
-        "model_file": os.path.join(out_dir, "model.safetensors"),
-        "tokenizer_file": os.path.join(out_dir, "tokenizer.json"),
-    }
+from batchrl.training.models.folders import folder_key
+from batchrl.training.timing.phases import phase
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -146,7 +28,6 @@ def placed_on(device: str | torch.device) -> dict[str, Any]:
     return {} if torch.device(device).type == "cpu" else {"device_map": str(device)}
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 # Loaded tokenizers of this process, by the content of their folder's tokenizer files: a long-lived job
 # worker parses a 150k-vocabulary tokenizer.json once (~1 s each time), not once per stage and model;
 # exported checkpoints and the reward model carry identical tokenizer files, so they share the entry.
@@ -154,47 +35,10 @@ _TOKENIZERS: OrderedDict[str, Any] = OrderedDict()
 TOKENIZER_CACHE_SIZE = 4
 
 
-# config.json keys that say how the weights were stored and who wrote them, not what the model is: a checkpoint
-# exported in float32 from a bfloat16 base is the same model (its weights load into the same module)
-STORAGE_ONLY_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path"})
-
-
-def folder_key(path: str, *, tokenizer_only: bool = False) -> str:
-    """Hash of an HF folder's files other than its weights (config, tokenizer, generation config): equal for
-    checkpoints of one model (batchrl's records beside them, ``fsutil.RECORD_FILES``, and the config's
-    ``STORAGE_ONLY_CONFIG_KEYS`` left out too).
-    ``tokenizer_only``: the tokenizer's files and the config's ``model_type`` (which AutoTokenizer may
-    fall back on), so a reward model (another head and architecture) shares its base model's tokenizer."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name.endswith(WEIGHT_SUFFIXES + (".safetensors.index.json",)) or name in fsutil.RECORD_FILES \
-                or not os.path.isfile(full):
-            continue
-        if tokenizer_only and name == "generation_config.json":
-            continue
-        with open(full, "rb") as f:
-            content = f.read()
-        if name == "config.json":
-            config = json.loads(content)
-            content = (str(config.get("model_type")) if tokenizer_only else json.dumps(
-                {k: v for k, v in config.items() if k not in STORAGE_ONLY_CONFIG_KEYS}, sort_keys=True)).encode()
-        digest.update(name.encode() + b"\0" + content + b"\0")
-    return digest.hexdigest()
-
-
-def tokenizer_files(path: str) -> list[str]:
-    """The files of an HF folder that ``folder_key(tokenizer_only=True)`` hashes besides the config: the
-    tokenizer's (and chat template's) files, none of the weights, configs or batchrl's records."""
-    return sorted(name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name))
-                  and not name.endswith(WEIGHT_SUFFIXES + (".safetensors.index.json",))
-                  and name not in fsutil.RECORD_FILES and name not in ("config.json", "generation_config.json"))
-
-
 def tokenizer_key(path: str) -> str:
     """What identifies a folder's tokenizer: its tokenizer files' key, or the name for a hub id (a LoRA adapter:
     its base's)."""
-    from batchrl.training.lora import resolve_base
+    from batchrl.training.models.lora import resolve_base
 
     path = resolve_base(path)
     return folder_key(path, tokenizer_only=True) if os.path.isdir(path) else path
@@ -215,7 +59,7 @@ def load_tokenizer(path: str):
     process for the same tokenizer files; each caller gets its own copy to configure."""
     from transformers import AutoTokenizer
 
-    from batchrl.training.lora import resolve_base
+    from batchrl.training.models.lora import resolve_base
 
     path = resolve_base(path)  # a LoRA adapter folder: its base's tokenizer (the adapter carries none)
     key = tokenizer_key(path) if os.path.isdir(path) else None  # a hub id is not cached: its files may change
@@ -235,15 +79,15 @@ def load_tokenizer(path: str):
 
 
 def _weight_cache_key(path: str, dtype: torch.dtype, device: str, kind: str = "causal_lm") -> tuple | None:
-    """The folder's key in the weight cache (``training/weight_cache.py``), None when the cache is off or the
+    """The folder's key in the weight cache (``training/models/weight_cache.py``), None when the cache is off or the
     folder is not cacheable (a hub id, no safetensors weights, ZeRO-3's partitioned construction)."""
-    from batchrl.training import weight_cache
+    from batchrl.training.models import weight_cache
 
     if not weight_cache.enabled() or not os.path.isdir(path):
         return None
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    from batchrl.training.weights import _weight_files
+    from batchrl.training.models.weights import _weight_files
 
     if is_deepspeed_zero3_enabled():
         return None
@@ -273,7 +117,7 @@ def _uncovered(model: Any, path: str) -> list[str]:
     would hand the next load this load's random values instead of its own."""
     from safetensors import safe_open
 
-    from batchrl.training.weights import _weight_files
+    from batchrl.training.models.weights import _weight_files
 
     names: set[str] = set()
     for file in _weight_files(path):
@@ -289,7 +133,8 @@ def _merged_cache_key(path: str, dtype: torch.dtype, device: str, kind: str) -> 
     replaces modules (a reward model's or critic's head, ``modules_to_save``) on a base folder that is no adapter
     itself. Plain LoRA adapters are merged in place into their cached base by the engines
     (``load_checkpoint_in_place``): a merged copy of each would only evict that base."""
-    from batchrl.training import lora, weight_cache
+    from batchrl.training.models import lora
+    from batchrl.training.models import weight_cache
 
     if not weight_cache.enabled() or lora.merges_in_place(path):
         return None
@@ -302,7 +147,7 @@ def _merged_cache_key(path: str, dtype: torch.dtype, device: str, kind: str) -> 
 
 def _merged_covered(model: Any, adapter_path: str) -> bool:
     """Every tensor of the merged ``model`` comes from files: its base's, or a module the adapter replaces."""
-    from batchrl.training import lora
+    from batchrl.training.models import lora
 
     replaced = tuple(lora.read_adapter_config(adapter_path).get("modules_to_save") or ())
     return all(any(f".{m}." in f".{name}" for m in replaced)
@@ -316,8 +161,9 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
     weights instead of read again (``weight_cache.load``). A load that initialised tensors the files do not hold
     is not kept (and evicts nothing). A LoRA adapter folder: its base loaded so, the adapter merged in memory
     (``lora.load_merged``); kept merged where the adapter replaces modules (``_merged_cache_key``)."""
-    from batchrl.training import lora, weight_cache
-    from batchrl.training.weights import load_weights_in_place
+    from batchrl.training.models import lora
+    from batchrl.training.models import weight_cache
+    from batchrl.training.models.weights import load_weights_in_place
 
     dtype = resolve_dtype(dtype)
     build = lambda entry: _empty_model(entry, auto_class, dtype, device)  # noqa: E731
@@ -348,8 +194,10 @@ def load_checkpoint_in_place(model: Any, path: str, *, dtype: torch.dtype | str,
     files, then kept in the cache for the next load. False, ``model`` untouched, when they do not fit it. A LoRA
     adapter folder: its base's weights copied so, then the adapter merged into them in place (``tensors``: the
     base's, as ``read_weights`` reads an adapter folder)."""
-    from batchrl.training import lora, resident, weight_cache
-    from batchrl.training.weights import load_weights_in_place
+    from batchrl.training.models import lora
+    from batchrl.training.models import resident_weights
+    from batchrl.training.models import weight_cache
+    from batchrl.training.models.weights import load_weights_in_place
 
     if lora.is_adapter_folder(path):
         if not lora.merges_in_place(path) or not load_checkpoint_in_place(
@@ -358,7 +206,7 @@ def load_checkpoint_in_place(model: Any, path: str, *, dtype: torch.dtype | str,
         lora.merge_in_place(model, path)
         return True
     copy = lambda m, cached: load_weights_in_place(m, path, tensors=cached)  # noqa: E731
-    if weight_cache.load_into(resident.key_of(path), model, copy):  # a trainer's weights, still on the device
+    if weight_cache.load_into(resident_weights.key_of(path), model, copy):  # a trainer's weights, still on the device
         return True
     cache_key = _weight_cache_key(path, resolve_dtype(dtype), device)
     if weight_cache.load_into(cache_key, model, copy):
@@ -382,8 +230,8 @@ def _model_extras(model: Any) -> dict[str, Any]:
 def cached_in_worker(path: str, *, dtype: torch.dtype | str, device: str) -> bool:
     """Whether the job worker's weight cache holds ``path``'s weights (no need to read them ahead; an adapter: its
     base's)."""
-    from batchrl.training import weight_cache
-    from batchrl.training.lora import resolve_base
+    from batchrl.training.models import weight_cache
+    from batchrl.training.models.lora import resolve_base
 
     cache_key = _weight_cache_key(resolve_base(path), resolve_dtype(dtype), device)
     return cache_key is not None and weight_cache.get(cache_key) is not None

@@ -16,7 +16,7 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass
 
-from batchrl.training.gguf_source import GgufSourceError, resolve_gguf
+from batchrl.training.models.gguf import GgufSourceError, resolve_gguf
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 1 << 22

@@ -53,7 +53,7 @@ _ANNOTATED = contextvars.ContextVar("batchrl_phase_annotated", default=False)
 
 @contextlib.contextmanager
 def annotated() -> Iterator[None]:
-    """While a job is profiled (``training/profiling.py``): each phase is also a ``phase/<name>`` range in the
+    """While a job is profiled (``training/timing/profiling.py``): each phase is also a ``phase/<name>`` range in the
     profiler's trace, so its idle GPU stretches can be named."""
     token = _ANNOTATED.set(True)
     try:

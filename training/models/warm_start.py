@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from batchrl.training.tiny_model import load_model_and_tokenizer
+from batchrl.training.models.loading import load_model_and_tokenizer
 
 
 def _encoded(tokenizer: Any, prompt: str, answer: str) -> tuple[list[int], list[int]]:

@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from batchrl.training.answer_stats import answer_stats
-from batchrl.training.batch_layout import encode_pairs, pair_logprobs
-from batchrl.training.phases import phase
-from batchrl.training.rewards import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
+from batchrl.training.evaluation.answer_stats import answer_stats
+from batchrl.training.data.batch_layout import encode_pairs, pair_logprobs
+from batchrl.training.timing.phases import phase
+from batchrl.training.rewards.registry import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
-from batchrl.training.tiny_model import cached_in_worker, load_checkpoint_in_place, load_tokenizer, tokenizer_key
-from batchrl.training.weights import read_weights, same_model_files
+from batchrl.training.models.loading import cached_in_worker, load_checkpoint_in_place, load_tokenizer, tokenizer_key
+from batchrl.training.models.weights import read_weights, same_model_files
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str,

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from batchrl.training import sandbox
-from batchrl.training.rewards import register_reward
+from batchrl.training.rewards.registry import register_reward
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 LIMITS = sandbox.SandboxLimits(timeout_s=5.0, memory_mb=512)

@@ -5,7 +5,7 @@ starts) profiles every job (``run_job``) with ``torch.profiler`` (CPU ops, and C
 and writes ``DIR/<job>[-<task>]-<pid>-<n>.json``:
 
 - ``wall_s``, ``gpu_busy_s`` (the union of kernel, memcpy and memset intervals), ``gpu_busy_pct``;
-- ``phases``: each ``phase`` of the job (``training/phases.py``, annotated while profiling) with its wall
+- ``phases``: each ``phase`` of the job (``training/timing/phases.py``, annotated while profiling) with its wall
   and GPU-busy seconds;
 - ``gaps``: the longest stretches with no GPU work (offset, length, the phases around it, the CPU ops the
   host ran meanwhile) — what to take off the GPU's critical path;
@@ -102,7 +102,7 @@ def profiled(name: str) -> Iterator[None]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from batchrl.training import phases
+    from batchrl.training.timing import phases
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     stem = os.path.join(out_dir, f"{name}-{os.getpid()}-{next(_COUNTER)}")

@@ -55,7 +55,7 @@ M = TypeVar("M", bound=torch.nn.Module)
 @dataclass
 class Entry:
     tensors: dict[str, torch.Tensor]  # state-dict name -> clone, one per storage (a tied weight under one name)
-    # non-persistent buffers (not in the state dict) -> clone; None: weights only (``training/resident.py``), copied
+    # non-persistent buffers (not in the state dict) -> clone; None: weights only (``training/models/resident_weights.py``), copied
     # into a model that keeps its own buffers, cast to its dtype
     buffers: dict[str, torch.Tensor] | None
     extras: dict[str, Any] = field(default_factory=dict)  # the caller's, e.g. the loaded model's config

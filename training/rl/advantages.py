@@ -16,7 +16,7 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batchrl.training.algos import ADV_ESTIMATOR_NEEDS, KL_KINDS, estimator_needs, get_adv_estimator
-from batchrl.training.remax import split_baselines
+from batchrl.training.rl.remax import split_baselines
 
 if TYPE_CHECKING:
     import torch
@@ -209,7 +209,7 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
         return out
     rewards, mask = token_level_rewards(out, reward_column)
     if kl is not None:
-        from batchrl.training.kl_reward import fold_kl_into_rewards
+        from batchrl.training.rewards.kl_in_reward import fold_kl_into_rewards
 
         rewards, kl_metrics = fold_kl_into_rewards(rewards, mask, list(out["rollout_logprobs"]),
                                                    list(out["_ref_logprobs"]), kl["controller"], kl.get("kind", "kl"))
@@ -243,7 +243,7 @@ def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
     critic's values."""
     kl = None
     if settings.use_kl_in_reward:
-        from batchrl.training.kl_reward import make_kl_controller, reference_token_logprobs
+        from batchrl.training.rewards.kl_in_reward import make_kl_controller, reference_token_logprobs
 
         if reference_model_path is None:
             raise ValueError("use_kl_in_reward needs the reference model (reference_model_path)")
@@ -252,7 +252,7 @@ def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
         kl = {"ref_logprobs": reference_token_logprobs(reference_model_path, table, device=device),
               "controller": controller, "kind": settings.kl_penalty}
     if critic_path is not None:
-        from batchrl.training.value_model import predict_values
+        from batchrl.training.models.value_model import predict_values
 
         table = table.assign(values=predict_values(critic_path, table, device=device))
     return compute_advantages(table, settings.estimator, gamma=settings.gamma, lam=settings.lam,

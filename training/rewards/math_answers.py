@@ -24,7 +24,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Mapping
 
-from batchrl.training.rewards import (_NUMBER, _answer_text, final_number_text, gold_number_text, register_reward,
+from batchrl.training.rewards.registry import (_NUMBER, _answer_text, final_number_text, gold_number_text, register_reward,
                                      same_number)
 
 _UNLOADED = object()
