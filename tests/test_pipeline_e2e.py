@@ -241,7 +241,7 @@ def test_editing_a_module_the_trainer_imports_makes_only_the_training_assets_sta
         return set(json.loads(out.stdout.strip().splitlines()[-1]))
 
     assert code_stale_in_copy() == set()  # same source, other folder: same code versions
-    scoring = tmp_path / "batchrl" / "training" / "scoring.py"
+    scoring = tmp_path / "batchrl" / "training" / "data" / "scoring.py"
     scoring.write_text(scoring.read_text() + "\n\ndef padded_length(n: int, multiple: int = 8) -> int:\n"
                         "    return -(-n // multiple) * multiple\n")
     # every stage that scores sequences in length-sorted batches: the trainers (their reference/old log-probs),
