@@ -30,6 +30,7 @@ import traceback
 from typing import Callable
 
 from batchrl.cli.warm_client import STREAMS, ping, socket_path, stop
+from batchrl.common.dagster_internals import RUN_MODULES
 
 DEFAULT_IDLE_S = 1800.0
 Command = Callable[[list[str]], int]  # a command's argv -> its exit status (``cli.main.main``)
@@ -39,8 +40,7 @@ Command = Callable[[list[str]], int]  # a command's argv -> its exit status (``c
 # run's executors
 PRELOAD = ("batchrl.runs.step_preload", "batchrl.cli.main", "batchrl.cli.console", "batchrl.runs.execute",
            "batchrl.runs.run_config", "batchrl.resources.environments", "batchrl.resources.profiles",
-           "batchrl.assets.run_rules", "dagster._core.execution.api", "dagster._core.definitions.reconstruct",
-           "dagster._core.executor.multiprocess", "multiprocessing.forkserver")
+           "batchrl.assets.run_rules", *RUN_MODULES, "multiprocessing.forkserver")
 
 
 def _preload() -> None:

@@ -6,9 +6,11 @@ and every run's event-log shard the first time a process writes to it. Each chec
 before its step starts). The scripts cannot change under a running process, so the checks share one
 ``ScriptDirectory`` per script set, built before the step server forks.
 
-Only the revision check reads the shared one (``dagster._core.storage.sql``'s name for the class); migrations
-and stamping (``alembic.command``) build their own, as before."""
+Only the revision check reads the shared one (``common.dagster_internals.share_revision_check_scripts``: Dagster
+has no setting for it); migrations and stamping (``alembic.command``) build their own, as before."""
 from __future__ import annotations
+
+from batchrl.common import dagster_internals
 
 # the options from which alembic's ScriptDirectory.from_config finds and reads the scripts
 _SCRIPT_OPTIONS = ("script_location", "version_locations", "recursive_version_locations", "sourceless",
@@ -35,18 +37,12 @@ class SharedScriptDirectory:
 
 def share() -> None:
     """Make Dagster's revision checks in this process share one ScriptDirectory per script set (idempotent)."""
-    import dagster._core.storage.sql as dagster_sql
-
-    if not getattr(dagster_sql.ScriptDirectory, "shared", False):
-        dagster_sql.ScriptDirectory = SharedScriptDirectory
+    dagster_internals.share_revision_check_scripts(SharedScriptDirectory)
 
 
 def warm() -> str:
     """``share``, then read Dagster's scripts now (the step server, so that its step processes find them read);
     returns the scripts' head revision. Reads no database."""
-    from dagster._core.storage.runs.sqlite import sqlite_run_storage
-    from dagster._core.storage.sql import get_alembic_config
-
     share()
-    config = get_alembic_config(sqlite_run_storage.__file__)
+    config = dagster_internals.run_storage_alembic_config()
     return SharedScriptDirectory.from_config(config).as_revision_number("head")

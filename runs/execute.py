@@ -9,6 +9,7 @@ import dagster as dg
 
 from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.assets.drops import DROP_OP
+from batchrl.common import dagster_internals
 from batchrl.runs import step_server
 from batchrl.runs.launched import create_launched_run, execute_launched_in_process, reconstructable_job
 from batchrl.runs.log_drops import drops_to_ingest
@@ -76,9 +77,7 @@ def is_chain(job: dg.JobDefinition) -> bool:
     policy_checkpoint): no two could ever run at once, so a multiprocess run would only add a step process per
     step (fork, job rebuilt, resources and instance opened again: ~0.2 s a step on the H200's host, ~0.45 s on
     the dev box, against ~0.01 s between steps in process)."""
-    from dagster._core.execution.api import create_execution_plan
-
-    return all(len(level) == 1 for level in create_execution_plan(job).get_steps_to_execute_by_level())
+    return all(len(level) == 1 for level in dagster_internals.steps_by_level(job))
 
 
 def execute_concurrently(defs: dg.Definitions, keys: set[dg.AssetKey], instance: dg.DagsterInstance,
@@ -86,14 +85,13 @@ def execute_concurrently(defs: dg.Definitions, keys: set[dg.AssetKey], instance:
     """Materialise ``keys`` with the definitions' multiprocess executor (``step_executor``, the one runs from
     the UI and the daemon use), up to ``steps`` steps at once: e.g. the DPO branch trains beside the RL
     branch, their GPU jobs sharing the GPU through ``TrainerLauncherResource.gpu_job_slots``."""
-    from dagster._core.execution.api import execute_run  # execute_job's own path, with the caller's run id
-
     # the step processes rebuild the implicit asset job (its name is the same in ``defs``) from the code
     # location's definitions (the environment's)
     whole = reconstructable_job(defs.resolve_implicit_global_asset_job_def().name)
     run = create_launched_run(instance, whole.get_definition(), keys, tags=tags or {}, run_id=run_id,
                               run_config={**run_config, "execution": {"config": {"max_concurrent": steps}}})
-    return execute_run(whole.get_subset(asset_selection=frozenset(keys)), run, instance, raise_on_error=False)
+    # execute_job's own path, in the run created above (the caller's run id, the code location's origins)
+    return dagster_internals.execute_created_run(whole.get_subset(asset_selection=frozenset(keys)), run, instance)
 
 
 @dataclasses.dataclass

@@ -7,8 +7,8 @@ import inspect
 
 import dagster as dg
 import pydantic
-from dagster._config import ConfigTypeKind
 
+from batchrl.common.dagster_internals import takes_any_config
 from batchrl.common.run_config_error import RunConfigError, joined, pydantic_problems, unknown_name_rule
 from batchrl.runs.config_messages import dagster_problems
 from batchrl.runs.resource_rules import resource_problems
@@ -50,8 +50,7 @@ def check_config_taken(defs: dg.Definitions, run_config: dict, source: str = "")
         given = body.get("config") if isinstance(body, dict) else None
         if not given or op not in steps:  # empty config is no key; an unknown op is check_op_names' to name
             continue
-        field = steps[op].op.config_field
-        if field is None or field.config_type.kind == ConfigTypeKind.ANY:
+        if takes_any_config(steps[op].op):
             keys = sorted(given) if isinstance(given, dict) else [repr(given)]
             raise RunConfigError(f"{_where(source)}: ops.{op}.config: {op} takes no config, got {', '.join(keys)}")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import dagster as dg
-from dagster._core.executor.base import Executor
 
 from batchrl.common.log_file import OUTPUT_ROUTED_ENV, output_to_log
 
@@ -20,10 +19,10 @@ def run_log_path(instance: dg.DagsterInstance, run_id: str) -> str | None:
     return os.path.join(instance.root_directory, "logs", f"run-{run_id}.log")
 
 
-class RunLogExecutor(Executor):
+class RunLogExecutor(dg.Executor):
     """``inner``, with its steps' output sent to the run's log file (unless the command routes it itself)."""
 
-    def __init__(self, inner: Executor):
+    def __init__(self, inner: dg.Executor):
         self.inner = inner
 
     @property

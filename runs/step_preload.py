@@ -20,11 +20,15 @@ if step_server.steps_run_models(batchrl.definitions.defs):
 
 # the instance's storage code, imported but not opened: opening a fresh home creates its tables, and the run's
 # own process creates them at the same time (CI: "table jobs already exists"); steps open it once it exists
-import alembic.runtime.migration  # noqa: E402,F401
-import dagster._core.instance.factory  # noqa: E402,F401
-import dagster._core.storage.sqlite_storage  # noqa: E402,F401
+import importlib  # noqa: E402
 
+import alembic.runtime.migration  # noqa: E402,F401
+
+from batchrl.common.dagster_internals import STORAGE_MODULES  # noqa: E402
 from batchrl.runs import alembic_scripts  # noqa: E402
+
+for _module in STORAGE_MODULES:
+    importlib.import_module(_module)
 
 alembic_scripts.warm()  # the migration scripts, read once here for every step's revision checks
 

@@ -19,15 +19,15 @@ def copy_package(dest) -> str:
 
 
 STALE_SCRIPT = """
-import json, sys
+import json, os, sys
 import dagster as dg
-from dagster._core.instance.ref import InstanceRef
 import batchrl
 from batchrl.definitions import build_definitions
 from batchrl.lineage.staleness import code_stale, stale_causes
 assert batchrl.__file__.startswith(sys.argv[2]), batchrl.__file__  # the copy, not the checkout
 defs = build_definitions()
-with dg.DagsterInstance.from_ref(InstanceRef.from_dir(sys.argv[1])) as instance:
+os.environ["DAGSTER_HOME"] = sys.argv[1]
+with dg.DagsterInstance.get() as instance:
     print(json.dumps(sorted(code_stale(stale_causes(defs, instance)))))
 """
 

@@ -14,7 +14,7 @@ SCRIPT = """
 import json, sys, traceback
 import alembic.script
 import dagster as dg
-from dagster._core.storage import sql
+from batchrl.common.dagster_internals import run_storage_revision
 
 builds = []
 original = alembic.script.ScriptDirectory.from_config.__func__
@@ -32,10 +32,7 @@ def number():
 with dg.DagsterInstance.get() as instance:
     for _ in range(2):
         assert dg.materialize([number], instance=instance).success
-    storage = instance.run_storage
-    with storage.connect() as conn:
-        checked = sql.check_alembic_revision(sql.get_alembic_config(sys.modules[type(storage).__module__].__file__),
-                                             conn)
+    checked = run_storage_revision(instance)
 print(json.dumps({"builds": sum(builds), "run_storage": list(checked)}))
 """
 

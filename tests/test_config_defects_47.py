@@ -221,14 +221,21 @@ def test_the_hint_audits_an_asset_this_run_materialised():
 
 
 def test_a_cause_is_shown_without_module_paths_and_whole_in_the_summary():
-    from dagster._utils.error import SerializableErrorInfo
+    from batchrl.cli.console import _root_cause, print_run_summary
 
-    from batchrl.cli.console import error_text, print_run_summary
+    @dg.asset
+    def failing_stage() -> None:
+        raise dg.Failure("set the same max_length")
 
-    failure = SerializableErrorInfo("dagster._core.definitions.events.Failure: set the same max_length\n", [], "Failure")
-    assert error_text(failure) == "set the same max_length"  # a dg.Failure is written for the user
-    job = SerializableErrorInfo("ValueError: tokenises 60\n", [], "ValueError")
-    assert error_text(job) == "ValueError: tokenises 60"
+    @dg.asset
+    def failing_job() -> None:
+        raise ValueError("tokenises 60")
+
+    done = dg.materialize([failing_stage, failing_job], raise_on_error=False)
+    # what the console shows of a failed step: its innermost error, without Dagster's module paths
+    shown = {event.step_key: _root_cause(event.step_failure_data.error) for event in done.get_step_failure_events()}
+    assert shown == {"failing_stage": "set the same max_length",  # a dg.Failure is written for the user
+                     "failing_job": "ValueError: tokenises 60"}
     cause = "ops.dpo_checkpoint.config.max_length=128 differs: " + "why " * 60 + "what to do"
     out = io.StringIO()
     print_run_summary([{"asset": "dpo_checkpoint", "ok": False, "seconds": 1.0, "metadata": {}, "error": cause}],

@@ -7,7 +7,8 @@
 - nothing imports ``batchrl.definitions`` but the few modules in ``DEFINITIONS_IMPORTERS``;
 - the stages that never train import nothing of ``training/trainer/`` (and, checked in a fresh process that imports
   them, neither the trainer nor DeepSpeed gets loaded);
-- no test module imports another: what tests share lives in a helper module of tests/ (not named ``test_*``).
+- no test module imports another: what tests share lives in a helper module of tests/ (not named ``test_*``);
+- no module but ``common/dagster_internals.py`` uses Dagster's private API (``dagster._…``).
 """
 from __future__ import annotations
 
@@ -202,6 +203,31 @@ def imports_of_test_modules(path: str) -> list[str]:
             continue
         found += [name for name in names if name and name.rpartition(".")[2].startswith("test_")]
     return found
+
+
+def private_dagster_uses(path: str) -> list[str]:
+    """The ``dagster._…`` modules a file imports, or names as a whole string (a module list to preload)."""
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.append(node.module or "")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and " " not in node.value:
+            found.append(node.value)
+    return sorted({name for name in found if name.startswith("dagster._")})
+
+
+def test_only_the_isolating_module_uses_dagsters_private_api(tmp_path):
+    isolating = f"{PACKAGE}.common.dagster_internals"
+    users = {m: names for m, path in package_modules().items() if m != isolating
+             for names in [private_dagster_uses(path)] if names}
+    assert not users, f"private Dagster API outside {isolating} (move it there, with its test): {users}"
+    assert private_dagster_uses(package_modules()[isolating])  # the check reads what it should
+    (tmp_path / "x.py").write_text('import dagster._core.x\nPRELOAD = ("dagster._core.y",)\n"""dagster._z in prose"""\n')
+    assert private_dagster_uses(str(tmp_path / "x.py")) == ["dagster._core.x", "dagster._core.y"]
 
 
 def test_the_root_holds_only_the_code_location():

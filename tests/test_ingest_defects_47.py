@@ -66,7 +66,7 @@ def test_label_values_win_for_bool_and_text_labels(tmp_path):
 
 
 def test_label_values_keys_are_checked_when_written_and_int_keys_pass_the_run_config():
-    from dagster._config import process_config
+    import dagster as dg
 
     from batchrl.assets.data import FeedbackLogsRunConfig
 
@@ -74,10 +74,12 @@ def test_label_values_keys_are_checked_when_written_and_int_keys_pass_the_run_co
         {"5": True, "1": False, "2": False}
     with pytest.raises(ValidationError, match="keys 5 and '5.0' are the same label '5' with different values"):
         FeedbackLogsConfig(label_values={5: True, "5.0": False})
-    run_config = FeedbackLogsRunConfig.to_config_schema().as_field().config_type
-    resolved = process_config(run_config, {"label_values": {1: False, 5: True}})
-    assert resolved.success, resolved.errors
-    assert FeedbackLogsConfig(**resolved.value).label_values == {"1": False, "5": True}
+    @dg.asset(config_schema=FeedbackLogsRunConfig.to_config_schema())
+    def feedback() -> None: ...
+
+    job = dg.Definitions(assets=[feedback]).resolve_implicit_global_asset_job_def()
+    resolved = dg.validate_run_config(job, {"ops": {"feedback": {"config": {"label_values": {1: False, 5: True}}}}})
+    assert FeedbackLogsConfig(**resolved["ops"]["feedback"]["config"]).label_values == {"1": False, "5": True}
 
 
 # -- 8. mapped fields outside the contract ---------------------------------------------------------------------

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import dagster as dg
-from dagster._utils import tail_file
 
+from batchrl.common.dagster_internals import dagster_tail_file
 from batchrl.resources.pipes_messages import tail_until_closed
 
 
@@ -24,7 +24,7 @@ def _closing_as_the_last_message_lands(path):
 def test_dagster_tail_loses_a_message_written_between_its_read_and_its_check(tmp_path):
     path = tmp_path / "messages"
     path.write_text('{"method": "opened"}\n')
-    lines = list(tail_file(str(path), _closing_as_the_last_message_lands(path)))
+    lines = list(dagster_tail_file(str(path), _closing_as_the_last_message_lands(path)))
     assert lines == ['{"method": "opened"}\n']  # the report is lost: why batchrl has its own reader
 
 
@@ -83,7 +83,7 @@ def test_a_message_caught_half_written_is_read_whole(tmp_path):
     # Dagster's tail hands its reader the cut line, which does not parse: its reader thread dies there
     again = tmp_path / "again"
     again.write_text('{"method": "opened"}\n')
-    cut = list(tail_file(str(again), _line_written_in_two_parts(again)))
+    cut = list(dagster_tail_file(str(again), _line_written_in_two_parts(again)))
     assert len(cut) == 3 and not cut[1].endswith("\n")
 
 
