@@ -106,11 +106,12 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
                              metadata={**output.metadata, **published})
 
 
-def _from_gguf(gguf_file: str, storage: StorageResource, staging: str) -> tuple[dict, list[dict]]:
+def _from_gguf(gguf_file: str, storage: StorageResource, staging: str,
+               expected_sha256: str | None = None) -> tuple[dict, list[dict]]:
     """The GGUF's cached HF folder copied into ``staging``: (its info, the GGUF as the lineage's input file)."""
     from batchrl.training.models.gguf import cached_hf_from_gguf
 
-    folder, info = cached_hf_from_gguf(gguf_file, storage.cache_dir)
+    folder, info = cached_hf_from_gguf(gguf_file, storage.cache_dir, expected_sha256=expected_sha256)
     shutil.copytree(folder, staging, dirs_exist_ok=True)
     return info, [{"uri": gguf_file, "sha256": info["gguf_sha256"], "bytes": info["gguf_bytes"],
                    "package": info.get("package"), "package_version": info.get("package_version")}]
@@ -123,11 +124,11 @@ def _from_gguf_parts(parts: list[str], sha256: str | None, storage: StorageResou
     from batchrl.training.models.gguf_parts import join_parts
     from batchrl.training.models.gguf import GgufSourceError
 
-    try:
+    try:  # the join's hash goes through: the joined file is hashed once, and checked again when it was joined before
         joined, provenance = join_parts(parts, sha256, storage.cache_dir)
+        info, _ = _from_gguf(joined, storage, staging, expected_sha256=provenance["gguf_sha256"])
     except GgufSourceError as err:
         raise dg.Failure(f"base_model.gguf_parts: {err}") from None
-    info, _ = _from_gguf(joined, storage, staging)
     files = [{"uri": part["spec"], "sha256": part["sha256"], "bytes": part["bytes"], "package": part["package"],
               "package_version": part["package_version"]} for part in provenance["parts"]]
     return {**info, "gguf_spec": f"{len(parts)} parts", "gguf_parts": len(parts)}, files

@@ -92,3 +92,65 @@ def test_batchrl_run_names_a_missing_part_before_anything_runs(tmp_path):
     assert built.returncode == 2, built.stderr
     assert "gguf_parts: GGUF part 1 of 1 ('no-such-part-pkg:x/part01.bin') is missing" in built.stderr
     assert not (tmp_path / "s" / "base_model").exists()
+
+
+class _CountedReads:
+    """A real file whose ``read`` calls count the bytes they return (the hash reads a file whole with ``read``;
+    the conversion maps it)."""
+
+    def __init__(self, file, counts: dict, path: str) -> None:
+        self._file, self._counts, self._path = file, counts, path
+
+    def read(self, *args):
+        block = self._file.read(*args)
+        self._counts[self._path] = self._counts.get(self._path, 0) + len(block)
+        return block
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+
+def test_the_joined_gguf_is_hashed_once_and_a_changed_cache_still_fails(parts, tmp_path, monkeypatch):
+    """The join's hash goes through to the conversion (1.1 GB read once, not twice); a joined file that changed
+    since, as a later run sees it, is hashed there again and refused against the expected sha256."""
+    import builtins
+
+    import dagster as dg
+
+    from batchrl.assets.models import _from_gguf_parts
+    from batchrl.resources import StorageResource
+
+    storage = StorageResource(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "cache"))
+    joined = joined_path(storage.cache_dir, parts["sha256"])
+    counts: dict[str, int] = {}
+    real_open = builtins.open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        opened = real_open(file, mode, *args, **kwargs)
+        path = os.path.abspath(os.fspath(file)) if isinstance(file, (str, os.PathLike)) else None
+        return _CountedReads(opened, counts, path) if path == joined and "b" in mode else opened
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    info, _ = _from_gguf_parts(parts["specs"], parts["sha256"], storage, str(tmp_path / "staging1"))
+    assert info["gguf_sha256"] == parts["sha256"] and os.path.isfile(tmp_path / "staging1" / "config.json")
+    assert counts.get(joined, 0) < 64  # the magic bytes only: the joined file was not hashed a second time
+
+    later = os.stat(joined).st_mtime_ns + 10**9  # the same bytes as a later run finds them: hashed there, once
+    os.utime(joined, ns=(later, later))
+    counts.clear()
+    info, _ = _from_gguf_parts(parts["specs"], parts["sha256"], storage, str(tmp_path / "staging2"))
+    assert info["gguf_sha256"] == parts["sha256"] and parts["bytes"] <= counts[joined] < parts["bytes"] + 64
+
+    data = bytearray(open(joined, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # the cached join corrupted in place, same size
+    with real_open(joined, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(dg.Failure, match=f"base_model.gguf_parts: .* expected {parts['sha256']}: the cached file "
+                                         "changed after it was verified"):
+        _from_gguf_parts(parts["specs"], parts["sha256"], storage, str(tmp_path / "staging3"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import re
@@ -183,13 +182,13 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str, *, dtype: str = "float32") 
     return _build_atomically(out_dir, lambda tmp: _convert_into(gguf_path, tmp, dtype))
 
 
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    """Streamed, so a multi-GB GGUF never sits in memory."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def sha256_file(path: str) -> str:
+    """Streamed, so a multi-GB GGUF never sits in memory; not read at all when this process wrote the file and
+    hashed it as it went (a split GGUF's join, ``gguf_parts``) and it is unchanged since (``fsutil``'s record)."""
+    from batchrl.common import fsutil
+
+    fs, local = fsutil.filesystem_for(path)
+    return fsutil.sha256_file(fs, local)
 
 
 def _read_marker(folder: str) -> dict | None:
@@ -201,16 +200,22 @@ def _read_marker(folder: str) -> dict | None:
         return None
 
 
-def cached_hf_from_gguf(spec: str, cache_dir: str, *, dtype: str = "float32") -> tuple[str, dict]:
+def cached_hf_from_gguf(spec: str, cache_dir: str, *, dtype: str = "float32",
+                        expected_sha256: str | None = None) -> tuple[str, dict]:
     """The HF folder for ``spec``, converting only on the first call for these bytes and dtype.
 
     Folder: ``<cache_dir>/gguf/<sha256[:16]>-<dtype>/``. Its marker file is written inside the temp
     dir before the rename, so a folder with a marker is complete; one without (not made by us) is
     discarded and rebuilt. Racing processes both convert; the first rename wins, the other uses it.
+    ``expected_sha256``: what the file must hash to (a split GGUF's joined file): a file that changed since it
+    was joined fails here, before it is converted or its folder used.
     """
     src = resolve_gguf(spec)
     _check_gguf(src.path, dtype)
-    digest = sha256_file(src.path)
+    digest = sha256_file(src.path)  # a join just made in this process: its hash, the file not read again
+    if expected_sha256 is not None and digest != expected_sha256.lower():
+        raise GgufSourceError(f"{src.path} hashes to sha256 {digest}, expected {expected_sha256.lower()}: the cached "
+                              "file changed after it was verified; delete it and the next run joins the parts again")
     folder = os.path.join(os.path.abspath(cache_dir), "gguf", f"{digest[:16]}-{dtype}")
     base = {"gguf_spec": spec, "gguf_file": os.path.basename(src.path), "gguf_sha256": digest, "gguf_bytes":
             os.path.getsize(src.path), "package": src.package, "package_version": src.package_version}

@@ -5,7 +5,10 @@ A part spec is ``distribution:relative/path`` (found through the distribution's 
 plain path. Each part is checked against the sha256 its wheel's RECORD lists (a corrupt or truncated part is
 named), the joined file against the expected sha256 the config gives (wrong order or a wrong package is
 named). The joined file is content-addressed: ``<cache>/gguf-parts/<sha256[:16]>.gguf``, written to a temp
-file and renamed, so a reader never sees half a model and a second run joins nothing.
+file and renamed, so a reader never sees half a model and a second run joins nothing. The hash taken while
+joining is recorded for the file (``fsutil.note_written_sha256``): the conversion that follows in this process
+takes it instead of reading the file again; a later run, or a file changed since, is hashed there and checked
+against the expected sha256 (``cached_hf_from_gguf``'s ``expected_sha256``).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import re
 import tempfile
 from dataclasses import asdict, dataclass
 
+from batchrl.common import fsutil
 from batchrl.training.models.gguf import GgufSourceError, resolve_gguf
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -118,6 +122,8 @@ def _join_verified(parts: list[GgufPart], expected: str, out: str) -> list[str]:
                 f"the {len(parts)} GGUF parts joined give sha256 {whole.hexdigest()}, expected {expected}: a part is "
                 f"wrong, missing or out of order ({', '.join(p.spec for p in parts)})")
         os.replace(tmp, out)
+        # its hash is known from the join: converting it (``cached_hf_from_gguf``) does not read 1.1 GB again
+        fsutil.note_written_sha256(out, expected)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
