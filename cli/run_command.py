@@ -23,6 +23,9 @@ def add_command(sub) -> None:
     run.add_argument("-c", "--config", action="append",
                      help="run-config YAML: ops: and resources: as in a profile, merged field by field over the "
                           "profile's (a later file over an earlier one); may be repeated")
+    run.add_argument("--eval-every", type=_every, default=None, metavar="K",
+                     help="with --rl-iterations N: also evaluate after every K-th iteration (held-out accuracy "
+                          "against the iteration, in the RL chain's iteration chart), not only after the last")
     run.add_argument("--max-minutes", type=float, default=None,
                      help="start no further RL iteration after this many minutes (then evaluate)")
     run.add_argument("--concurrent-steps", type=_steps, default=default_concurrent_steps(), metavar="N",
@@ -37,6 +40,13 @@ def add_command(sub) -> None:
 
 
 RL_LOOP = ("rollouts", "rewards", "advantages", "policy_checkpoint")
+EVALUATION_AFTER = "evaluation after RL iteration"  # the title of an --eval-every evaluation, then the iteration
+
+
+def _every(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of RL iterations, at least 1")
+    return int(text)
 
 
 def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
@@ -68,33 +78,48 @@ def _with_seed(run_config: dict, seed: int) -> dict:
     return deep_merge(run_config, {"ops": {"rollouts": {"config": {"seed": seed}}}})
 
 
-def _plan(defs, args, run_config: dict, iterations: int) -> list[tuple[str, list[str] | None, dict]]:
-    """The executions of one `batchrl run`: (title, selection, run config) each, validated up front."""
+def _plan(defs, args, run_config: dict, iterations: int,
+          eval_every: int | None = None) -> list[tuple[str, list[str] | None, dict]]:
+    """The executions of one `batchrl run`: (title, selection, run config) each, validated up front. Evaluation runs
+    after the last RL iteration, and with ``eval_every`` K after every K-th one too."""
     selection = None if args.select == "*" else args.select.split(",")
     if iterations <= 1:
         return [("", selection, _config_for(run_config, selection))]
     # every asset a run can materialise (not promoted_policy: the RL loop's back edge, which no op computes)
     every = selection or sorted(key.to_user_string() for key in defs.resolve_asset_graph().executable_asset_keys)
-    plan = [("", [name for name in every if name != "evaluation"], None)]  # evaluate once, after the last
+    plan = [("", [name for name in every if name != "evaluation"], None)]  # evaluated after the last (and each K-th)
+    evaluated = "evaluation" in every
     # iteration i samples with seed base + i: the config's rollouts seed (0 by default) starts the numbering, so a
     # replicate run with another seed shares no iteration's samples with the first
     base = int(run_config.get("ops", {}).get("rollouts", {}).get("config", {}).get("seed", 0))
-    plan += [(f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, base + i))
-             for i in range(1, iterations)]
-    plan += [("evaluation", ["evaluation"], run_config)] if "evaluation" in every else []
+    for i in range(1, iterations):
+        if evaluated and eval_every and i % eval_every == 0:  # after iteration i (not the last)
+            plan.append((f"{EVALUATION_AFTER} {i}", ["evaluation"], run_config))
+        plan.append((f"RL iteration {i + 1} of {iterations}", list(RL_LOOP), _with_seed(run_config, base + i)))
+    plan += [("evaluation", ["evaluation"], run_config)] if evaluated else []
     return [(title, sel, _config_for(cfg if cfg is not None else run_config, sel)) for title, sel, cfg in plan]
 
 
 def announced_next(plan: list[tuple[str, list[str] | None, dict]], position: int) -> dict[str, str]:
-    """The tags of execution ``position``: when an RL iteration follows it, that iteration's rollouts seed (what a
-    policy update with ``rollouts.sample_ahead`` samples ahead; a run without the tag has no next iteration known)."""
+    """The tags of execution ``position``: when an RL iteration follows it (after an --eval-every evaluation or not),
+    that iteration's rollouts seed (what a policy update with ``rollouts.sample_ahead`` samples ahead; a run without
+    the tag has no next iteration known)."""
     from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
 
-    following = plan[position + 1] if position + 1 < len(plan) else None
+    following = next((entry for entry in plan[position + 1:] if not entry[0].startswith(EVALUATION_AFTER)), None)
     if following is None or not following[0].startswith("RL iteration"):
         return {}
     seed = following[2].get("ops", {}).get("rollouts", {}).get("config", {}).get("seed", 0)
     return {NEXT_ROLLOUTS_SEED_TAG: str(int(seed))}
+
+
+def evaluation_skipped(title: str, evaluated_since: bool, budget_spent: bool) -> bool:
+    """Whether the execution ``title`` is an evaluation to skip: the policy was evaluated and no RL iteration ran
+    since (``evaluated_since``), or it is an --eval-every one and --max-minutes skipped the iterations before it (the
+    last evaluation still runs)."""
+    if not title.startswith("evaluation"):
+        return False
+    return evaluated_since or (budget_spent and title.startswith(EVALUATION_AFTER))
 
 
 def _runs_jobs(defs, jobs: list) -> bool:
@@ -181,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
         defs = build_definitions()
     except RunConfigError as error:
         return _refused(error)
-    plan = _plan(defs, args, run_config, iterations)
+    plan = _plan(defs, args, run_config, iterations, args.eval_every)
     jobs: dict[tuple, dg.JobDefinition] = {}
 
     def job_of(selection: list[str] | None) -> dg.JobDefinition:  # one subset each: a long RL run repeats one
@@ -214,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
             counts = [_step_count(job_of(sel), drops) for _, sel, _ in plan]
             steps = sum(counts)
             out.write(f"batchrl run: {steps} asset steps; details in {'this console' if args.verbose else log_path}\n")
-            budget_spent = False
+            budget_spent = evaluated_since = False  # evaluated_since: no RL iteration ran since the last evaluation
             for position, (title, selection, config) in enumerate(plan):
                 if title.startswith("RL iteration") and args.max_minutes and (
                         budget_spent or time.monotonic() - started > 60 * args.max_minutes):
@@ -222,6 +247,9 @@ def _run(args: argparse.Namespace) -> int:
                         out.write(f"=== time budget of {args.max_minutes} min reached: no further RL iteration\n")
                     budget_spent = True
                     continue
+                if evaluation_skipped(title, evaluated_since, budget_spent):
+                    continue
+                evaluated_since = title.startswith("evaluation")
                 if title:
                     out.write(f"=== {title}\n")
                 run_id = str(uuid.uuid4())
