@@ -11,6 +11,8 @@ from batchrl.assets.charts import grouped_bars
 from batchrl.assets.common import code_version, declared_files, publish
 from batchrl.assets.data_quality import printable
 from batchrl.assets.dpo import reference_max_length
+from batchrl.assets.iteration_chart import EVALUATED_BASE, EVALUATION, drawn_or_logged
+from batchrl.assets.policy_chain import CHAIN, ITERATION, input_iteration
 from batchrl.assets.stage_configs import AgentRunConfig, PromptFormatConfig
 from batchrl.common import fsutil
 from batchrl.resources import (
@@ -89,6 +91,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
             json.dump(results, f, indent=2, sort_keys=True)
         flat = {f"{model}/{metric}": value for model, metrics in shown.items()
                 for metric, value in metrics.items() if isinstance(value, (int, float))}
+        flat.update(_chain_position(context, policy_checkpoint, base_model, flat))
         return publish(context, storage, catalog, staging, seed=config.seed, config=config.model_dump(),
                        inputs={**models, "reward_model": reward_model, "dpo_pairs": dpo_pairs,
                                "reference_logprobs": reference_logprobs},
@@ -97,6 +100,19 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
                                  "comparison_chart": dg.MetadataValue.md(
                                      grouped_bars(overlay_panels(shown)).markdown("models side by side")),
                                  "examples": dg.MetadataValue.md(_examples_markdown(results))})
+
+
+def _chain_position(context: dg.AssetExecutionContext, policy: Artifact, base_model: Artifact, flat: dict) -> dict:
+    """Where the evaluated policy stands in its RL chain (its iteration and ``chain_base``, as the RL stages tag
+    theirs), the base model evaluated beside it, and the chain's iteration chart with this evaluation's numbers in
+    it (held-out accuracy against the iteration: ``batchrl run --eval-every K``); {} for a policy of no known
+    iteration."""
+    position = input_iteration(context.instance, policy)
+    if ITERATION not in position or CHAIN not in position:
+        return {}
+    own = {**flat, EVALUATED_BASE: f"base_model@{base_model.data_version}"}
+    chart = drawn_or_logged(context.log, context.instance, position[CHAIN], position[ITERATION], {EVALUATION: own})
+    return {**position, EVALUATED_BASE: own[EVALUATED_BASE], **chart}
 
 
 def reference_pass(reference_logprobs: Artifact, base_model: Artifact, compute: ComputeResource) -> tuple[int, bool]:
