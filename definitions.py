@@ -11,6 +11,7 @@ import os
 import dagster as dg
 
 from batchrl.assets import automation, data, dpo, evaluation, models, offline, policy_chain, promotion, rl
+from batchrl.common.environment_variables import read
 from batchrl.resources import ArtifactIOManager, TrackingResource
 from batchrl.resources.environments import environment_resources
 from batchrl.runs import step_server
@@ -54,10 +55,10 @@ def dpo_takes_self_play_pairs() -> bool:
     the logged pairs alone and runs beside the RL branch; `batchrl run` turns it on when its run config asks."""
     from batchrl.resources.profiles import dpo_self_play, load_profile
 
-    explicit = os.environ.get("BATCHRL_DPO_SELF_PLAY")
-    if explicit:
-        return explicit == "1"
-    profile = os.environ.get("BATCHRL_PROFILE")
+    explicit = read("BATCHRL_DPO_SELF_PLAY")
+    if explicit is not None:
+        return explicit
+    profile = read("BATCHRL_PROFILE")
     return bool(profile) and dpo_self_play(load_profile(profile)["ops"])
 
 
@@ -66,7 +67,7 @@ def _profile_jobs() -> list:
     config, so the UI launches it in one click (the launchpad shows the config, editable)."""
     from batchrl.resources.profiles import load_profile
 
-    name = os.environ.get("BATCHRL_PROFILE")
+    name = read("BATCHRL_PROFILE")
     if not name:
         return []
     profile = load_profile(name)

@@ -4,19 +4,34 @@ from __future__ import annotations
 
 import os
 
-# concurrency pools: one step of the `batchrl_catalog` pool at a time (two log drops never write the
-# catalog at once; docs/PARTITIONS.md)
-DAGSTER_YAML = "telemetry:\n  enabled: false\nnux:\n  enabled: false\nconcurrency:\n  pools:\n    default_limit: 1\n"
+# the settings of a Dagster home batchrl makes (its dagster.yaml): no telemetry, no first-run notice, and concurrency
+# pools of one step by default, so one step of the `batchrl_catalog` pool runs at a time (two log drops never write
+# the catalog at once; docs/PARTITIONS.md). Storage: Dagster's default, sqlite files in the home.
+INSTANCE_SETTINGS = {
+    "telemetry": {"enabled": False},
+    "nux": {"enabled": False},
+    "concurrency": {"pools": {"default_limit": 1}},
+}
+INSTANCE_FILE = "dagster.yaml"
+
+
+def write_instance_settings(home: str) -> str:
+    """``home``'s dagster.yaml holding ``INSTANCE_SETTINGS`` (replaced if there); returns its path."""
+    import yaml
+
+    path = os.path.join(home, INSTANCE_FILE)
+    with open(path, "w") as f:
+        yaml.safe_dump(INSTANCE_SETTINGS, f, sort_keys=False)
+    return path
 
 
 def ensure_dagster_home() -> str:
-    """A persistent DAGSTER_HOME (default ./.dagster_home) so runs and lineage survive restarts."""
+    """A persistent DAGSTER_HOME (default ./.dagster_home) so runs and lineage survive restarts; a new one gets
+    batchrl's dagster.yaml, one that has a dagster.yaml keeps it."""
     home = os.path.abspath(os.environ.get("DAGSTER_HOME") or ".dagster_home")
     os.makedirs(home, exist_ok=True)
-    config = os.path.join(home, "dagster.yaml")
-    if not os.path.exists(config):
-        with open(config, "w") as f:
-            f.write(DAGSTER_YAML)
+    if not os.path.exists(os.path.join(home, INSTANCE_FILE)):
+        write_instance_settings(home)
     os.environ["DAGSTER_HOME"] = home
     return home
 

@@ -11,6 +11,7 @@ import sys
 # stdlib only, or light: the thin client's path stays light (the commands import what they need when they run)
 from batchrl.cli import lineage_commands, run_command, warm_client, warm_server
 from batchrl.cli.instance import target_uri
+from batchrl.common.environment_variables import EnvironmentVariableError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     try:
         run_command.add_command(sub)
-    except argparse.ArgumentTypeError as error:
-        parser.error(f"BATCHRL_CONCURRENT_STEPS: {error}")
+    except EnvironmentVariableError as error:  # BATCHRL_CONCURRENT_STEPS (the message names it)
+        parser.error(str(error))
     lineage_commands.add_commands(sub)
     warm_server.add_command(sub, run_command=main)  # a served command runs this same `main`
     from batchrl.training.jobs import export  # `batchrl export`: its logic lives there (torch only when it runs)
@@ -38,7 +39,11 @@ def console_main(argv: list[str] | None = None) -> None:
     import atexit
 
     argv = sys.argv[1:] if argv is None else argv
-    code = warm_client.run_remote(argv)
+    try:
+        code = warm_client.run_remote(argv)
+    except EnvironmentVariableError as error:  # BATCHRL_SERVER that is no flag
+        print(f"batchrl: {error}", file=sys.stderr)
+        os._exit(2)
     if code is None:
         code = main(argv)
         atexit._run_exitfuncs()

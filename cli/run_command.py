@@ -10,10 +10,11 @@ import sys
 import time
 
 from batchrl.cli.instance import ensure_dagster_home, latest_uri, open_instance
+from batchrl.common.environment_variables import EnvironmentVariableError, read
 
 
 def add_command(sub) -> None:
-    """The ``run`` subcommand; ArgumentTypeError when BATCHRL_CONCURRENT_STEPS is no number of steps."""
+    """The ``run`` subcommand; EnvironmentVariableError when BATCHRL_CONCURRENT_STEPS is no number of steps."""
     run = sub.add_parser("run", help="materialise assets (default: all) into the persistent Dagster instance")
     run.add_argument("--select", default="*", help="comma-separated asset names, or * for all")
     run.add_argument("--rl-iterations", type=int, default=None,
@@ -62,7 +63,7 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
         os.environ["BATCHRL_PROFILE"] = args.profile  # read when the definitions build their resources
         profile = load_profile(args.profile)
         ops, iterations = profile["ops"], profile["rl_iterations"]
-        print(f"=== profile {args.profile} ({os.environ.get('BATCHRL_ENV', 'local')}): {profile['description']}")
+        print(f"=== profile {args.profile} ({read('BATCHRL_ENV')}): {profile['description']}")
     files = [(path, load_run_file(path)) for path in args.config or []]
     for _, loaded in files:
         ops = deep_merge(ops, loaded["ops"])
@@ -143,9 +144,13 @@ def _steps(text: str) -> int:
 
 def default_concurrent_steps() -> int:
     """``batchrl run --concurrent-steps``' default: BATCHRL_CONCURRENT_STEPS, else BATCHRL_ENV's."""
-    explicit = os.environ.get("BATCHRL_CONCURRENT_STEPS")
-    # an unknown environment is the definitions' error to report, not every command's parser's
-    return _steps(explicit) if explicit else CONCURRENT_STEPS_BY_ENV.get(os.environ.get("BATCHRL_ENV", "local"), 1)
+    explicit = read("BATCHRL_CONCURRENT_STEPS")
+    if explicit is not None:
+        return explicit
+    try:
+        return CONCURRENT_STEPS_BY_ENV.get(read("BATCHRL_ENV"), 1)
+    except EnvironmentVariableError:  # an unknown environment is the definitions' error, not every command's parser's
+        return 1
 
 
 def cmd_run(args: argparse.Namespace) -> int:

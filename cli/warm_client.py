@@ -19,6 +19,7 @@ import socket
 import sys
 import tempfile
 
+from batchrl.common.environment_variables import read
 from batchrl.common.package import PACKAGE_DIR, code_fingerprint
 
 # variables read when modules are imported or a process starts (libraries' settings, paths): a server imported
@@ -78,7 +79,7 @@ def _connect(path: str) -> socket.socket | None:
 def run_remote(argv: list[str]) -> int | None:
     """Run the command ``argv`` in the warm server of this environment; its exit status, or None when no
     server answers (or ``BATCHRL_SERVER=off``): the caller runs the command itself."""
-    if os.environ.get(OFF_ENV, "").lower() in ("off", "0", "false", "no") or (argv[:1] == ["serve"]):
+    if not read(OFF_ENV) or (argv[:1] == ["serve"]):
         return None
     cwd = os.getcwd()
     client = _connect(socket_path(dict(os.environ), cwd))

@@ -9,14 +9,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from batchrl.common.environment_variables import VARIABLES, read
+
 CATALOG_FILE = "catalog.duckdb"
 CACHE_FOLDER = "_cache"
-DEFAULT_ROOT = ".storage"
+DEFAULT_ROOT = VARIABLES["BATCHRL_STORAGE"].default  # ".storage", relative to the working dir
 
 
 def local_storage_root() -> str:
     """The local storage root in use: ``BATCHRL_STORAGE``, else ``./.storage`` (absolute)."""
-    return os.path.abspath(os.environ.get("BATCHRL_STORAGE", DEFAULT_ROOT))
+    return read("BATCHRL_STORAGE")
 
 
 def catalog_path_of(root: str) -> str:

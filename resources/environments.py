@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import dagster as dg
+
+from batchrl.common.environment_variables import is_set, read
 from batchrl.common.storage_layout import cache_dir_of, catalog_path_of, local_storage_root
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource, TrackingResource,
@@ -17,7 +20,7 @@ def _landing(storage_options: dict | None = None) -> LandingResource:
     """``BATCHRL_LANDING`` (a folder or ``s3://`` prefix laid out as ``resources.landing.LAYOUT``: ``preferences/``,
     ``scored/``, ``feedback/``, ``arith/{train,eval}.jsonl``): where the team's logs land, every location under it
     (one missing fails the assets that read it, never falls back to the samples); unset: the shipped samples."""
-    landing = os.environ.get("BATCHRL_LANDING", "")
+    landing = read("BATCHRL_LANDING") or ""
     return LandingResource.under(landing, storage_options) if landing.rstrip("/") else LandingResource()
 
 
@@ -37,17 +40,24 @@ def _local() -> dict:
 def _tracking() -> TrackingResource:
     """MLflow tracking of the training assets, off unless ``BATCHRL_MLFLOW_URI`` names a tracking server (or a
     ``sqlite:///`` store); ``BATCHRL_MLFLOW_EXPERIMENT`` names the experiment (default batchrl, also the W&B
-    project); W&B offline runs, off unless ``BATCHRL_WANDB_DIR`` names a folder for them."""
-    return TrackingResource(mlflow_uri=os.environ.get("BATCHRL_MLFLOW_URI", ""),
-                            experiment=os.environ.get("BATCHRL_MLFLOW_EXPERIMENT", "batchrl"),
-                            wandb_dir=os.environ.get("BATCHRL_WANDB_DIR", ""))
+    project); W&B offline runs, off unless ``BATCHRL_WANDB_DIR`` names a folder for them. Each one set is a
+    ``dg.EnvVar``: Dagster resolves it when it builds the resource (a URI's credentials stay out of the UI)."""
+    fields = {"mlflow_uri": "BATCHRL_MLFLOW_URI", "experiment": "BATCHRL_MLFLOW_EXPERIMENT",
+              "wandb_dir": "BATCHRL_WANDB_DIR"}
+    return TrackingResource(**{field: _dagster_env_var(name) for field, name in fields.items() if is_set(name)})
+
+
+def _dagster_env_var(name: str) -> dg.EnvVar:
+    """``dg.EnvVar(name)``, its value checked now (a bad one fails naming it, before Dagster resolves it)."""
+    read(name)
+    return dg.EnvVar(name)
 
 
 def _s3() -> dict:
-    options = {"client_kwargs": {"endpoint_url": os.environ["BATCHRL_S3_ENDPOINT"]}} \
-        if os.environ.get("BATCHRL_S3_ENDPOINT") else {}
+    endpoint = read("BATCHRL_S3_ENDPOINT")
+    options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
     return {**_local(),
-            "storage": StorageResource(root=os.environ.get("BATCHRL_S3_ROOT", "s3://batchrl/artifacts"),
+            "storage": StorageResource(root=read("BATCHRL_S3_ROOT"),
                                        storage_options=options,
                                        cache_dir=cache_dir_of(local_storage_root())),
             "landing": _landing(options)}
@@ -58,15 +68,15 @@ def _gpu() -> dict:
     GPU memory between assets; one-process jobs share a warm worker that empties its cache after each job);
     rollouts with vLLM where it is installed, else the static-cache engine (``BATCHRL_ROLLOUT_ENGINE`` forces
     one); evaluation decodes with the static-cache engine."""
-    engine = os.environ.get("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
+    engine = read("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
     return {**_local(),
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
             # one-process jobs in a long-lived warm job worker (resources/job_worker.py): fresh processes paid
             # imports + CUDA context per stage (bench/RESULTS.md); BATCHRL_JOB_BACKEND=subprocess for those
-            "trainer": TrainerLauncherResource(num_gpus=int(os.environ.get("BATCHRL_NUM_GPUS", "1")),
-                                               backend=os.environ.get("BATCHRL_JOB_BACKEND", "worker"),
+            "trainer": TrainerLauncherResource(num_gpus=read("BATCHRL_NUM_GPUS"),
+                                               backend=read("BATCHRL_JOB_BACKEND"),
                                                # two jobs share the GPU when a run overlaps steps
-                                               gpu_job_slots=int(os.environ.get("BATCHRL_GPU_JOB_SLOTS", "2")),
+                                               gpu_job_slots=read("BATCHRL_GPU_JOB_SLOTS"),
                                                env=_job_env(cache_dir_of(local_storage_root()))),
             "compute": ComputeResource(device="cuda", dtype="bfloat16", generation_engine="static", in_subprocess=True)}
 
@@ -94,12 +104,11 @@ def _ray() -> dict:
     from batchrl.resources.ray_launch import RayJobs
 
     base = _s3()
-    gpus = float(os.environ.get("BATCHRL_RAY_GPUS_PER_RANK", "0"))
+    gpus = read("BATCHRL_RAY_GPUS_PER_RANK")
     device = {"device": "cuda", "dtype": "bfloat16"} if gpus else {}
-    ray = RayJobs(address=os.environ.get("BATCHRL_RAY_ADDRESS", "http://127.0.0.1:8265"),
-                  world_size=int(os.environ.get("BATCHRL_RAY_WORLD_SIZE", "2")),
-                  rollout_replicas=int(os.environ.get("BATCHRL_RAY_ROLLOUT_REPLICAS", "1")), gpus_per_rank=gpus,
-                  placement_strategy=os.environ.get("BATCHRL_RAY_PLACEMENT", "PACK"),
+    ray = RayJobs(address=read("BATCHRL_RAY_ADDRESS"), world_size=read("BATCHRL_RAY_WORLD_SIZE"),
+                  rollout_replicas=read("BATCHRL_RAY_ROLLOUT_REPLICAS"), gpus_per_rank=gpus,
+                  placement_strategy=read("BATCHRL_RAY_PLACEMENT"),
                   storage_root=base["storage"].root, storage_options=base["storage"].storage_options)
     return {**base,
             "rollout_engine": RolloutEngineResource(in_subprocess=True, **device),
@@ -112,7 +121,7 @@ RESOURCES_BY_ENV = {"local": _local, "s3": _s3, "gpu": _gpu, "ray": _ray}
 def environment_resources(env: str | None = None, profile: str | None = None) -> dict:
     """The resources of ``env`` (default ``BATCHRL_ENV``) with ``profile``'s (default ``BATCHRL_PROFILE``) overrides,
     then those of `batchrl run`'s ``-c`` files (``resources.profiles.apply_run_overrides``)."""
-    env = env or os.environ.get("BATCHRL_ENV", "local")
+    env = env or read("BATCHRL_ENV")
     resources = RESOURCES_BY_ENV[env]()
-    profile = profile or os.environ.get("BATCHRL_PROFILE")
+    profile = profile or read("BATCHRL_PROFILE")
     return apply_run_overrides(resources, env, profile)

@@ -25,6 +25,7 @@ from typing import Any
 
 import dagster as dg
 
+from batchrl.common.environment_variables import PREFIX as JOB_SETTING_PREFIX  # per-job settings: sent per request
 from batchrl.common.package import code_fingerprint  # an edited batchrl gets a worker of its own
 from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
 
@@ -32,7 +33,6 @@ START_TIMEOUT_S = 120
 # variables that change what a job computes or where: a worker serves one combination of them
 _KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS",
               "BATCHRL_WEIGHT_CACHE_GB")
-JOB_SETTING_PREFIX = "BATCHRL_"  # per-job settings (BATCHRL_CUDNN_ATTENTION, BATCHRL_PROFILE_JOBS ...): sent per request
 
 
 def socket_path(env: dict[str, str]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import pydantic
 import yaml
 
+from batchrl.common.environment_variables import read
 from batchrl.common.package import PACKAGE_DIR
 from batchrl.common.run_config_error import (
     RunConfigError, joined, problem_line, pydantic_problems, unknown_name_rule,
@@ -83,7 +84,7 @@ def _for_env(raw: dict, path: str, allowed: set[str], env: str | None) -> dict:
     unknown = set(raw) - allowed
     if unknown:
         raise ProfileError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: {sorted(allowed)}")
-    env = env or os.environ.get("BATCHRL_ENV", "local")
+    env = env or read("BATCHRL_ENV")
     return deep_merge({k: v for k, v in raw.items() if k != "environments"}, (raw.get("environments") or {}).get(env) or {})
 
 
@@ -151,7 +152,7 @@ def apply_run_overrides(resources: dict, env: str, profile: str | None) -> dict:
     field by field, a later file's value winning, as their ``ops`` are merged."""
     if profile:
         resources = apply_resource_overrides(resources, load_profile(profile, env)["resources"], f"profile {profile}")
-    for path, overrides in json.loads(os.environ.get(CONFIG_RESOURCES_ENV) or "[]"):
+    for path, overrides in read(CONFIG_RESOURCES_ENV):
         resources = apply_resource_overrides(resources, overrides, path)
     return resources
 

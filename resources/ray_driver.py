@@ -20,8 +20,9 @@ import threading
 import time
 
 from batchrl.common import fsutil
+from batchrl.common.environment_variables import read
 
-PLACEMENT_TIMEOUT_S = float(os.environ.get("BATCHRL_RAY_PLACEMENT_TIMEOUT_S", "300"))
+PLACEMENT_TIMEOUT_S = read("BATCHRL_RAY_PLACEMENT_TIMEOUT_S")
 FAILURE_GRACE_S = 5.0  # after one rank fails: how long the others get to end (and say why) before they are killed
 PIPES_ENV_PREFIX = "DAGSTER_PIPES_"
 
@@ -168,7 +169,7 @@ def report_merged(reports: dict[int, dict], replicas: int) -> None:
 def main(argv: list[str]) -> int:
     import ray
 
-    storage_options = json.loads(os.environ.get("BATCHRL_RAY_STORAGE_OPTIONS") or "{}")
+    storage_options = read("BATCHRL_RAY_STORAGE_OPTIONS")
     fs, path = fsutil.filesystem_for(argv[0], storage_options)
     with fs.open(path) as f:
         spec = json.load(f)

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from batchrl.cli.instance import DAGSTER_YAML
+from batchrl.cli.instance import write_instance_settings
 from batchrl.common.log_file import OUTPUT_ROUTED_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +56,7 @@ def serve(tmp_path_factory, meanwhile=None, command=("dagster", "dev")):
     code location (~20 s of a loaded box's time that a `batchrl run` into the same instance can use instead of
     waiting for it)."""
     home = tmp_path_factory.mktemp("home")
-    (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    write_instance_settings(str(home))
     port = Port(free_port(), str(home), str(tmp_path_factory.mktemp("storage")))
     import dagster as dg
 

@@ -2,7 +2,6 @@
 multiprocess executor, as from the UI), with the same results as one step at a time."""
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -10,6 +9,8 @@ import sys
 
 import pytest
 from helpers_batchrl_run import run_selection
+
+from batchrl.common.environment_variables import EnvironmentVariableError
 
 
 def test_independent_steps_overlap_in_processes_of_their_own_with_the_same_results(tmp_path):
@@ -41,7 +42,7 @@ def test_the_gpu_environment_overlaps_steps_by_default(monkeypatch):
     monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "1")
     assert default_concurrent_steps() == 1
     monkeypatch.setenv("BATCHRL_CONCURRENT_STEPS", "0")
-    with pytest.raises(argparse.ArgumentTypeError, match="at least 1"):
+    with pytest.raises(EnvironmentVariableError, match="BATCHRL_CONCURRENT_STEPS='0': at least 1"):
         default_concurrent_steps()
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
 
-from batchrl.cli.instance import DAGSTER_YAML
+from batchrl.cli.instance import write_instance_settings
 from batchrl.cli.main import main
 
 # what one RL iteration reads: at the default reward mix (reward model weight 0) no reward model, whose training job
@@ -27,7 +27,7 @@ def copied_root(tmp_path, monkeypatch):
     the original deleted; the CLI's environment points at the copy. ~35 s on 2 cores."""
     original, copy = tmp_path / "original", tmp_path / "copy"
     (original / "home").mkdir(parents=True)
-    (original / "home" / "dagster.yaml").write_text(DAGSTER_YAML)  # the home `batchrl run` makes
+    write_instance_settings(str(original / "home"))  # the home `batchrl run` makes
     with dg.DagsterInstance.local_temp(str(original / "home")) as instance:
         assert run_assets(local_resources(str(original / "storage")), instance, UPSTREAM + RL_LOOP, TINY).success
         checkpoint = latest_metadata(instance, "policy_checkpoint")

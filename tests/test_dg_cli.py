@@ -12,7 +12,7 @@ import tomllib
 import pytest
 from helpers_webserver import ASSET_KEYS, REPO, graphql, serve
 
-from batchrl.cli.instance import DAGSTER_YAML
+from batchrl.cli.instance import write_instance_settings
 from batchrl.common.log_file import OUTPUT_ROUTED_ENV
 
 DG = os.path.join(os.path.dirname(sys.executable), "dg")
@@ -22,7 +22,7 @@ DG = os.path.join(os.path.dirname(sys.executable), "dg")
 def fresh_home(tmp_path):
     """A DAGSTER_HOME (with batchrl's dagster.yaml) and a storage root, both empty."""
     (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "dagster.yaml").write_text(DAGSTER_YAML)
+    write_instance_settings(str(tmp_path / "home"))
     return {"DAGSTER_HOME": str(tmp_path / "home"), "BATCHRL_STORAGE": str(tmp_path / "storage")}
 
 

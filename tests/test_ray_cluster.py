@@ -48,7 +48,7 @@ def test_two_node_ray_cluster_in_a_loopback_only_network(tmp_path):
         pytest.skip("no user+network namespaces here (`unshare --user --net`): Ray's servers listen on every "
                     "interface, which tests here must not")
     # one thread per process everywhere, as on the 1-CPU nodes: the same float sums in every process
-    env = {**os.environ, "BATCHRL_RAY_NETNS": "1", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
     command = [*unshare, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
                "--durations=0", "--basetemp", str(tmp_path / "inner"), os.path.abspath(__file__),

@@ -135,8 +135,11 @@ def test_tracking_is_off_unless_the_environment_names_a_tracking_uri(monkeypatch
     monkeypatch.setenv("BATCHRL_MLFLOW_EXPERIMENT", "team")
     monkeypatch.setenv("BATCHRL_WANDB_DIR", "/tmp/wandb-runs")
     for env in ("local", "s3", "gpu"):
-        tracking = environment_resources(env)["tracking"]
-        assert tracking.enabled and (tracking.mlflow_uri, tracking.experiment) == ("http://127.0.0.1:5000", "team")
+        declared = environment_resources(env)["tracking"]
+        # dg.EnvVar fields: Dagster resolves them when it builds the resource (the UI shows the variables' names)
+        assert declared.enabled and isinstance(declared.mlflow_uri, dg.EnvVar)
+        tracking = declared.process_config_and_initialize()
+        assert (tracking.mlflow_uri, tracking.experiment) == ("http://127.0.0.1:5000", "team")
         assert tracking.wandb_dir == "/tmp/wandb-runs"
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from batchrl.common.environment_variables import read
+
 TRAINING_JOBS = ("train_dpo", "train_kto", "train_policy", "train_reward_model")  # data-parallel over N GPUs
 JOBS = (*TRAINING_JOBS, "reference_logprobs", "rollouts", "inference")  # the others run in one process
 # NVLink multicast (NVLS) off: on the lent multi-GPU hosts it hangs or fails collectives.
@@ -24,7 +26,7 @@ def job_command(job_name: str, config_path: str, num_gpus: int | None = None) ->
         raise ValueError(f"unknown job {job_name!r}; expected one of {JOBS}")
     module = f"batchrl.training.jobs.{job_name}"
     if num_gpus is None:
-        num_gpus = int(os.environ.get("BATCHRL_NUM_GPUS", "0") or 0)
+        num_gpus = read("BATCHRL_NUM_GPUS")
     if num_gpus > 1 and job_name in TRAINING_JOBS:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_gpus}",
                 "-m", module, config_path]

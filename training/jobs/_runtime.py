@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Any, Callable, Iterator
 
+from batchrl.common.environment_variables import read
+
 
 MAX_CURVE_POINTS = 500
 STEPS_FILE = "steps.jsonl"  # in a training job's out_dir: each step's metrics as reported, one JSON line per step
@@ -119,7 +121,7 @@ def choose_attention_kernels() -> None:
     settings), not per process."""
     import torch
 
-    torch.backends.cuda.enable_cudnn_sdp(os.environ.get("BATCHRL_CUDNN_ATTENTION", "0") == "1")
+    torch.backends.cuda.enable_cudnn_sdp(read("BATCHRL_CUDNN_ATTENTION"))
 
 
 @contextlib.contextmanager

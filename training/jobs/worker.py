@@ -25,8 +25,10 @@ import sys
 import time
 import traceback
 
+from batchrl.common.environment_variables import PREFIX as JOB_SETTING_PREFIX  # a request carries every one
+from batchrl.common.environment_variables import read
+
 PROTOCOL = 1
-JOB_SETTING_PREFIX = "BATCHRL_"  # resources.job_worker sends every one of these per request
 
 
 def _release_memory() -> None:
@@ -69,7 +71,7 @@ def _job_environment(env: dict[str, str], cwd: str):
 def _profiled(job: str):
     """``BATCHRL_CPROFILE_DIR`` (a diagnostic, bench/profile_rl_plumbing.py): the job's Python time under cProfile,
     dumped to ``<dir>/<job>-<pid>-<n>.prof`` — where a step's seconds outside its GPU work go in the worker."""
-    folder = os.environ.get("BATCHRL_CPROFILE_DIR")
+    folder = read("BATCHRL_CPROFILE_DIR")
     if not folder:
         yield
         return
@@ -100,7 +102,7 @@ def run_request(request: dict) -> dict:
     started = time.perf_counter()
     try:
         with _job_environment(request.get("env", {}), request.get("cwd", os.getcwd())):
-            if job in TRAINING_JOBS and int(os.environ.get("BATCHRL_NUM_GPUS", "0") or 0) > 1:
+            if job in TRAINING_JOBS and read("BATCHRL_NUM_GPUS") > 1:
                 raise ValueError("data-parallel jobs run under torchrun, not in the worker")
             module = importlib.import_module(f"batchrl.training.jobs.{job}")
             with _profiled(job):

@@ -45,6 +45,8 @@ from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 
+from batchrl.common.environment_variables import read
+
 ENV = "BATCHRL_WEIGHT_CACHE_GB"
 DEFAULT_BYTES = 4 * 10**9
 MAX_DEVICE_FRACTION = 0.10
@@ -102,9 +104,9 @@ def clear() -> None:
 def resident_limit_bytes(env_var: str, device_fraction: float) -> int:
     """What a model kept resident in the worker (an engine, a trainer) may hold: ``env_var`` (decimal GB; 0: never
     kept) when set, else ``device_fraction`` of the GPU's memory, else, on a host without CUDA, this cache's limit."""
-    value = os.environ.get(env_var, "").strip()
-    if value:
-        return max(0, int(float(value) * 10**9))
+    gigabytes = read(env_var)
+    if gigabytes is not None:
+        return int(gigabytes * 10**9)
     if torch.cuda.is_available():
         return int(device_fraction * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     return limit_bytes()
@@ -113,9 +115,9 @@ def resident_limit_bytes(env_var: str, device_fraction: float) -> int:
 def worker_limit_bytes(env: dict[str, str] | None = None) -> int:
     """The job worker's limit: ``BATCHRL_WEIGHT_CACHE_GB`` when set (decimal GB, 0 disables), else 4 GB on a
     CUDA host but never more than 10% of the device's memory, else 0 (a CPU-only host: off)."""
-    value = (os.environ if env is None else env).get(ENV, "").strip()
-    if value:
-        return max(0, int(float(value) * 10**9))
+    gigabytes = read(ENV, env)
+    if gigabytes is not None:
+        return int(gigabytes * 10**9)
     if not torch.cuda.is_available():
         return 0
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

@@ -19,6 +19,7 @@ import signal
 import tempfile
 import time
 
+from batchrl.common.environment_variables import EnvironmentVariableError, read
 from batchrl.training.sandbox import levels, seccomp_filter
 from batchrl.training.sandbox.launch import SandboxLimits, start
 from batchrl.training.sandbox.levels import BOUNDARIES, LEVELS, is_boundary, weak_level_refusal
@@ -109,11 +110,13 @@ def available(level: str) -> bool:
 
 def isolation_level() -> str:
     """``BATCHRL_SANDBOX`` if set (it must work here), else the strongest level that works."""
-    forced = os.environ.get("BATCHRL_SANDBOX")
+    try:
+        forced = read("BATCHRL_SANDBOX")  # one of LEVELS (the table's choices)
+    except EnvironmentVariableError as error:  # not a level: refused as one that does not work here
+        raise RuntimeError(str(error)) from None
     if forced:
-        if forced not in LEVELS or not available(forced):
-            why = probe(forced)[1] if forced in LEVELS else f"levels: {LEVELS}"
-            raise RuntimeError(f"BATCHRL_SANDBOX={forced!r} is not available here ({why})")
+        if not available(forced):
+            raise RuntimeError(f"BATCHRL_SANDBOX={forced!r} is not available here ({probe(forced)[1]})")
         return forced
     return next(level for level in LEVELS if available(level))
 

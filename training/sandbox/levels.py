@@ -23,6 +23,8 @@ import hashlib
 import os
 import shutil
 
+from batchrl.common.environment_variables import read
+
 LEVELS = ("bwrap", "namespaces", "rlimits")
 BOUNDARIES = ("bwrap", "namespaces")
 WHY_WEAK = {"rlimits": "no namespaces: the host's files, processes and network are reachable except where Landlock "
@@ -31,7 +33,7 @@ WHY_WEAK = {"rlimits": "no namespaces: the host's files, processes and network a
 
 def bwrap_binary() -> tuple[str | None, str]:
     """The bubblewrap binary to use and how it was found (or why none is usable)."""
-    configured = os.environ.get("BATCHRL_BWRAP")
+    configured = read("BATCHRL_BWRAP")
     if not configured:
         found = shutil.which("bwrap")
         return (found, "on PATH") if found else (None, "no bwrap on PATH and BATCHRL_BWRAP unset")

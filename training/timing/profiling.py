@@ -23,6 +23,8 @@ import os
 import tempfile
 from typing import Any, Iterator
 
+from batchrl.common.environment_variables import read
+
 ENV = "BATCHRL_PROFILE_JOBS"
 TRACE_ENV = "BATCHRL_PROFILE_TRACE"
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -95,7 +97,7 @@ def summarize(events: list[dict[str, Any]], *, top: int = TOP) -> dict[str, Any]
 @contextlib.contextmanager
 def profiled(name: str) -> Iterator[None]:
     """Profile the block into ``$BATCHRL_PROFILE_JOBS/<name>-<pid>-<n>.json`` (nothing when unset)."""
-    out_dir = os.environ.get(ENV)
+    out_dir = read(ENV)
     if not out_dir:
         yield
         return
@@ -109,7 +111,7 @@ def profiled(name: str) -> Iterator[None]:
     os.makedirs(out_dir, exist_ok=True)
     with profile(activities=activities) as prof, phases.annotated():
         yield
-    keep_trace = os.environ.get(TRACE_ENV) == "1"
+    keep_trace = read(TRACE_ENV)
     if keep_trace:
         trace = f"{stem}.trace.json"
     else:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from batchrl.common.environment_variables import read
 
 _ENV_OWNER = "BATCHRL_DIST_ENV_PID"  # marks rendezvous variables we set ourselves
 
@@ -28,7 +29,7 @@ def ensure_single_process_env() -> None:
     Under a launcher these are already set and left untouched. Values this function set in a
     parent process (inherited by a job it started) are replaced: the parent's port is taken.
     """
-    owner_pid, _, owner_port = os.environ.get(_ENV_OWNER, "").partition(":")
+    owner_pid, _, owner_port = (read(_ENV_OWNER) or "").partition(":")
     inherited = owner_pid and owner_pid != str(os.getpid()) and os.environ.get("MASTER_PORT") == owner_port
     if inherited:  # a launcher (torchrun) would have set a new port: these are the parent's
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -27,6 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from batchrl.common.environment_variables import read
 from batchrl.training.models import resident_weights
 
 from batchrl.training.models import weight_cache
@@ -128,7 +129,7 @@ def keep(loop: Any, cfg: Any, result: dict) -> bool:
         release()
         return False
     engine.zero_grad()
-    retired = engine.bfloat16_enabled() or os.environ.get(REBUILD_ENV) == "1"
+    retired = engine.bfloat16_enabled() or read(REBUILD_ENV)
     if retired:
         _retire(engine)
     else:
