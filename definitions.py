@@ -1,8 +1,9 @@
 """The Dagster code location: `dagster dev` (workspace.yaml) and `dagster asset materialize -m batchrl.definitions`.
 
-Its assets, their checks, the jobs, sensor and schedule of ``assets.automation``, the executor (step processes
-forked from ``runs.step_server``) and the resources of the environment (``resources.environments``:
-``BATCHRL_ENV``, with a profile's overrides). Running a selection of it is ``runs.execute``'s.
+Its assets (with their automation conditions), their checks, the jobs and sensors of ``assets.automation``, the
+executor (step processes forked from ``runs.step_server``) and the resources of the environment
+(``resources.environments``: ``BATCHRL_ENV``, with a profile's overrides). Running a selection of it is
+``runs.execute``'s.
 """
 from __future__ import annotations
 
@@ -37,12 +38,11 @@ def build_definitions(resources: dict | None = None, dpo_self_play: bool | None 
                  **resources}
     self_play = dpo_takes_self_play_pairs() if dpo_self_play is None else dpo_self_play
     return dg.Definitions(
-        assets=[*dg.load_assets_from_modules([data, models, rl, dpo, evaluation, offline]), dpo.dpo_pairs_asset(self_play),
-                policy_chain.promoted_policy],
+        assets=automation.with_automation([*dg.load_assets_from_modules([data, models, rl, dpo, evaluation, offline]),
+                                           dpo.dpo_pairs_asset(self_play), policy_chain.promoted_policy]),
         asset_checks=dg.load_asset_checks_from_modules([data, promotion]),
         jobs=[automation.retrain_job, automation.ingest_job, *_profile_jobs()],
-        sensors=[automation.new_logs_sensor],
-        schedules=[automation.nightly_retrain],
+        sensors=[automation.new_logs_sensor, automation.automation_sensor],
         executor=step_executor,
         resources=resources,
     )

@@ -1,5 +1,5 @@
 """Helpers of test_pipeline_e2e.py: a copy of the package, a stale-check script, a second RL iteration's
-rollouts, a sensor tick, the input files of a lineage tree."""
+rollouts, a sensor tick, the automation sensor's ticks, the input files of a lineage tree."""
 from __future__ import annotations
 
 import json
@@ -51,6 +51,30 @@ def sensor_tick(landing, cursor):
     from batchrl.assets.automation import new_logs_sensor
 
     return new_logs_sensor(dg.build_sensor_context(cursor=cursor, resources={"landing": landing}))
+
+
+class AutomationTicks:
+    """The automation sensor's evaluations (``evaluate_automation_conditions``), one after another with its
+    cursor carried, at chosen times: what the daemon does every 30 s while the sensor runs."""
+
+    def __init__(self, defs: dg.Definitions, instance: dg.DagsterInstance):
+        self.defs, self.instance, self.cursor = defs, instance, None
+        self.keys = sorted(defs.resolve_asset_graph().get_all_asset_keys(), key=str)
+
+    def at(self, when) -> dict[str, set]:
+        """asset -> the partitions (None: unpartitioned) requested at ``when`` (a datetime)."""
+        result = dg.evaluate_automation_conditions(self.defs, self.instance, cursor=self.cursor, evaluation_time=when)
+        self.cursor = result.cursor
+        return {key.to_user_string(): set(result.get_requested_partitions(key))
+                for key in self.keys if result.get_num_requested(key)}
+
+
+def next_nightly_tick(after):
+    """A minute past the first 03:00 (UTC) after ``after`` (a datetime in UTC): the retrain's tick."""
+    import datetime
+
+    tick = after.replace(hour=3, minute=1, second=0, microsecond=0)
+    return tick if tick > after else tick + datetime.timedelta(days=1)
 
 
 def input_files(node: dict):

@@ -38,13 +38,13 @@ def test_dg_check_defs(fresh_home):
     assert "All definitions loaded successfully" in _dg("check", "defs", env=fresh_home).stdout
 
 
-def test_dg_list_defs_shows_every_asset_check_job_sensor_and_schedule(fresh_home):
+def test_dg_list_defs_shows_every_asset_check_job_and_sensor(fresh_home):
     defs = json.loads(_dg("list", "defs", "--json", env=fresh_home).stdout)
     assert {a["asset_key"] for a in defs["assets"]} == ASSET_KEYS
     assert {"nothing_lost", "reject_rate_below_threshold"} <= {c["name"] for c in defs["asset_checks"]}
     assert {"retrain", "ingest"} <= {j["name"] for j in defs["jobs"]}
-    assert [s["name"] for s in defs["sensors"]] == ["new_logs_sensor"]
-    assert [s["name"] for s in defs["schedules"]] == ["nightly_retrain"]
+    assert sorted(s["name"] for s in defs["sensors"]) == ["automation_sensor", "new_logs_sensor"]
+    assert not defs.get("schedules")  # the nightly retrain is an automation condition
 
 
 def test_dg_launch_materialises_an_asset_into_the_instance(fresh_home):

@@ -45,34 +45,23 @@ def test_blocking_reject_rate_check_stops_training(tmp_path):
         assert window["drops_failing_gate"] == ["zz_broken.jsonl"] and window["rows"] == 246
 
 
-def test_window_of_the_last_drops_and_the_schedule_retrains_on_what_is_new(tmp_path):
-    """~4 s. The nightly schedule asks for training only when a drop was ingested that the latest window
-    did not consider; ``last_drops: 1`` reads the newest drop only."""
-    from batchrl.assets.automation import nightly_retrain
-
+def test_window_of_the_last_drops_and_each_drop_ingested_once(tmp_path):
+    """~4 s. ``last_drops: 1`` reads the newest drop only (the older one named); a drop is ingested in a run
+    of its own, once. (What asks for the retrain: tests/test_automation.py.)"""
     landing = _landing_copy(tmp_path)
     resources = local_resources(str(tmp_path / "s"), landing)
-
-    def tick(instance):
-        return nightly_retrain(dg.build_schedule_context(instance=instance))
-
     (tmp_path / "home").mkdir()
     with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
-        assert isinstance(tick(instance), dg.SkipReason)  # nothing ingested yet
         assert run_assets(resources, instance, DATA).success
-        request = tick(instance)
-        assert request.tags["batchrl/new_drops"] == "prefs_000.jsonl, prefs_001.jsonl"
-        assert dg.AssetKey("preference_window") in request.asset_selection
-        assert dg.AssetKey("raw_logs") not in request.asset_selection  # old drops are not ingested again
         last = {"ops": {"preference_window": {"config": {"last_drops": 1}}}}
         assert run_assets(resources, instance, ["preference_window"], last).success
         window = latest_metadata(instance, "preference_window")
         assert window["drops"] == ["prefs_001.jsonl"] and window["drops_outside_window"] == ["prefs_000.jsonl"]
-        assert isinstance(tick(instance), dg.SkipReason)  # both drops considered
         with open(os.path.join(landing.preferences, "prefs_002.jsonl"), "w") as f:
             f.write(json.dumps({"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}) + "\n")
         assert run_assets(resources, instance, DATA).success
-        assert tick(instance).tags["batchrl/new_drops"] == "prefs_002.jsonl"
+        assert instance.get_materialized_partitions(dg.AssetKey("validated_preferences")) == {
+            "prefs_000.jsonl", "prefs_001.jsonl", "prefs_002.jsonl"}
         runs = instance.get_runs(dg.RunsFilter(tags={"dagster/partition": "prefs_000.jsonl"}))
         assert len(runs) == 1  # ingested once, in its own run
         count = len(instance.get_runs())
@@ -81,9 +70,12 @@ def test_window_of_the_last_drops_and_the_schedule_retrains_on_what_is_new(tmp_p
 
 def test_drop_changed_after_the_sensor_saw_it_fails_loudly(tmp_path):
     landing = _landing_copy(tmp_path)
-    result = new_logs_sensor(dg.build_sensor_context(resources={"landing": landing}))
-    request = result.run_requests[0]
-    with open(os.path.join(landing.preferences, request.partition_key), "a") as f:
+    cursor = new_logs_sensor(dg.build_sensor_context(resources={"landing": landing})).cursor
+    with open(os.path.join(landing.preferences, "prefs_000.jsonl"), "a") as f:  # sent again: ingested again
+        f.write(json.dumps({"prompt": "again", "chosen": "a", "rejected": "b"}) + "\n")
+    result = new_logs_sensor(dg.build_sensor_context(cursor=cursor, resources={"landing": landing}))
+    (request,) = result.run_requests
+    with open(os.path.join(landing.preferences, request.partition_key), "a") as f:  # and changed before its run
         f.write(json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n")
     with dg.DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions("log_drops", [request.partition_key])

@@ -1,6 +1,6 @@
-"""The new-logs sensor keys runs by landing *content*: a new or changed file retrains once, a touched but
-unchanged file does not, only changed files are hashed again; each new log drop becomes a partition,
-ingested once; local folders and s3:// prefixes alike."""
+"""The new-logs sensor registers the landing's log drops as partitions (the automation sensor ingests them) and
+ingests again what changed, keyed by *content*: a changed drop or location once, a touched but unchanged file
+not at all, only changed files hashed again; local folders and s3:// prefixes alike."""
 from __future__ import annotations
 
 import hashlib
@@ -15,6 +15,7 @@ from batchrl.assets.data import DROP_CONTENT_TAG
 from batchrl.resources import LandingResource
 
 SAMPLES = LandingResource()
+LANDING_ASSETS = {"scored_logs", "feedback_logs", "prompts"}  # the unpartitioned assets that read the landing
 
 
 def _evaluate(landing: LandingResource, cursor: str | None) -> tuple[dg.SensorResult, str]:
@@ -26,6 +27,10 @@ def _partitions(result: dg.SensorResult) -> list[tuple[str, list[str]]]:
     return [(type(r).__name__, list(r.partition_keys)) for r in result.dynamic_partitions_requests or []]
 
 
+def _assets(request: dg.RunRequest) -> set[str]:
+    return {key.to_user_string() for key in request.asset_selection}
+
+
 def _write(path, rows: int, start: int = 0) -> str:
     with open(path, "w") as f:
         f.write("".join(json.dumps({"prompt": f"q{i}", "chosen": "a", "rejected": "b"}) + "\n"
@@ -33,53 +38,56 @@ def _write(path, rows: int, start: int = 0) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def test_runs_are_keyed_by_content_not_by_timestamps(tmp_path):
+def test_drops_are_registered_and_changed_content_ingested_once(tmp_path):
     shutil.copytree(SAMPLES.preferences, tmp_path / "prefs")
     landing = LandingResource(preferences=str(tmp_path / "prefs"))
     first, cursor = _evaluate(landing, None)
-    ingest, retrain = first.run_requests  # each drop once: the first alone, the last with the training stages
-    assert (ingest.partition_key, retrain.partition_key) == ("prefs_000.jsonl", "prefs_001.jsonl")
-    assert ingest.asset_selection == PER_DROP and retrain.asset_selection is None
-    assert ingest.run_key == f"prefs_000.jsonl@{ingest.tags[DROP_CONTENT_TAG]}"
-    assert "prefs_000.jsonl@" in retrain.tags["batchrl/changed_files"]
-    assert json.loads(cursor)["content"] == retrain.run_key
     assert _partitions(first) == [("AddDynamicPartitionsRequest", ["prefs_000.jsonl", "prefs_001.jsonl"])]
+    # new drops are the automation sensor's to ingest; the other locations, seen for the first time, are ingested
+    assert sorted(tuple(_assets(r)) for r in first.run_requests) == [(a,) for a in sorted(LANDING_ASSETS)]
+    assert all(r.partition_key is None for r in first.run_requests)
 
     again, cursor = _evaluate(landing, cursor)
-    assert again.skip_reason and not again.run_requests
+    assert again.skip_reason and not again.run_requests and not _partitions(again)
     os.utime(tmp_path / "prefs" / "prefs_000.jsonl", (1, 1))  # touched, same bytes
     touched, touched_cursor = _evaluate(landing, cursor)
     assert touched.skip_reason and not touched.run_requests
     assert json.loads(touched_cursor)["files"] != json.loads(cursor)["files"]  # new stamp remembered
 
-    digest = _write(tmp_path / "prefs" / "drop_002.jsonl", 5)
+    _write(tmp_path / "prefs" / "drop_002.jsonl", 5)
     new, cursor = _evaluate(landing, touched_cursor)
-    (request,) = new.run_requests  # only the new drop, the old ones are not ingested again
-    assert request.partition_key == "drop_002.jsonl" and request.run_key not in (ingest.run_key, retrain.run_key)
-    assert request.tags["batchrl/changed_files"] == f"drop_002.jsonl@{digest[:12]}"  # only the new file
-    assert _partitions(new) == [("AddDynamicPartitionsRequest", ["drop_002.jsonl"])]
+    assert not new.run_requests and _partitions(new) == [("AddDynamicPartitionsRequest", ["drop_002.jsonl"])]
+
+    digest = _write(tmp_path / "prefs" / "prefs_000.jsonl", 7)  # the drop sent again with other rows
+    changed, changed_cursor = _evaluate(landing, cursor)
+    (request,) = changed.run_requests  # only that drop, ingested again; nothing registered
+    assert request.partition_key == "prefs_000.jsonl" and request.asset_selection == PER_DROP
+    assert request.run_key == f"prefs_000.jsonl@{request.tags[DROP_CONTENT_TAG]}"
+    assert request.tags["batchrl/changed_files"] == f"prefs_000.jsonl@{digest[:12]}"  # only the changed file
+    assert not _partitions(changed)
 
     os.remove(tmp_path / "prefs" / "drop_002.jsonl")
-    back, _ = _evaluate(landing, cursor)
-    (request,) = back.run_requests  # same content as the first run: the same run key (Dagster skips it)
-    assert request.run_key == retrain.run_key and request.partition_key is None
-    assert dg.AssetKey("preference_window") in request.asset_selection and PER_DROP[0] not in request.asset_selection
-    assert _partitions(back) == [("DeleteDynamicPartitionsRequest", ["drop_002.jsonl"])]
+    back, _ = _evaluate(landing, changed_cursor)
+    assert not back.run_requests and _partitions(back) == [("DeleteDynamicPartitionsRequest", ["drop_002.jsonl"])]
 
 
-def test_new_thumbs_or_scored_logs_retrain_every_stage_that_reads_them(tmp_path):
+def test_new_thumbs_or_scored_logs_are_ingested_again(tmp_path):
+    """The asset that reads the location runs again (run key: the location's content); the nightly retrain
+    then takes up what reads it."""
     for name in ("scored", "feedback"):
         shutil.copytree(getattr(SAMPLES, name), tmp_path / name)
     landing = LandingResource(scored=str(tmp_path / "scored"), feedback=str(tmp_path / "feedback"))
     _, cursor = _evaluate(landing, None)
-    for name, asset in (("feedback", "kto_checkpoint"), ("scored", "offline_policy_checkpoint")):
-        with open(tmp_path / name / "new.jsonl", "w") as f:  # rows are not read here: any new bytes retrain
+    keys = set()
+    for name in ("feedback", "scored"):
+        with open(tmp_path / name / "new.jsonl", "w") as f:  # rows are not read here: any new bytes count
             f.write(json.dumps({"prompt": "q", "completion": "a", "label": True}) + "\n")
         result, cursor = _evaluate(landing, cursor)
-        (request,) = result.run_requests  # no new drop: the training stages on the drops there are
-        assert request.partition_key is None and "new.jsonl@" in request.tags["batchrl/changed_files"]
-        assert {dg.AssetKey(asset), dg.AssetKey(f"{name}_logs")} <= set(request.asset_selection)
-        assert PER_DROP[0] not in request.asset_selection
+        (request,) = result.run_requests
+        assert _assets(request) == {f"{name}_logs"} and request.partition_key is None
+        assert request.tags["batchrl/changed_files"].startswith("new.jsonl@")
+        keys.add(request.run_key)
+    assert len(keys) == 2
 
 
 def test_s3_landing_prefixes(s3_options, tmp_path):
@@ -96,18 +104,22 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
                               feedback="s3://sensor-bucket/landing/feedback",
                               prompts="s3://sensor-bucket/landing/train.jsonl", storage_options=s3_options)
     first, cursor = _evaluate(landing, None)
-    assert [r.partition_key for r in first.run_requests] == ["prefs_000.jsonl", "prefs_001.jsonl"]
+    assert _partitions(first) == [("AddDynamicPartitionsRequest", ["prefs_000.jsonl", "prefs_001.jsonl"])]
+    assert {a for r in first.run_requests for a in _assets(r)} == LANDING_ASSETS
     assert all(uri.startswith("s3://sensor-bucket/landing/") for uri in json.loads(cursor)["files"])
     assert _evaluate(landing, cursor)[0].skip_reason
-    digest = _write(tmp_path / "drop.jsonl", 3)
+    _write(tmp_path / "drop.jsonl", 3)
     fs.put(str(tmp_path / "drop.jsonl"), "sensor-bucket/landing/preferences/drop_003.jsonl")
-    new, _ = _evaluate(landing, cursor)
-    (request,) = new.run_requests
-    assert request.partition_key == "drop_003.jsonl" and request.tags["batchrl/changed_files"] == f"drop_003.jsonl@{digest[:12]}"
+    new, cursor = _evaluate(landing, cursor)
+    assert _partitions(new) == [("AddDynamicPartitionsRequest", ["drop_003.jsonl"])] and not new.run_requests
     for part in ("part-0", "part-1"):  # a folder of objects under the landing is one drop (an object batch)
         fs.put(str(tmp_path / "drop.jsonl"), f"sensor-bucket/landing/preferences/batch_004/{part}.jsonl")
-    batch, _ = _evaluate(landing, _)
-    assert [r.partition_key for r in batch.run_requests] == ["batch_004"]
+    batch, cursor = _evaluate(landing, cursor)
+    assert _partitions(batch) == [("AddDynamicPartitionsRequest", ["batch_004"])]
+    digest = _write(tmp_path / "part.jsonl", 4)
+    fs.put(str(tmp_path / "part.jsonl"), "sensor-bucket/landing/preferences/batch_004/part-1.jsonl")
+    (request,) = _evaluate(landing, cursor)[0].run_requests  # one object of the batch changed: the batch again
+    assert request.partition_key == "batch_004" and request.tags["batchrl/changed_files"] == f"part-1.jsonl@{digest[:12]}"
 
 
 def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_looked(tmp_path, monkeypatch):

@@ -31,14 +31,15 @@ def test_webserver_listens_on_loopback_only(dagster_dev):
     assert addresses and set(addresses) <= loopback, addresses
 
 
-def test_ui_shows_every_asset_sensor_and_schedule(dagster_dev):
+def test_ui_shows_every_asset_and_sensor_and_automation_is_off(dagster_dev):
     data = _graphql(dagster_dev, "{ assetNodes { assetKey { path } } }")
     assert {node["assetKey"]["path"][-1] for node in data["assetNodes"]} == ASSET_KEYS
     repo = _graphql(dagster_dev, """{ repositoriesOrError { ... on RepositoryConnection { nodes {
-        sensors { name description } schedules { name description } jobs { name } } } } }""")["repositoriesOrError"]["nodes"][0]
-    assert {"new_logs_sensor"} == {s["name"] for s in repo["sensors"]}
-    assert {s["name"] for s in repo["schedules"]} == {"nightly_retrain"}
-    assert all(len(i["description"] or "") > 40 for i in repo["sensors"] + repo["schedules"]), repo  # said in the UI
+        sensors { name description sensorState { status } } schedules { name } jobs { name } } } } }""")
+    repo = repo["repositoriesOrError"]["nodes"][0]
+    assert {s["name"] for s in repo["sensors"]} == {"new_logs_sensor", "automation_sensor"} and not repo["schedules"]
+    assert all(len(s["description"] or "") > 40 for s in repo["sensors"]), repo  # said in the UI
+    assert {s["sensorState"]["status"] for s in repo["sensors"]} == {"STOPPED"}  # until switched on
     assert {"retrain", "ingest"} <= {j["name"] for j in repo["jobs"]}
 
 
@@ -66,6 +67,7 @@ def test_backfill_of_two_log_drops_from_the_webserver(dagster_dev):
                 break
             time.sleep(2)
         assert [run.status for run in runs] == [dg.DagsterRunStatus.SUCCESS] * 2
+        assert len(instance.get_runs()) == 2  # the automation sensor is off: it asked for none of the drops
         assert instance.get_materialized_partitions(dg.AssetKey("validated_preferences")) == set(drops)
         steps = []
         for run in runs:
