@@ -72,9 +72,16 @@ def mlflow_server(tmp_path_factory):
 def tracked_run(mlflow_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("tracked")
     (root / "home").mkdir()
-    tracking = TrackingResource(mlflow_uri=mlflow_server, experiment="batchrl-test", wandb_dir=str(root / "wandb"))
+    from batchrl.resources.environments import environment_resources
+
     with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
-        result = run_assets(local_resources(str(root / "storage"), tracking=tracking), instance, SELECTION, {"ops": OPS})
+        with pytest.MonkeyPatch.context() as env:  # the variables for this run only
+            for name, value in (("BATCHRL_MLFLOW_URI", mlflow_server), ("BATCHRL_MLFLOW_EXPERIMENT", "batchrl-test"),
+                                ("BATCHRL_WANDB_DIR", str(root / "wandb"))):
+                env.setenv(name, value)
+            tracking = environment_resources("local")["tracking"]  # dg.EnvVar fields: the steps resolve them
+            result = run_assets(local_resources(str(root / "storage"), tracking=tracking), instance, SELECTION,
+                                {"ops": OPS})
         assert result.success
         yield result.run_id, {a: latest_metadata(instance, a) for a in ("dpo_checkpoint", "policy_checkpoint")}, \
             str(root / "wandb")
