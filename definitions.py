@@ -15,6 +15,7 @@ from batchrl.assets import automation, data, dpo, evaluation, models, offline, p
 from batchrl.common.environment_variables import read
 from batchrl.resources import ArtifactIOManager, TrackingResource
 from batchrl.resources.environments import environment_resources
+from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.runs import step_server
 from batchrl.runs.run_log import with_run_log
 
@@ -31,11 +32,11 @@ def step_executor(config: dict) -> dict:
 def build_definitions(resources: dict | None = None, dpo_self_play: bool | None = None) -> dg.Definitions:
     """The code location; ``resources`` overrides the environment's (tests pass their own). Assets hand each
     other artifacts through ``ArtifactIOManager`` on the same storage, unless ``resources`` has an io_manager;
-    without a ``tracking`` resource, MLflow tracking is off.
+    without a ``tracking`` resource, MLflow tracking is off; without ``rl_recipe``, the default RL recipe.
     ``dpo_self_play``: the DPO path may take self-play pairs (default ``dpo_takes_self_play_pairs()``)."""
     resources = resources or environment_resources()
     resources = {"io_manager": ArtifactIOManager(storage=resources["storage"]), "tracking": TrackingResource(),
-                 **resources}
+                 "rl_recipe": RLRecipe(), **resources}  # the default RL recipe unless resources give one
     self_play = dpo_takes_self_play_pairs() if dpo_self_play is None else dpo_self_play
     return dg.Definitions(
         assets=automation.with_automation([*dg.load_assets_from_modules([data, models, rl, dpo, evaluation, offline]),

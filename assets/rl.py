@@ -19,8 +19,11 @@ from batchrl.assets.rollout_prefetch import (
     NO_NEXT_ITERATION, NO_PREFETCH_WORKER, PROMPTS_FILE, SamplingRequest, announced_next_seed, prefetched_folder,
     prompt_subset, sample_ahead_request, start_prefetch,
 )
-from batchrl.assets.run_rules import check_run_config, kl_placement
-from batchrl.assets.stage_configs import PromptsConfig, RolloutConfig
+from batchrl.assets.run_rules import materialised_advantages_problem
+from batchrl.assets.stage_configs import (
+    AdvantageConfig, PolicyRunConfig, PromptsConfig, RolloutConfig, advantage_settings, policy_config,
+    rollout_recipe_problem, stage_fields,
+)
 from batchrl.common import fsutil
 from batchrl.resources import (
     Artifact, CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
@@ -28,16 +31,15 @@ from batchrl.resources import (
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.resources.landing import landing_input
-from batchrl.training.rl.advantages import ALL_GROUPS_KEPT_NOTE, AdvantageSettings
+from batchrl.resources.rl_recipe import RLRecipe
+from batchrl.training.rl.advantages import ALL_GROUPS_KEPT_NOTE
 from batchrl.training.data.prompt_shapes import PromptQuarantine
 from batchrl.training.data.prompts import load_prompts
 from batchrl.training.timing.phases import PhaseClock
 from batchrl.training.rewards.registry import OVERLONG_PENALTY, REWARD_MODEL, RULE, RewardConfig
 from batchrl.training.data.text import prompt_messages
-from batchrl.training.trainer.config import PolicyConfig
 
 RewardRunConfig = run_config_for(RewardConfig, "RewardRunConfig")
-PolicyRunConfig = run_config_for(PolicyConfig, "PolicyRunConfig")
 
 
 def known_data_sources(config: PromptsConfig, run_config: dict) -> Optional[list[str]]:
@@ -48,9 +50,6 @@ def known_data_sources(config: PromptsConfig, run_config: dict) -> Optional[list
     if rewards.get("route_by") == "data_source" and rewards.get("routing"):
         return sorted(rewards["routing"])
     return None
-
-
-AdvantageConfig = run_config_for(AdvantageSettings, "AdvantageConfig")
 
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.data.prompts", "batchrl.training.data.prompt_shapes",
@@ -81,33 +80,30 @@ def prompts(context: dg.AssetExecutionContext, config: PromptsConfig, landing: L
                                  "categories": table["category"].value_counts().to_dict()})
 
 
-def _selected_assets(context: dg.AssetExecutionContext) -> list[str] | None:
-    keys = context.run.asset_selection or context.job_def.asset_layer.selected_asset_keys
-    return [key.to_user_string() for key in keys] if keys else None
-
-
 # the agent loop's modules, not the package: its evaluate scores sequences, which sampling never does
 @dg.asset(group_name="rl",
           code_version=code_version("batchrl.training.rollout", "batchrl.training.agent.loop",
-                                     "batchrl.training.agent.stats", config=RolloutConfig),
+                                     "batchrl.training.agent.stats", "batchrl.resources.rl_recipe",
+                                     config=RolloutConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN}, metadata=declared_files(table="rollouts.parquet"))
 def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: Artifact, base_model: Artifact,
-             promoted_policy: Optional[Artifact], rollout_engine: RolloutEngineResource,
+             promoted_policy: Optional[Artifact], rl_recipe: RLRecipe, rollout_engine: RolloutEngineResource,
              trainer: TrainerLauncherResource, storage: StorageResource, catalog: CatalogResource) -> dg.Output:
-    """n sampled responses per prompt from the current policy (the promoted checkpoint of this base model's
-    chain, the base model on a new chain), with token log-probs (plus one greedy response per prompt with
-    ``greedy_baseline``, for ReMax)."""
+    """The recipe's ``samples_per_prompt`` sampled responses per prompt from the current policy (the promoted
+    checkpoint of this base model's chain, the base model on a new chain), with token log-probs (plus one greedy
+    response per prompt when the recipe's estimator is ReMax)."""
     clock = PhaseClock()  # where the step's wall goes outside the sampling job (metadata step_s/*)
     with clock.phase("prepare"):
-        # runs launched from the UI skip `batchrl run`'s and execute_assets' up-front check: the same one, here
-        check_run_config(context.run.run_config, _selected_assets(context), context.job_def.asset_layer.asset_graph)
+        problem = rollout_recipe_problem(config, rl_recipe)  # this stage's knobs under the recipe it reads
+        if problem:
+            raise dg.Failure(problem)
         promoted = current_policy(context, promoted_policy, base_model, config.policy)
         # off-policy: the samples come from the policy the promoted one was trained from (one update behind)
-        policy, staleness = behaviour_policy(storage, promoted, config.off_policy_steps)
+        policy, staleness = behaviour_policy(storage, promoted, rl_recipe.off_policy_steps)
         all_prompts = prompts.read_table()
         table = prompt_subset(all_prompts, config.max_prompts, config.seed)  # a new seeded subset each iteration
         messages = prompt_messages(table.to_dict("records"))  # multi-turn prompts: the engine renders them whole
-        request = SamplingRequest(policy, list(table["prompt"]), messages, config.samples_per_prompt, config.seed,
+        request = SamplingRequest(policy, list(table["prompt"]), messages, rl_recipe.samples_per_prompt, config.seed,
                                   None if config.agent is None else config.agent.model_dump())
     with storage.staging_dir("rollouts_work") as workdir, clock.phase("sample"):
         samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path, prompts=request.prompts,
@@ -115,7 +111,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                                                cache_dir=storage.cache_dir, messages=messages, agent=request.agent,
                                                prefetched=prefetched_folder(storage, rollout_engine, request))
         ahead = {}
-        if config.off_policy_steps:  # the next iteration's, from `promoted`, with the seed the run announced
+        if rl_recipe.off_policy_steps:  # the next iteration's, from `promoted`, with the seed the run announced
             next_seed = announced_next_seed(context.run.tags)
             if next_seed is None or not rollout_engine.can_prefetch(trainer):
                 ahead = {"prefetch": NO_NEXT_ITERATION if next_seed is None else NO_PREFETCH_WORKER}
@@ -125,7 +121,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
                     promoted, list(table_next["prompt"]), prompt_messages(table_next.to_dict("records")),
                     request.n, next_seed, request.agent))
                 ahead = {"prefetch": "started", "prefetch_seed": next_seed, "prefetch_worker_pid": pid}
-        if config.greedy_baseline:
+        if rl_recipe.greedy_baseline:
             from batchrl.training.rl.remax import add_greedy_baselines, greedy_engine
 
             greedy_dir = os.path.join(workdir, "greedy")
@@ -146,7 +142,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         with clock.phase("write"):
             samples.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, seed=config.seed,
-                       config={**config.model_dump(), "engine": rollout_engine.model_dump(),
+                       config={**stage_fields(config), **rl_recipe.rollout_part(), "engine": rollout_engine.model_dump(),
                                "chain_base": chain_base(policy), "staleness": staleness},
                        # off-policy: the policy sampled and the promoted one it stood behind (what reproduce pins)
                        inputs={"prompts": prompts, "policy": policy, **({PROMOTED: promoted} if staleness else {})},
@@ -202,20 +198,22 @@ def reward_headline(scored: pd.DataFrame, components: list[str]) -> dict[str, fl
 
 @dg.asset(group_name="rl", code_version=code_version("batchrl.training.rl.advantages", "batchrl.training.algos",
                                                     "batchrl.training.rewards.kl_in_reward", "batchrl.training.rl.remax",
-                                                    "batchrl.training.models.value_model", config=AdvantageConfig),
+                                                    "batchrl.training.models.value_model", "batchrl.resources.rl_recipe",
+                                                    config=AdvantageConfig),
           kinds={"pytorch"}, ins={"promoted_policy": PROMOTED_POLICY_IN,
                                   "reward_model": dg.AssetIn(metadata={OPTIONAL_KEY: True})},
           metadata=declared_files(table="advantages.parquet"))
 def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewards: Artifact, base_model: Artifact,
-               promoted_policy: Optional[Artifact], reward_model: Optional[Artifact], storage: StorageResource,
-               catalog: CatalogResource, compute: ComputeResource, trainer: TrainerLauncherResource) -> dg.Output:
-    """Per-token advantages and returns from the configured estimator (grouped by prompt), with the
-    KL to the base model in the token rewards when ``use_kl_in_reward`` (on the environment's compute: in
+               promoted_policy: Optional[Artifact], reward_model: Optional[Artifact], rl_recipe: RLRecipe,
+               storage: StorageResource, catalog: CatalogResource, compute: ComputeResource,
+               trainer: TrainerLauncherResource) -> dg.Output:
+    """Per-token advantages and returns from the recipe's estimator (grouped by prompt), with the KL to the base
+    model in the token rewards when the recipe places it there (on the environment's compute: in
     process on the CPU, a job on the GPU host — the models it may run, reference and critic, and torch stay
     out of the Dagster process there)."""
     import pyarrow.parquet as pq
 
-    settings = to_library_config(config, AdvantageSettings)
+    settings = advantage_settings(config, rl_recipe)
     columns = pq.read_schema(rewards.file()).names
     kl_inputs, extra_inputs = kl_in_reward_inputs(context, storage, settings, columns, base_model, promoted_policy)
     critic_config, critic_lineage = critic_inputs(storage, settings, rewards, reward_model)  # RM: critic_init
@@ -240,24 +238,26 @@ def advantages(context: dg.AssetExecutionContext, config: AdvantageConfig, rewar
                                  "kl_in_reward_coef": float(metrics.get("kl_coef_applied", 0.0))})
 
 
-@dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos"),
+@dg.asset(group_name="rl", code_version=code_version("batchrl.training.jobs.train_policy", "batchrl.training.algos",
+                                                    "batchrl.resources.rl_recipe", config=PolicyRunConfig),
           kinds={"deepspeed"}, ins={"promoted_policy": PROMOTED_POLICY_IN})
 def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig, advantages: Artifact,
                       rollouts: Artifact, base_model: Artifact, promoted_policy: Optional[Artifact],
-                      storage: StorageResource, catalog: CatalogResource, trainer: TrainerLauncherResource,
-                      tracking: TrackingResource, rollout_engine: RolloutEngineResource) -> dg.Output:
+                      rl_recipe: RLRecipe, storage: StorageResource, catalog: CatalogResource,
+                      trainer: TrainerLauncherResource, tracking: TrackingResource,
+                      rollout_engine: RolloutEngineResource) -> dg.Output:
     """Clipped policy-gradient update (PPO/GRPO) with KL to the base model, on DeepSpeed via Pipes, of the
     policy the rollouts were sampled from (its parent: the promoted checkpoint, or the base model on a new
     chain); the new checkpoint is promoted, so the next iteration samples from it (with ``rollouts.sample_ahead``
     the update's job has sampled it already, while it exported the checkpoint)."""
     parent = parent_policy(rollouts, promoted_policy, base_model)
-    kl_problem = kl_placement(bool(advantages.lineage.get("config", {}).get("use_kl_in_reward", False)),
-                              config.use_kl_in_reward, config.kl_coef, materialised=True)
-    if kl_problem:  # the advantages may come from an earlier run, which the up-front check never saw
-        raise dg.Failure(kl_problem)
-    critic_config, companions = critic_job_inputs(storage, advantages, config.critic)
+    update = policy_config(config, rl_recipe)
+    problem = materialised_advantages_problem(advantages.lineage.get("config", {}), rl_recipe)
+    if problem:  # the advantages may come from an earlier run with another recipe, which no up-front check saw
+        raise dg.Failure(problem)
+    critic_config, companions = critic_job_inputs(storage, advantages, update.critic)
     job_config = {
-        "trainer": config.model_dump(),
+        "trainer": update.model_dump(),
         "batch_parquet": advantages.file(),
         "model_path": parent.path,
         "reference_model_path": base_model.path,
@@ -265,13 +265,13 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
     }
     position = next_iteration(context.instance, parent)
     ahead, ahead_state = sample_ahead_request(storage, rollout_engine, trainer, rollouts, parent,
-                                              context.asset_key.to_user_string(), context.run.tags)
-    own = {"kl_loss_coef": 0.0 if config.use_kl_in_reward else config.kl_coef}
+                                              context.asset_key.to_user_string(), context.run.tags, rl_recipe)
+    own = {"kl_loss_coef": update.kl_loss_coef}
     # the chain so far against its iteration, drawn while the update runs
     with ChainChart(context, position[CHAIN], position.get(ITERATION), {"policy_checkpoint": own}) as chart:
         output = train_and_publish(context, "train_policy", job_config,
                                    {"advantages": advantages, "policy": parent, "reference": base_model},
-                                   config.seed, storage, catalog, trainer, companions=companions, tracking=tracking,
+                                   update.seed, storage, catalog, trainer, companions=companions, tracking=tracking,
                                    # requested, the job reports whether it sampled ahead
                                    metadata={**position, **own, **({} if ahead else {"sample_ahead": ahead_state})},
                                    job_extras={"sample_ahead": ahead} if ahead else None)

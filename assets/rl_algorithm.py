@@ -1,7 +1,7 @@
 """What the RL assets need from lineage for KL in the reward and critic values: the reference model, the KL
 controller's state carried over from the previous iteration (through the promoted policy), the rollouts' token
-limit (DAPO's overlong punishment), and the critic the advantages were valued with (where the KL term lives is
-``assets.run_rules.kl_placement``'s)."""
+limit (DAPO's overlong punishment), and the critic the advantages were valued with (where the KL term lives is the
+RL recipe's ``kl_placement``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -48,18 +48,18 @@ def kl_in_reward_inputs(context: dg.AssetExecutionContext, storage: StorageResou
                         promoted: Artifact | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the advantages job needs for KL in the reward (the reference model, the KL coefficient carried
     over) and the extra lineage inputs (reference model, the batch the controller state came from);
-    ``({}, {})`` without ``use_kl_in_reward``. ``columns``: the scored samples' columns."""
+    ``({}, {})`` unless the recipe places the KL in the reward. ``columns``: the scored samples' columns."""
     if not settings.use_kl_in_reward:
         return {}, {}
     if "rollout_logprobs" not in columns:
-        raise dg.Failure("advantages: use_kl_in_reward needs the rollouts' rollout_logprobs column")
+        raise dg.Failure("advantages: kl_placement reward needs the rollouts' rollout_logprobs column")
     carried, previous = _previous_kl_state(storage, settings, base_model, promoted)
     inputs: dict[str, Any] = {"reference": base_model}
     if previous is not None:
         inputs["kl_ctrl_from"] = previous
         context.log.info(f"advantages: adaptive KL coefficient {carried:.6g} carried over from "
                          f"advantages {previous.data_version}")
-    return {"reference_model_path": base_model.path, "kl_coef": carried}, inputs
+    return {"reference_model_path": base_model.path, "kl_in_reward_coef": carried}, inputs
 
 
 CRITIC_ASSET = "critic_checkpoint"
@@ -110,8 +110,8 @@ def critic_job_inputs(storage: StorageResource, advantages: Artifact, use_critic
     critic = advantages.lineage.get("inputs", {}).get("critic")
     if not use_critic:
         return {}, {}
-    if critic is None:
-        raise dg.Failure("policy_checkpoint: config critic is true but the advantages were computed without critic "
-                         "values (advantages config estimator needs no values): use estimator gae, or critic: false")
+    if critic is None:  # an advantages batch from an earlier run with another estimator
+        raise dg.Failure("policy_checkpoint: rl_recipe.estimator trains a critic but the advantages were computed "
+                         "without critic values: rematerialise advantages with this recipe")
     return ({"critic_path": storage.localize(critic)},
             {CRITIC_ASSET: ("critic", {"advantages": advantages, "critic": critic})})

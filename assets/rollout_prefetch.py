@@ -24,6 +24,7 @@ import pandas as pd
 from batchrl.common.prefetch_key import FOLDER, request_folder, request_parts
 from batchrl.resources import RolloutEngineResource, StorageResource, TrainerLauncherResource
 from batchrl.resources.artifacts import Artifact, make_local
+from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.training.data.text import prompt_messages
 
 PROMPTS_FILE = "prompts.parquet"  # the prompts asset's table
@@ -92,14 +93,16 @@ def start_prefetch(storage: StorageResource, engine: RolloutEngineResource, laun
 
 
 def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
-                         rollouts: Artifact, parent: Artifact, asset: str, tags: dict) -> tuple[dict | None, str]:
+                         rollouts: Artifact, parent: Artifact, asset: str, tags: dict,
+                         recipe: RLRecipe) -> tuple[dict | None, str]:
     """``(request, why)``: the next iteration's rollouts request, for the update of ``rollouts`` (trained from
     ``parent``, published as ``asset``, in a run of ``tags``) to sample from its new weights while it exports them —
-    the request the next rollouts step makes with the seed the run announced (``NEXT_ROLLOUTS_SEED_TAG``) — or None
-    where no next iteration is known or its step could not take them."""
-    config = rollouts.lineage.get("config", {})
-    if not config.get("sample_ahead"):
+    the request the next rollouts step makes with the seed the run announced (``NEXT_ROLLOUTS_SEED_TAG``), the
+    recipe's samples per prompt and the rollouts' own prompt sample and agent — or None where the recipe does not
+    sample ahead, no next iteration is known or its step could not take them."""
+    if not recipe.sample_ahead:
         return None, "off"
+    config = rollouts.lineage.get("config", {})
     if not engine.can_prefetch(launcher):
         return None, NO_PREFETCH_WORKER
     seed = announced_next_seed(tags)
@@ -108,7 +111,7 @@ def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource
     prompts_table = make_local(storage, rollouts.input_ref("prompts"), files={"table": PROMPTS_FILE}).read_table()
     table = prompt_subset(prompts_table, config.get("max_prompts"), seed)
     prompts, messages = list(table["prompt"]), prompt_messages(table.to_dict("records"))
-    n, agent = config["samples_per_prompt"], config.get("agent")
+    n, agent = recipe.samples_per_prompt, config.get("agent")
     remove_stale(storage)
     return {"engine": engine.engine_options(parent.path, storage.cache_dir), "prompts": prompts,
             "messages": messages, "n": n, "seed": seed, "agent": agent,

@@ -1,22 +1,24 @@
 """Every rule of what one stage's run config needs from another's, each written once here, and the one whole-run
 check that applies them before anything runs.
 
-Each stage's config validates itself (allowed names come from the registries; ``AdvantageSettings`` refuses KL in
-the reward at ``kl_coef: 0``, ``PolicyConfig`` a critic its own ``adv_estimator`` does not use); what one stage's
-choice requires from another's is checked by ``check_run_config`` (``RunConfigError``, naming the fields), from
-what the estimators registered they need (``algos.registry``): a greedy baseline for ReMax, several samples per
-prompt for group estimators, a critic for GAE, one place for the KL term, reward names that resolve, a DPO pair
-source that exists and whose graph has the inputs it takes, one truncation (``max_length``) for the reference
-log-probs and DPO, a sandbox that is a boundary for tool-using rollouts (or ``allow_weak_sandbox``); and, given the code location's resources, what the policy update takes from the rollout engine
-(its temperature; sampled-token log-probs, which vLLM reports only when asked). It is called by
-``runs.run_config.check_whole_run`` (`batchrl run`'s up-front ``validate_plan``, and ``runs.execute.execute_assets``
-before executing) and by the ``rollouts`` asset for runs launched from the UI, which skip both (without the
-resources' rules there).
+Each stage's config validates itself (allowed names come from the registries), and so does the RL recipe
+(``resources.rl_recipe``, ``resources.rl_recipe.RLRecipe``: the estimator, samples per prompt, where the KL lives,
+off-policy sampling, each combination refused when written). ``check_run_config`` (``RunConfigError``, naming the
+fields) builds the recipe a run reads and each RL stage's job config from its own knobs and the recipe's part (so
+their validators see both: dynamic sampling needs a group estimator), and checks what the rest needs: rollouts'
+agent against the recipe's baselines, reward names that resolve, a DPO pair source that exists and whose graph has
+the inputs it takes, one truncation (``max_length``) for the reference log-probs and DPO, a sandbox that is a
+boundary for tool-using rollouts (or ``allow_weak_sandbox``); and, given the code location's resources, what the
+policy update takes from the rollout engine (its temperature; sampled-token log-probs, which vLLM reports only
+when asked). It is called by ``runs.run_config.check_whole_run`` (`batchrl run`'s up-front ``validate_plan``, and
+``runs.execute.execute_assets`` before executing). A run launched from the UI meets the same rules where the
+stages read them: the recipe when Dagster builds the resource, each RL stage's config with the recipe when it
+starts, and the rules below against what its inputs were materialised with.
 
 Three rules are applied again when their stage runs, to what its input was materialised with (an input from an
-earlier run, which no up-front check saw): ``kl_placement`` by ``policy_checkpoint`` against the advantages'
-lineage, ``reference_mismatch`` by ``dpo_checkpoint`` against the reference log-probs' lineage, ``self_play_missing``
-by ``dpo_pairs`` against its own inputs.
+earlier run, which no up-front check saw): ``materialised_advantages_problem`` by ``policy_checkpoint`` against the
+advantages' lineage and the recipe, ``reference_mismatch`` by ``dpo_checkpoint`` against the reference log-probs'
+lineage, ``self_play_missing`` by ``dpo_pairs`` against its own inputs.
 """
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ from typing import Iterable
 import dagster as dg
 import pydantic
 
-from batchrl.assets.stage_configs import ReferenceConfig, RolloutConfig
+from batchrl.assets.stage_configs import (
+    RECIPE, AdvantageConfig, PolicyRunConfig, ReferenceConfig, RolloutConfig, advantage_settings, policy_config,
+    rollout_recipe_problem,
+)
 from batchrl.common.run_config_error import RunConfigError, pydantic_problems
 from batchrl.resources.profiles import pair_sources
-from batchrl.training.rl.advantages import AdvantageSettings
-from batchrl.training.algos import estimator_needs
+from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.training.rewards.registry import RewardConfig, get_reward_function
-from batchrl.training.trainer.config import DPOConfig, PolicyConfig
+from batchrl.training.trainer.config import DPOConfig
 
 
 def _config(ops: dict, asset: str, cls: type):
@@ -49,13 +53,26 @@ def check_run_config(run_config: dict | None, selection: Iterable[str] | None = 
     policy update needs from the rollout engine (None: those rules are not applied)."""
     ops = (run_config or {}).get("ops", {}) or {}
     chosen = _chooser(set(selection) if selection else None)
-    _check_rl(ops, chosen)
+    recipe = run_recipe(run_config, resources)
+    _check_rl(ops, chosen, recipe)
     _check_dpo_lengths(ops, chosen)
     _check_base_model_parts(ops, chosen)
     _check_sandbox(ops, chosen)
     if resources is not None and "rollout_engine" in resources:
-        _check_engine(ops, chosen, resources["rollout_engine"])
+        _check_engine(ops, chosen, resources["rollout_engine"], recipe)
     _check_pair_source(ops, graph)
+
+
+def run_recipe(run_config: dict | None, resources: dict | None = None) -> RLRecipe:
+    """The RL recipe a run reads: the code location's ``rl_recipe`` (the environment's, with a profile's and the
+    ``-c`` files' fields over it; the default recipe without one) and the run config's
+    ``resources.rl_recipe.config`` over that, as Dagster builds it. ``RunConfigError`` names the field refused."""
+    base = (resources or {}).get("rl_recipe") or RLRecipe()
+    given = ((((run_config or {}).get("resources") or {}).get("rl_recipe") or {}).get("config")) or {}
+    try:
+        return RLRecipe(**{**base.model_dump(), **given})
+    except pydantic.ValidationError as err:
+        raise RunConfigError("; ".join(pydantic_problems(err, RECIPE))) from None
 
 
 def _check_base_model_parts(ops: dict, chosen) -> None:
@@ -98,10 +115,16 @@ def _chooser(selected: set[str] | None):
     return chosen
 
 
-def _check_rl(ops: dict, chosen) -> None:
-    rollouts = _config(ops, "rollouts", RolloutConfig) if chosen("rollouts") else None
-    algorithm = _config(ops, "advantages", AdvantageSettings) if chosen("advantages") else None
-    policy = _config(ops, "policy_checkpoint", PolicyConfig) if chosen("policy_checkpoint") else None
+def _check_rl(ops: dict, chosen, recipe: RLRecipe) -> None:
+    """Each selected RL stage's config with the recipe's part, built as the stage builds it; the reward names."""
+    if chosen("rollouts"):
+        problem = rollout_recipe_problem(_config(ops, "rollouts", RolloutConfig), recipe)
+        if problem:
+            raise RunConfigError(problem)
+    if chosen("advantages"):
+        advantage_settings(_config(ops, "advantages", AdvantageConfig), recipe)
+    if chosen("policy_checkpoint"):
+        policy_config(_config(ops, "policy_checkpoint", PolicyRunConfig), recipe)
     if chosen("rewards"):
         rewards = _config(ops, "rewards", RewardConfig)
         for field, spec in [("rule", rewards.rule), *((f"custom.{k}", v) for k, v in rewards.custom.items())]:
@@ -109,42 +132,6 @@ def _check_rl(ops: dict, chosen) -> None:
                 get_reward_function(spec)
             except (KeyError, TypeError, ImportError, AttributeError) as err:
                 raise RunConfigError(f"ops.rewards.config.{field}: {err}") from None
-    if algorithm is not None:
-        needs = estimator_needs(algorithm.estimator)
-        where = f"ops.advantages.config.estimator={algorithm.estimator}"
-        if rollouts is not None and "reward_baselines" in needs and not rollouts.greedy_baseline:
-            raise RunConfigError(f"{where} needs a greedy baseline per prompt: set ops.rollouts.config.greedy_baseline: "
-                                 "true")
-        if rollouts is not None and "groups" in needs and rollouts.samples_per_prompt < 2:
-            raise RunConfigError(f"{where} compares responses within a prompt's group: "
-                                 f"ops.rollouts.config.samples_per_prompt={rollouts.samples_per_prompt} must be >= 2")
-        if rollouts is not None and rollouts.agent is not None and "values" in needs:
-            raise RunConfigError(f"{where} with ops.rollouts.config.agent: the critic is not trained with the "
-                                 "trajectories' loss mask (tool observations would get values); use a group "
-                                 "estimator (grpo, rloo, ...) for tool-using rollouts")
-        if policy is not None and "values" in needs and not policy.critic:
-            raise RunConfigError(f"{where} needs critic values: set ops.policy_checkpoint.config.critic: true "
-                                 "(a value model trained with the policy)")
-    if rollouts is not None and policy is not None and rollouts.off_policy_steps:
-        # the update's ratio is to the policy it starts from (recomputed); the samples' own policy, one update
-        # behind, is corrected for by the truncated importance weights against the engine's log-probs
-        if policy.old_logprobs != "recompute" or policy.rollout_is_threshold is None:
-            raise RunConfigError(
-                "ops.rollouts.config.off_policy_steps=1 samples one update behind the policy being trained: set "
-                "ops.policy_checkpoint.config.old_logprobs: recompute and rollout_is_threshold (a number) so the "
-                f"staleness is corrected (now old_logprobs={policy.old_logprobs}, "
-                f"rollout_is_threshold={policy.rollout_is_threshold})")
-        if policy.critic:
-            raise RunConfigError("ops.rollouts.config.off_policy_steps=1 with ops.policy_checkpoint.config.critic: "
-                                 "the critic's values and returns are on-policy here; use a group estimator (grpo, "
-                                 "rloo, ...) for off-policy iterations")
-    if algorithm is not None and policy is not None:
-        if "adv_estimator" in policy.model_fields_set and policy.adv_estimator != algorithm.estimator:
-            raise RunConfigError(f"ops.policy_checkpoint.config.adv_estimator={policy.adv_estimator} differs from "
-                                 f"ops.advantages.config.estimator={algorithm.estimator}")
-        problem = kl_placement(algorithm.use_kl_in_reward, policy.use_kl_in_reward, policy.kl_coef)
-        if problem:
-            raise RunConfigError(problem)
 
 
 def _check_dpo_lengths(ops: dict, chosen) -> None:
@@ -173,12 +160,12 @@ def reference_mismatch(reference_max_length: int, dpo_max_length: int, materiali
             "completion tokens; set the same max_length on both")
 
 
-def _check_engine(ops: dict, chosen, engine) -> None:
+def _check_engine(ops: dict, chosen, engine, recipe: RLRecipe) -> None:
     """What the policy update takes from the rollout engine: the sampling temperature, and the sampled tokens'
-    log-probs where it uses them (vLLM reports them only with ``sampled_logprobs``)."""
+    log-probs where the recipe uses them (vLLM reports them only with ``sampled_logprobs``)."""
     if not chosen("policy_checkpoint"):
         return
-    policy = _config(ops, "policy_checkpoint", PolicyConfig)
+    policy = _config(ops, "policy_checkpoint", PolicyRunConfig)
     if policy.temperature != engine.temperature:
         raise RunConfigError(
             f"ops.policy_checkpoint.config.temperature={policy.temperature} differs from "
@@ -186,37 +173,33 @@ def _check_engine(ops: dict, chosen, engine) -> None:
             "samples at the temperature they were sampled at; set the same on both")
     if engine.kind != "vllm" or engine.sampled_logprobs:
         return
-    if policy.old_logprobs == "rollout":
-        raise RunConfigError("ops.policy_checkpoint.config.old_logprobs='rollout' takes the engine's sampled-token "
-                             "log-probs, which resources.rollout_engine.kind='vllm' reports only with "
+    if recipe.old_logprobs == "rollout":
+        raise RunConfigError(f"{RECIPE}.old_logprobs='rollout' takes the engine's sampled-token log-probs, which "
+                             "resources.rollout_engine.kind='vllm' reports only with "
                              "resources.rollout_engine.sampled_logprobs: true (or use old_logprobs: recompute)")
-    if chosen("rollouts") and _config(ops, "rollouts", RolloutConfig).off_policy_steps:
-        raise RunConfigError("ops.rollouts.config.off_policy_steps=1 corrects the staleness with the engine's "
-                             "sampled-token log-probs, which resources.rollout_engine.kind='vllm' reports only with "
+    if chosen("rollouts") and recipe.off_policy_steps:
+        raise RunConfigError(f"{RECIPE}.off_policy_steps=1 corrects the staleness with the engine's sampled-token "
+                             "log-probs, which resources.rollout_engine.kind='vllm' reports only with "
                              "resources.rollout_engine.sampled_logprobs: true")
 
 
-def kl_placement(advantages_kl_in_reward: bool, policy_kl_in_reward: bool, policy_kl_coef: float,
-                 materialised: bool = False) -> str | None:
-    """Where the KL term lives: the advantages stage and the policy update must agree on it, or it vanishes (the
-    policy drops its KL loss for a KL the rewards do not carry) or counts twice (the rewards carry it and the
-    policy adds its loss). The problem, None when they agree. ``materialised``: the advantages' side is what an
-    advantages artifact was computed with (``policy_checkpoint``), not this run's config."""
-    if policy_kl_in_reward and not advantages_kl_in_reward:
-        if materialised:
-            return ("policy_checkpoint: config use_kl_in_reward is true (no KL loss) but the advantages were "
-                    "computed without KL in the reward (advantages config use_kl_in_reward: false): the KL "
-                    "term would silently vanish; set advantages use_kl_in_reward: true")
-        return ("ops.policy_checkpoint.config.use_kl_in_reward: true turns the KL loss off but "
-                "ops.advantages.config.use_kl_in_reward is false: the KL term would vanish")
-    if advantages_kl_in_reward and not policy_kl_in_reward and policy_kl_coef > 0:
-        if materialised:
-            return ("policy_checkpoint: the advantages already carry the KL penalty in their rewards "
-                    "(advantages config use_kl_in_reward: true) and config use_kl_in_reward is false, so the "
-                    "KL loss would count it twice; set policy_checkpoint use_kl_in_reward: true or kl_coef: 0")
-        return ("ops.advantages.config.use_kl_in_reward: true puts KL in the reward, and "
-                "ops.policy_checkpoint.config.use_kl_in_reward: false adds it again as a loss: set "
-                "policy use_kl_in_reward: true (or its kl_coef: 0)")
+def materialised_advantages_problem(advantages_config: dict, recipe: RLRecipe) -> str | None:
+    """The advantages a policy update reads may come from an earlier run with another recipe, which no up-front
+    check saw: the problem when their lineage ``config`` disagrees with ``recipe`` on what the update builds on
+    (the estimator; where the KL lives: in their rewards, or the update's loss), None when it agrees."""
+    estimator = advantages_config.get("estimator")
+    if estimator is not None and estimator != recipe.estimator:
+        return (f"policy_checkpoint: the advantages were computed with estimator {estimator} but {RECIPE}.estimator "
+                f"is {recipe.estimator}: rematerialise advantages with this recipe")
+    in_reward = bool(advantages_config.get("use_kl_in_reward", False))
+    if in_reward and recipe.kl_placement != "reward":
+        return (f"policy_checkpoint: the advantages carry the KL in their rewards (computed with kl_placement reward) "
+                f"but {RECIPE}.kl_placement is {recipe.kl_placement}"
+                + (": the KL loss would count it twice" if recipe.kl_placement == "loss" else "")
+                + "; rematerialise advantages with this recipe")
+    if not in_reward and recipe.kl_placement == "reward":
+        return (f"policy_checkpoint: {RECIPE}.kl_placement is reward (no KL loss) but the advantages were computed "
+                "without KL in the reward: the KL term would vanish; rematerialise advantages with this recipe")
     return None
 
 

@@ -1,14 +1,60 @@
-"""The run configs of the stages whose rules other stages' checks read (``run_rules``): prompts, rollouts and the
-reference log-probs. The assets that take them import them from here, so the rules never import an asset module."""
-from typing import Literal, Optional
+"""The run configs of the stages whose rules other stages' checks read (``run_rules``): prompts, the RL stages
+(each the stage's own knobs; what several of them share is the RL recipe, ``resources.rl_recipe``) and the
+reference log-probs. The assets that take them import them from here, so the rules never import an asset module.
+
+A field that moved to the recipe stays in its stage's run config under its old name, refused with where it went
+(``with_moved_fields``): `batchrl run`, profiles and the launchpad say "set resources.rl_recipe.kl_loss_coef", not
+"no such key"."""
+from typing import Any, Literal, Optional
 
 import dagster as dg
+import pydantic
 from pydantic import Field, model_validator
 
 from batchrl.assets.common import run_config_for
+from batchrl.common.run_config_error import RunConfigError, pydantic_problems
+from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.training.agent.config import AgentConfig
+from batchrl.training.rl.advantages import AdvantageSettings, AdvantageStageSettings
+from batchrl.training.trainer.config import PolicyConfig, PolicyUpdateConfig
 
 AgentRunConfig = run_config_for(AgentConfig, "AgentRunConfig")
+RECIPE = "resources.rl_recipe"
+
+
+def with_moved_fields(name: str, run_config: type[dg.Config], stage: str, moved: dict[str, str]) -> type[dg.Config]:
+    """A run config ``name``: ``run_config`` still naming each field that moved out of ``ops.<stage>.config`` (``moved``: old name -> where
+    it is set now), so that a value given under the old name is refused in one line saying where it went: when the
+    stage's config is built (a launchpad run) and by its ``library_model`` (`batchrl run`'s check of every op)."""
+    def refusal(config: dict) -> str | None:
+        given = [name for name in moved if config.get(name) is not None]
+        return "; ".join(f"{name}={config[name]!r} moved from ops.{stage}.config to the RL recipe: set {moved[name]}"
+                         for name in given) or None
+
+    def refuse_moved(self):
+        problem = refusal(self.__dict__)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def library_model(**config):
+        problem = refusal(config)
+        if problem:
+            raise ValueError(problem)
+        return run_config.library_model(**{k: v for k, v in config.items() if k not in moved})
+
+    fields = {name: (Optional[Any], Field(None, description=f"moved from ops.{stage}.config: set {where}"))
+              for name, where in moved.items()}
+    cls = pydantic.create_model(name, __base__=run_config, __module__=__name__,
+                                __validators__={"refuse_moved": model_validator(mode="after")(refuse_moved)}, **fields)
+    cls.library_model = library_model
+    cls.moved_fields = tuple(moved)
+    return cls
+
+
+def stage_fields(config: dg.Config) -> dict:
+    """A stage's own config values, without the moved names (always None once the config was built)."""
+    return config.model_dump(exclude=set(getattr(config, "moved_fields", ())))
 
 
 class PromptFormatConfig(dg.Config):
@@ -35,49 +81,24 @@ class PromptsConfig(PromptFormatConfig):
 
 
 def _check_rollout_config(**config) -> None:
-    """``ops.rollouts.config``'s combinations, checked by ``batchrl run`` before anything runs and at launch."""
-    if config.get("sample_ahead") and config.get("off_policy_steps"):
-        raise ValueError("sample_ahead with off_policy_steps: 1: the off-policy rollouts are prefetched already "
-                         "(from the published parent); sampling ahead is the on-policy overlap")
-    if config.get("sample_ahead") and config.get("policy", "latest") != "latest":
-        raise ValueError(f"sample_ahead with policy: {config['policy']}: the samples drawn ahead come from the new "
-                         "checkpoint, which only policy: latest samples next")
-    if config.get("agent") is None:
-        return
-    AgentConfig.model_validate(config["agent"])
-    if config.get("greedy_baseline"):
-        raise ValueError("agent with greedy_baseline: the greedy baseline is one turn without tools, not a "
-                         "trajectory of the same agent; ReMax over tool-using rollouts is not supported")
+    """``ops.rollouts.config``'s own rules, checked by ``batchrl run`` before anything runs and at launch."""
+    if config.get("agent") is not None:
+        AgentConfig.model_validate(config["agent"])
 
 
-class RolloutConfig(dg.Config):
+class RolloutStageConfig(dg.Config):
     """``policy``: "latest" samples from the last policy_checkpoint of this base model's chain (the
     base model itself when the chain is new); "base" always samples from the base model.
-    ``max_prompts``: a sample of that many prompts drawn with ``seed`` (all prompts when unset)."""
+    ``max_prompts``: a sample of that many prompts drawn with ``seed`` (all prompts when unset).
+    Samples per prompt, the greedy baseline and off-policy sampling are the RL recipe's."""
 
     policy: str = Field("latest", description="latest: the promoted checkpoint of this base model's chain (the base "
                         "model on a new chain); base: always the base model")
-    samples_per_prompt: int = Field(8, description="sampled responses per prompt (a group, for GRPO/RLOO)")
     max_prompts: int | None = Field(None, description="a seeded sample of this many prompts (all when unset)")
     seed: int = Field(0, description="seed of the prompt sample and of sampling")
-    greedy_baseline: bool = Field(False, description="also decode one greedy response per prompt; its reward "
-                                  "becomes the prompt's baseline (ReMax, advantages.estimator: remax)")
     agent: Optional[AgentRunConfig] = Field(None, description="multi-turn, tool-using rollouts (docs/AGENT.md): "
                                             "the model's tool calls run in the sandbox and their output comes back "
                                             "as a turn; unset: one turn per rollout")
-    off_policy_steps: int = Field(0, ge=0, le=1, description="1: one-step off-policy (verl's one_step_off_policy): "
-                                  "sample from the promoted policy's parent, one update behind, so that the job "
-                                  "worker samples the next iteration's rollouts (with the seed `batchrl run "
-                                  "--rl-iterations N` announces for it) while this iteration's "
-                                  "update trains; the staleness is in the rollouts' lineage and the update "
-                                  "corrects it (needs the policy's old_logprobs: recompute and "
-                                  "rollout_is_threshold). 0: on-policy")
-    sample_ahead: bool = Field(False, description="on-policy: the policy update samples the next iteration's "
-                               "rollouts (the seed `batchrl run --rl-iterations N` announces for it) from its new "
-                               "weights while it exports, hashes and publishes them; the next rollouts step takes them "
-                               "(the same samples, so the same data version). Needs job-worker sampling "
-                               "(trainer.backend worker, rollout_engine.in_subprocess, not vLLM) and a next "
-                               "iteration announced: elsewhere it is off, and the update's metadata says why")
 
     @model_validator(mode="after")
     def _combinations(self):  # the library model's rules (e.g. user tools need tool_call_json), at launch
@@ -85,7 +106,56 @@ class RolloutConfig(dg.Config):
         return self
 
 
-RolloutConfig.library_model = _check_rollout_config
+RolloutStageConfig.library_model = _check_rollout_config
+RolloutConfig = with_moved_fields("RolloutConfig", RolloutStageConfig, "rollouts", {
+    "samples_per_prompt": f"{RECIPE}.samples_per_prompt",
+    "greedy_baseline": f"{RECIPE}.estimator: remax (the greedy baseline follows the estimator)",
+    "off_policy_steps": f"{RECIPE}.off_policy_steps", "sample_ahead": f"{RECIPE}.sample_ahead"})
+AdvantageConfig = with_moved_fields("AdvantageConfig", run_config_for(AdvantageStageSettings, "AdvantageStageConfig"),
+                                   "advantages", {
+    "estimator": f"{RECIPE}.estimator", "use_kl_in_reward": f"{RECIPE}.kl_placement: reward",
+    "kl_coef": f"{RECIPE}.kl_in_reward_coef", **{name: f"{RECIPE}.{name}" for name in (
+        "kl_penalty", "kl_ctrl", "target_kl", "kl_horizon")}})
+PolicyRunConfig = with_moved_fields("PolicyRunConfig", run_config_for(PolicyUpdateConfig, "PolicyUpdateRunConfig"),
+                                   "policy_checkpoint", {
+    "adv_estimator": f"{RECIPE}.estimator", "critic": f"{RECIPE}.estimator: gae (the critic follows the estimator)",
+    "kl_coef": f"{RECIPE}.kl_loss_coef", "kl_type": f"{RECIPE}.kl_loss_type",
+    "use_kl_in_reward": f"{RECIPE}.kl_placement (reward: the KL in the reward, no KL loss)",
+    "old_logprobs": f"{RECIPE}.old_logprobs", "rollout_is_threshold": f"{RECIPE}.rollout_is_threshold"})
+
+
+def advantage_settings(config: dg.Config, recipe: RLRecipe) -> AdvantageSettings:
+    """The advantages job's settings: the stage's knobs and the recipe's part (its validators see both: dynamic
+    sampling needs a group estimator)."""
+    return _joined("advantages", AdvantageSettings, config, recipe.advantage_part())
+
+
+def policy_config(config: dg.Config, recipe: RLRecipe) -> PolicyConfig:
+    """The policy trainer job's config: the stage's knobs and the recipe's part."""
+    return _joined("policy_checkpoint", PolicyConfig, config, recipe.policy_part())
+
+
+def _joined(asset: str, model: type[pydantic.BaseModel], config: dg.Config, part: dict):
+    try:
+        return model(**stage_fields(config), **part)
+    except pydantic.ValidationError as err:  # a rule between the stage's knobs and the recipe: one line each
+        raise RunConfigError("; ".join(pydantic_problems(err, f"ops.{asset}.config with {RECIPE}"))) from None
+
+
+def rollout_recipe_problem(config: RolloutStageConfig, recipe: RLRecipe) -> str | None:
+    """What ``ops.rollouts.config`` cannot do under ``recipe`` (None: nothing): checked before a run
+    (``run_rules``) and by the rollouts step, which reads both."""
+    where = f"{RECIPE}.estimator={recipe.estimator} with ops.rollouts.config.agent"
+    if config.agent is not None and recipe.greedy_baseline:
+        return (f"{where}: the greedy baseline is one turn without tools, not a trajectory of the same agent; ReMax "
+                "over tool-using rollouts is not supported")
+    if config.agent is not None and recipe.critic:
+        return (f"{where}: the critic is not trained with the trajectories' loss mask (tool observations would get "
+                "values); use a group estimator (grpo, rloo, ...) for tool-using rollouts")
+    if recipe.sample_ahead and config.policy != "latest":
+        return (f"{RECIPE}.sample_ahead with ops.rollouts.config.policy={config.policy}: the samples drawn ahead come "
+                "from the new checkpoint, which only policy: latest samples next")
+    return None
 
 
 class ReferenceConfig(dg.Config):

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     report.put("throughput", throughput(engine, agent, batch, args.samples, seed=1))
 
     policy_cfg = PolicyConfig(lr=args.lr, micro_batch_size=64 if cuda else 4, grad_accum=1, max_length=1024,
-                              kl_coef=0.01, precision="bf16_amp" if cuda else "fp32", lr_schedule="constant",
+                              kl_loss_coef=0.01, precision="bf16_amp" if cuda else "fp32", lr_schedule="constant",
                               resume=False)
     rounds, current, deadline = [], base, time.monotonic() + args.minutes * 60
     reserve = 1.5 * eval_s + 30.0  # the final evaluation, and its margin

@@ -100,7 +100,7 @@ def main() -> None:
                       "kto_checkpoint": {"config": {**common, "micro_batch_size": 16}},
                       "offline_policy_checkpoint": {"config": {
                           "objective": "awr", "weight_beta": 0.5, "lr": args.lr, "ppo_epochs": args.epochs,
-                          "micro_batch_size": 16, "max_length": common["max_length"], "kl_coef": 0.0, **precision}}}}
+                          "micro_batch_size": 16, "max_length": common["max_length"], "kl_loss_coef": 0.0, **precision}}}}
     base_profile = os.path.join(REPO, "profiles", "real.yaml")
     overlay = os.path.join(args.work, "offline_profile.yaml")
     import yaml

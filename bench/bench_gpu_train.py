@@ -283,7 +283,7 @@ def part_policy(args, peak_gib, reset_peak) -> dict:
                           "advantages": [np.full(half, rng.normal(), dtype=np.float32).tolist() for _ in range(rows)]})
     batch.to_parquet(f"{WORK}/policy_batch.parquet")
     best = {k: v for k, v in variant_config(args.best_variant).items() if k != "group_by_length"}
-    cfg = PolicyConfig(micro_batch_size=2 * args.batch, lr=1e-6, max_length=args.seq, kl_coef=0.01, **best)
+    cfg = PolicyConfig(micro_batch_size=2 * args.batch, lr=1e-6, max_length=args.seq, kl_loss_coef=0.01, **best)
     report, stamps, _ = _clock(args, False)
     reset_peak(args.device)
     t = time.perf_counter()

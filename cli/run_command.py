@@ -103,7 +103,7 @@ def _plan(defs, args, run_config: dict, iterations: int,
 
 def announced_next(plan: list[tuple[str, list[str] | None, dict]], position: int) -> dict[str, str]:
     """The tags of execution ``position``: when an RL iteration follows it (after an --eval-every evaluation or not),
-    that iteration's rollouts seed (what a policy update with ``rollouts.sample_ahead`` samples ahead; a run without
+    that iteration's rollouts seed (what a policy update with ``rl_recipe.sample_ahead`` samples ahead; a run without
     the tag has no next iteration known)."""
     from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
 
@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     if _runs_jobs(defs, list(jobs.values())):  # every selection of the plan was validated: its job is there
         # its imports overlap the data-only first steps
         defs.resources["trainer"].prestart_worker(concurrent=args.concurrent_steps > 1,
-                                                  named=_named_workers(run_config))
+                                                  named=_named_workers(defs.resources["rl_recipe"]))
     # in this process: every step of a one-at-a-time run, and each RL iteration (a chain: ``execute.is_chain``)
     in_process = args.concurrent_steps <= 1 or iterations > 1
     if in_process and any(sel is None or TORCH_IN_PROCESS & set(sel) for _, sel, _ in plan):
@@ -279,12 +279,11 @@ def _run(args: argparse.Namespace) -> int:
 TORCH_IN_PROCESS = {"rewards", "advantages"}
 
 
-def _named_workers(run_config: dict) -> tuple[str, ...]:
-    """The job worker's named workers the run will use: the rollouts worker of off-policy iterations."""
+def _named_workers(recipe) -> tuple[str, ...]:
+    """The job worker's named workers the run will use: the rollouts worker of an off-policy RL recipe's iterations."""
     from batchrl.resources.rollout import PREFETCH_WORKER
 
-    rollouts = ((run_config.get("ops") or {}).get("rollouts") or {}).get("config") or {}
-    return (PREFETCH_WORKER,) if rollouts.get("off_policy_steps") else ()
+    return (PREFETCH_WORKER,) if recipe.off_policy_steps else ()
 
 
 def _import_in_background(modules: list[str]) -> None:

@@ -14,6 +14,7 @@ from batchrl.resources import (
     TrainerLauncherResource,
 )
 from batchrl.resources.profiles import apply_run_overrides
+from batchrl.resources.rl_recipe import RLRecipe
 
 
 def _landing(storage_options: dict | None = None) -> LandingResource:
@@ -34,6 +35,7 @@ def _local() -> dict:
         "trainer": TrainerLauncherResource(),
         "compute": ComputeResource(),
         "tracking": _tracking(),
+        "rl_recipe": RLRecipe(),  # a profile's or -c file's resources.rl_recipe overrides its fields
     }
 
 

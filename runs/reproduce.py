@@ -119,9 +119,10 @@ def _resources(root: str, recorded: dict[str, dict], io_manager: PinnedInputs) -
     from batchrl.resources import (
         CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, TrainerLauncherResource,
     )
+    from batchrl.resources.rl_recipe import RLRecipe
 
     classes = {"landing": LandingResource, "rollout_engine": RolloutEngineResource,
-               "trainer": TrainerLauncherResource, "compute": ComputeResource}
+               "trainer": TrainerLauncherResource, "compute": ComputeResource, "rl_recipe": RLRecipe}
     resources = {key: cls(**{k: v for k, v in recorded.get(key, {}).items() if v != "<redacted>"})
                  for key, cls in classes.items()}
     return {**resources, "storage": io_manager.storage,

@@ -6,7 +6,7 @@ import json
 import os
 
 import dagster as dg
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import latest_metadata, local_resources, recipe, run_assets
 
 
 def copy_package(dest) -> str:
@@ -42,8 +42,8 @@ def second_iteration_rollouts(instance, root) -> dict:
     for uri, version, lineage in rows:
         if json.loads(lineage)["inputs"]["policy"]["asset"] == "policy_checkpoint":
             return {"uri": uri, "data_version": version}
-    assert run_assets(local_resources(root), instance, selection=["rollouts"], run_config={"ops": {
-        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}}).success
+    assert run_assets(local_resources(root), instance, selection=["rollouts"], run_config={
+        "ops": {"rollouts": {"config": {"max_prompts": 4}}}, "resources": recipe(samples_per_prompt=2)}).success
     return latest_metadata(instance, "rollouts")
 
 

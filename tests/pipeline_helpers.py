@@ -21,6 +21,11 @@ UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_win
 TINY_BASE = {"ops": {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}}}}
 
 
+def recipe(**fields) -> dict:
+    """A run config's ``resources`` block setting RL recipe fields (``resources.rl_recipe``), as the launchpad does."""
+    return {"rl_recipe": {"config": fields}}
+
+
 def local_resources(root: str, landing: LandingResource | None = None, **overrides) -> dict:
     return {
         "storage": StorageResource(root=root, cache_dir=cache_dir_of(root)),
@@ -60,10 +65,10 @@ def stop_workers(histories: dict) -> None:
 # a tiny model and a small RL iteration: the resident-loop tests and bench/check_resident_trainer_gpu.py
 SMALL = {"ops": {
     "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
+    "rollouts": {"config": {"max_prompts": 8}},
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4}},  # 4 optimiser steps an iteration
-}}
+}, "resources": recipe(samples_per_prompt=2)}
 
 
 def worker_resources(root: str, rollouts_in_worker: bool = True, env: dict | None = None) -> dict:
@@ -112,7 +117,8 @@ def seeded_rl_iterations(root: str, home: str, run_config: dict, iterations: int
                 before(seed)
             rollouts = {"config": {**ops["rollouts"]["config"], "seed": seed}}
             following = {NEXT_ROLLOUTS_SEED_TAG: str(seed + 1)} if seed + 1 < iterations else {}
-            assert run_assets(resources, instance, RL_LOOP, {"ops": {**ops, "rollouts": rollouts}}, following).success
+            assert run_assets(resources, instance, RL_LOOP, {**run_config, "ops": {**ops, "rollouts": rollouts}},
+                              following).success
         history = rl_history(instance)
         history["base_model"] = [latest_metadata(instance, "base_model")]
         return history

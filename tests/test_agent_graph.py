@@ -11,6 +11,8 @@ import pytest
 from helpers_agent import ForcedEngine
 from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
 
+from batchrl.resources.rl_recipe import RLRecipe
+
 from batchrl.resources import LandingResource, RolloutEngineResource
 from batchrl.schemas.trajectory import check_trajectories
 from batchrl.training.rollout import ROLLOUT_ENGINES
@@ -18,10 +20,9 @@ from batchrl.training.rollout import ROLLOUT_ENGINES
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL_TASK = {  # the README's tool-task config, at the tiny model's size
     "base_model": {"config": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}},
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 2,
+    "rollouts": {"config": {"max_prompts": 2,
                             "agent": {"tool_format": "python_block", "max_turns": 4, "max_total_tokens": 800}}},
     "rewards": {"config": {"rule": "final_answer"}},
-    "advantages": {"config": {"estimator": "grpo"}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4, "grad_accum": 1, "ppo_epochs": 1}},
 }
 
@@ -35,7 +36,8 @@ def tool_run(tmp_path_factory):
     landing = LandingResource(prompts=os.path.join(tools, "train.jsonl"),
                               eval_prompts=os.path.join(tools, "heldout.jsonl"))
     resources = local_resources(str(root / "storage"), landing=landing,
-                                rollout_engine=RolloutEngineResource(kind="forced", max_new_tokens=160))
+                                rollout_engine=RolloutEngineResource(kind="forced", max_new_tokens=160),
+                                rl_recipe=RLRecipe(estimator="grpo", samples_per_prompt=2))
     try:
         with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
             result = run_assets(resources, instance, UPSTREAM + RL_LOOP, {"ops": TOOL_TASK})

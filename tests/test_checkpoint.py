@@ -118,7 +118,7 @@ def test_policy_resume_is_exact(dpo_inputs, tmp_path):
     from batchrl.training.rl.advantages import compute_advantages
 
     compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
-    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, ppo_epochs=2, kl_coef=0.05)
+    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, ppo_epochs=2, kl_loss_coef=0.05)
     kw = dict(batch_parquet=str(tmp_path / "batch.parquet"), model_path=dpo_inputs["model_path"],
               reference_model_path=dpo_inputs["model_path"])
     full = train_policy(cfg, out_dir=str(tmp_path / "full"), **kw)
@@ -155,7 +155,7 @@ def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo
     loads = []
     load = loading.load_model_and_tokenizer
     monkeypatch.setattr(loading, "load_model_and_tokenizer", lambda *a, **kw: loads.append(a[0]) or load(*a, **kw))
-    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, kl_coef=0.1, old_logprobs=old_logprobs)
+    cfg = PolicyConfig(micro_batch_size=4, grad_accum=2, kl_loss_coef=0.1, old_logprobs=old_logprobs)
     runs = {}
     for name, reference in (("same", dpo_inputs["model_path"]), ("copy", str(copy))):
         runs[name] = train_policy(cfg, batch_parquet=str(tmp_path / "batch.parquet"), out_dir=str(tmp_path / name),

@@ -10,7 +10,7 @@ import shutil
 import dagster as dg
 import pytest
 import yaml
-from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, recipe, run_assets
 
 from batchrl.cli.instance import write_instance_settings
 from batchrl.cli.main import main
@@ -18,7 +18,7 @@ from batchrl.cli.main import main
 # what one RL iteration reads: at the default reward mix (reward model weight 0) no reward model, whose training job
 # was the fixture's one trainer job besides the policy update's, and which no command here reads
 TINY = {"ops": {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-                "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}}
+                "rollouts": {"config": {"max_prompts": 4}}}, "resources": recipe(samples_per_prompt=2)}
 
 
 @pytest.fixture
@@ -72,7 +72,8 @@ def test_a_copied_root_with_its_home_audits_reproduces_and_runs_the_next_iterati
 
     # the next iteration: rollouts load the promoted checkpoint, the others their upstreams, all from the copy
     config = tmp_path / "next.yaml"  # three samples a prompt: new rollouts (the same ones would be deduplicated)
-    config.write_text(yaml.safe_dump({"ops": {"rollouts": {"config": {"samples_per_prompt": 3, "max_prompts": 4}}}}))
+    config.write_text(yaml.safe_dump({"ops": {"rollouts": {"config": {"max_prompts": 4}}},
+                                      "resources": {"rl_recipe": {"samples_per_prompt": 3}}}))
     _cli(capfd, "run", "--select", ",".join(RL_LOOP), "-c", str(config), "--concurrent-steps", "1")
     sampled = json.loads(_cli(capfd, "audit", "rollouts", "--json"))
     assert sampled["uri"].startswith(f"{storage}/rollouts/") and sampled["data_version"] != rollouts

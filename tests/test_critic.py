@@ -52,7 +52,7 @@ def test_ppo_with_critic_learns_values_and_raises_the_reward(base_model, tmp_pat
     before = _rollouts(base_model, EVAL, n=8, seed=123)["reward"].mean()
     policy, critic, epoch_means = base_model, base_model, []
     cfg = dict(adv_estimator="gae", critic=True, critic_lr=3e-3, lr=3e-3, micro_batch_size=64, ppo_epochs=2,
-               kl_coef=0.001)
+               kl_loss_coef=0.001)
     for it in range(6):
         rows = TRAIN[it * 32:(it + 1) * 32]
         samples = _rollouts(policy, rows, n=8, seed=it)

@@ -23,9 +23,9 @@ from batchrl.resources.storage import LINEAGE_FILE
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL = {"ops": {
     "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 16}},
+    "rollouts": {"config": {"max_prompts": 16}},
     "reward_model": {"config": {"epochs": 1, "max_pairs": 32, "max_length": 64}},
-}}
+}, "resources": {"rl_recipe": {"config": {"samples_per_prompt": 2}}}}
 UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "scored_logs", "scored_pairs",
             "prompts", "base_model", "reward_model"]
 STAGES = [("rollouts", True), ("rewards", True), ("advantages", True), ("dpo_pairs", False),

@@ -129,7 +129,7 @@ def test_logged_logprobs_mapped_by_config_reach_offline_grpo_importance_weights(
     assert report.valid == len(rows) and has_logged_logprobs(pq.read_table(scored), "logprobs")
 
     offline = OfflinePolicyConfig(objective="grpo", importance_weights=True, micro_batch_size=8, ppo_epochs=1,
-                                  kl_coef=0.0)
+                                  kl_loss_coef=0.0)
     config = {"trainer": offline.trainer_fields(), "model_path": arith_model, "out_dir": str(tmp_path / "out"),
               "logged": {"scored_parquet": scored, "offline": offline.model_dump()}}
     result, model_dir = work(config, Reporter(None))

@@ -57,7 +57,7 @@ def test_grpo_iterations_raise_the_arith_reward(base_model, tmp_path):
         rows = TRAIN[it * prompts_per_iter:(it + 1) * prompts_per_iter]
         batch = compute_advantages(_rollout_rewards(model, rows, n=8, seed=it), "grpo")
         batch.to_parquet(tmp_path / f"batch{it}.parquet")
-        result = train_policy(PolicyConfig(lr=3e-3, micro_batch_size=64, ppo_epochs=2, kl_coef=0.001, seed=it),
+        result = train_policy(PolicyConfig(lr=3e-3, micro_batch_size=64, ppo_epochs=2, kl_loss_coef=0.001, seed=it),
                               batch_parquet=str(tmp_path / f"batch{it}.parquet"), model_path=model,
                               reference_model_path=base_model, out_dir=str(tmp_path / f"policy{it}"))
         model = result["model_dir"]

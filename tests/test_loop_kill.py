@@ -20,9 +20,9 @@ from batchrl.common import fsutil
 RL_LOOP = "rollouts,rewards,advantages,policy_checkpoint"
 SMALL = {"ops": {  # no reward model: the rule reward alone (at weight 0 the model is not an input that loads)
     "base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
+    "rollouts": {"config": {"max_prompts": 8}},
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
-}}
+}, "resources": {"rl_recipe": {"samples_per_prompt": 2}}}  # a -c file's resources: the RL recipe's fields
 
 
 def _env(tmp_path) -> dict[str, str]:

@@ -255,7 +255,7 @@ def test_policy_chain_of_adapters_with_a_lora_critic(inputs, tmp_path):
     from batchrl.training.models.value_model import load_value_model, predict_values
 
     base = inputs["model_path"]
-    cfg = PolicyConfig(adv_estimator="gae", critic=True, micro_batch_size=16, lr=1e-2, critic_lr=1e-2, kl_coef=0.05,
+    cfg = PolicyConfig(adv_estimator="gae", critic=True, micro_batch_size=16, lr=1e-2, critic_lr=1e-2, kl_loss_coef=0.05,
                        **LORA)
     policy, critic, adapters = base, base, []
     for it in range(2):

@@ -8,7 +8,7 @@ import os
 import dagster as dg
 import pytest
 
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import latest_metadata, local_resources, recipe, run_assets
 
 from batchrl.common import fsutil
 from batchrl.resources import StorageResource
@@ -18,9 +18,10 @@ DATA = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window"
         "prompts", "base_model"]
 RL = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 LORA = {"lora_rank": 4, "lora_alpha": 8}
+RECIPE = {"resources": recipe(samples_per_prompt=3)}
 OPS = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
        "reward_model": {"config": {"epochs": 1, **LORA}},
-       "rollouts": {"config": {"samples_per_prompt": 3, "max_prompts": 6}},
+       "rollouts": {"config": {"max_prompts": 6}},
        "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.5}}},  # the RM adapter scores too
        "policy_checkpoint": {"config": {"micro_batch_size": 18, **LORA}}}
 
@@ -30,11 +31,11 @@ def graph(tmp_path_factory):
     """The graph with LoRA, then a second RL iteration (from the promoted adapter)."""
     root = str(tmp_path_factory.mktemp("storage"))
     with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp("home"))) as instance:
-        first = run_assets(local_resources(root), instance, DATA + ["reward_model"] + RL, {"ops": OPS})
+        first = run_assets(local_resources(root), instance, DATA + ["reward_model"] + RL, {"ops": OPS, **RECIPE})
         assert first.success
         promoted_first = latest_metadata(instance, "policy_checkpoint")
         ops = {**OPS, "rollouts": {"config": {**OPS["rollouts"]["config"], "seed": 1}}}
-        second = run_assets(local_resources(root), instance, RL, {"ops": ops})
+        second = run_assets(local_resources(root), instance, RL, {"ops": ops, **RECIPE})
         assert second.success
         yield instance, root, promoted_first
 

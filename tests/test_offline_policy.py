@@ -91,7 +91,7 @@ def test_awr_update_raises_the_likelihood_of_the_best_logged_answers(arith_model
             for a in range(1, 9) for r, s in ((str(2 * a), 1.0), (str(2 * a + 1), 0.0))]
     pd.DataFrame(rows).to_parquet(scored)
     offline = OfflinePolicyConfig(objective="awr", weight_beta=0.25, lr=3e-3, micro_batch_size=16, ppo_epochs=4,
-                                  kl_coef=0.0)
+                                  kl_loss_coef=0.0)
     config = {"trainer": offline.trainer_fields(), "model_path": arith_model, "out_dir": str(tmp_path / "out"),
               "logged": {"scored_parquet": str(scored), "offline": offline.model_dump()}}
     result, model_dir = work(config, Reporter(None))

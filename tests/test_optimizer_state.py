@@ -77,7 +77,7 @@ def test_a_saved_and_taken_up_state_steps_as_the_optimiser_that_never_stopped(ba
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_chain_of_updates_carries_its_optimiser_and_the_state_is_in_the_checkpoint(base, tmp_path, lora):
-    cfg = PolicyConfig(micro_batch_size=8, lr=1e-2, kl_coef=0.05, carry_optimizer_state=True, **(LORA if lora else {}))
+    cfg = PolicyConfig(micro_batch_size=8, lr=1e-2, kl_loss_coef=0.05, carry_optimizer_state=True, **(LORA if lora else {}))
     batches = [_batch(tmp_path / f"batch{i}.parquet", i) for i in range(2)]
     first = train_policy(cfg, batch_parquet=batches[0], model_path=base, reference_model_path=base,
                          out_dir=str(tmp_path / "it0"))

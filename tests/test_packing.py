@@ -96,7 +96,7 @@ def test_packed_update_equals_padded(tiny, tmp_path):
     paths = dict(batch_parquet=str(tmp_path / "batch.parquet"), model_path=tiny, reference_model_path=tiny)
     out = {}
     for packed in (False, True):
-        cfg = PolicyConfig(micro_batch_size=16, lr=1e-2, kl_coef=0.1, pack_samples=packed)
+        cfg = PolicyConfig(micro_batch_size=16, lr=1e-2, kl_loss_coef=0.1, pack_samples=packed)
         out[packed] = train_policy(cfg, out_dir=str(tmp_path / str(packed)), **paths)
     assert len(out[True]["loss_curve"]) == 3
     np.testing.assert_allclose(out[True]["loss_curve"], out[False]["loss_curve"], atol=1e-5)
@@ -144,5 +144,5 @@ def test_a_model_that_ignores_packed_positions_is_refused_before_training(tiny, 
     pd.DataFrame({"prompt_ids": prompts, "response_ids": completions,
                   "advantages": [[1.0] * len(c) for c in completions]}).to_parquet(tmp_path / "batch.parquet")
     with pytest.raises(ValueError, match="set pack_samples: false"):
-        train_policy(PolicyConfig(micro_batch_size=4, kl_coef=0.0, pack_samples=True), out_dir=str(tmp_path / "out"),
+        train_policy(PolicyConfig(micro_batch_size=4, kl_loss_coef=0.0, pack_samples=True), out_dir=str(tmp_path / "out"),
                      batch_parquet=str(tmp_path / "batch.parquet"), model_path=tiny)

@@ -36,7 +36,7 @@ from batchrl.resources.ray_launch import RayJobs
 # (``cluster_case_``), so outside they are neither collected nor reported as skipped.
 INNER_FUNCTIONS = "cluster_case_*"
 DPO_PATH = ["dpo_pairs", "reference_logprobs", "dpo_checkpoint"]
-RUN_CONFIG = {"ops": {**SMALL["ops"],
+RUN_CONFIG = {**SMALL, "ops": {**SMALL["ops"],
                       "dpo_pairs": {"config": {"max_logged_pairs": 16}},
                       "dpo_checkpoint": {"config": {"epochs": 1, "micro_batch_size": 2, "global_batch_size": 4}}}}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +183,8 @@ def cluster_case_rollout_replicas_join_their_shards_in_order(cluster, on_ray):
     replicated = {**on_ray["resources"], "trainer": TrainerLauncherResource(
         backend="ray", ray=on_ray["ray"].model_copy(update={"rollout_replicas": 2}))}
     seed = 3
-    config = {"ops": {**RUN_CONFIG["ops"], "rollouts": {"config": {**SMALL["ops"]["rollouts"]["config"], "seed": seed}}}}
+    config = {**RUN_CONFIG,
+              "ops": {**RUN_CONFIG["ops"], "rollouts": {"config": {**SMALL["ops"]["rollouts"]["config"], "seed": seed}}}}
     with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
         assert run_assets(replicated, instance, ["rollouts"], config).success
         meta = latest_metadata(instance, "rollouts")

@@ -73,7 +73,8 @@ def test_profile_merges_the_environment_over_the_cpu_form():
     assert gpu["rl_iterations"] > cpu["rl_iterations"]
     assert gpu["ops"]["rollouts"]["config"]["max_prompts"] > cpu["ops"]["rollouts"]["config"]["max_prompts"]
     assert gpu["ops"]["dpo_pairs"]["config"]["source"] == "self"
-    assert gpu["ops"]["rollouts"]["config"]["sample_ahead"] and "sample_ahead" not in cpu["ops"]["rollouts"]["config"]
+    assert gpu["resources"]["rl_recipe"]["sample_ahead"] and "sample_ahead" not in cpu["resources"]["rl_recipe"]
+    assert gpu["resources"]["rl_recipe"]["estimator"] == "grpo"  # the recipe's fields merge one by one
 
 
 def test_the_gpu_profiles_rl_iterations_plan_validates(monkeypatch):
@@ -133,10 +134,10 @@ def test_cli_config_files_merge_over_the_profile(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHRL_PROFILE", "")  # _run_config sets it: undone after the test, not left for the next
     monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")  # the same: "" = unset, and undone after the test
     extra = tmp_path / "run.yaml"
-    extra.write_text("ops:\n  rollouts:\n    config: {samples_per_prompt: 3}\n")
+    extra.write_text("ops:\n  rollouts:\n    config: {seed: 3}\n")
     args = argparse.Namespace(profile="real", config=[str(extra)], rl_iterations=None)
     run_config, iterations = _run_config(args)
-    assert run_config["ops"]["rollouts"]["config"]["samples_per_prompt"] == 3
+    assert run_config["ops"]["rollouts"]["config"]["seed"] == 3
     assert run_config["ops"]["rollouts"]["config"]["max_prompts"] == 2  # the profile's, kept
     assert iterations == 1 and os.environ["BATCHRL_PROFILE"] == "real"
 

@@ -43,7 +43,7 @@ def test_a_lora_policy_trainer_kept_in_the_worker_gives_the_adapters_of_fresh_jo
     # dropout on the adapters: the kept trainer's steps draw the random stream a fresh job's do
     adapter = {"micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.1, "lr": 1.0e-3,
                "carry_optimizer_state": True}
-    lora = {"ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
+    lora = {**SMALL, "ops": {**SMALL["ops"], "policy_checkpoint": {"config": adapter}}}
     variants = {"renewed": ("1", {}), "rebuilt": ("1", {resident_trainer.REBUILD_ENV: "1"}), "files": ("0", {})}
     histories = {name: two_rl_iterations(*upstream_copy(tmp_path / name), gb, lora, env, upstream_built=True)
                  for name, (gb, env) in variants.items()}

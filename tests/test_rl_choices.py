@@ -1,5 +1,5 @@
-"""Estimators, ReMax baselines and KL in the reward through the pipeline; impossible choices refused
-before anything runs."""
+"""Estimators, ReMax baselines and KL in the reward through the pipeline, each chosen by the RL recipe
+(``resources.rl_recipe``); impossible choices refused before anything runs."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ import dagster as dg
 import numpy as np
 import pandas as pd
 import pytest
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import latest_metadata, local_resources, recipe, run_assets
 
 from batchrl.assets.run_rules import check_run_config
 from batchrl.common.run_config_error import RunConfigError
@@ -20,7 +20,8 @@ UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_win
 RL = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 BASE = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
         "reward_model": {"config": {"epochs": 1}}}
-SMALL_ROLLOUTS = {"samples_per_prompt": 3, "max_prompts": 6}
+SMALL_ROLLOUTS = {"max_prompts": 6}
+SMALL_RECIPE = {"samples_per_prompt": 3}
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,11 @@ def upstream(tmp_path_factory):
         yield instance, root
 
 
-def _run_rl(upstream, ops: dict, selection=RL):
+def _run_rl(upstream, ops: dict, selection=RL, **recipe_fields):
+    """``selection`` with run config ``ops`` and the RL recipe's fields (3 samples a prompt unless given)."""
     instance, root = upstream
-    result = run_assets(local_resources(root), instance, selection, {"ops": ops})
+    result = run_assets(local_resources(root), instance, selection,
+                        {"ops": ops, "resources": recipe(**{**SMALL_RECIPE, **recipe_fields})})
     failures = [str(e.event_specific_data.error) for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     return result, failures
 
@@ -45,19 +48,15 @@ def _lineage(instance, root, asset):
                                                     "data_version": meta["data_version"]})
 
 
-def _estimator_run_config(name: str) -> dict:
-    needs = ADV_ESTIMATOR_NEEDS[name]
-    ops = {"rollouts": {"config": {**SMALL_ROLLOUTS, "greedy_baseline": "reward_baselines" in needs}},
-           "advantages": {"config": {"estimator": name}},
-           "policy_checkpoint": {"config": {"adv_estimator": name, "critic": "values" in needs}}}
-    return ops
+def _small_rollouts() -> dict:
+    return {"rollouts": {"config": dict(SMALL_ROLLOUTS)}}
 
 
 @pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
 def test_every_offered_estimator_runs_in_the_pipeline(upstream, name):
     """Up to the advantages here; the policy update is estimator-agnostic except for the critic, and the
     full loop runs below for remax (baselines) and gae (critic, two iterations)."""
-    result, failures = _run_rl(upstream, _estimator_run_config(name), RL[:3])
+    result, failures = _run_rl(upstream, _small_rollouts(), RL[:3], estimator=name)
     assert result.success, failures
     instance, root = upstream
     meta = latest_metadata(instance, "advantages")
@@ -66,7 +65,7 @@ def test_every_offered_estimator_runs_in_the_pipeline(upstream, name):
 
 
 def test_remax_baselines_are_the_greedy_rewards(upstream):
-    result, failures = _run_rl(upstream, _estimator_run_config("remax"))
+    result, failures = _run_rl(upstream, _small_rollouts(), estimator="remax")  # greedy baselines: the estimator's
     assert result.success, failures
     instance, root = upstream
     storage = StorageResource(root=root)
@@ -89,13 +88,11 @@ def _ref(instance, asset):
 
 def test_kl_in_reward_adaptive_controller_carries_over(upstream):
     instance, root = upstream
-    ops = {"advantages": {"config": {"use_kl_in_reward": True, "kl_ctrl": "adaptive", "kl_coef": 0.05,
-                                     "target_kl": 1e-4, "kl_horizon": 10, "kl_penalty": "k3"}},
-           "policy_checkpoint": {"config": {"use_kl_in_reward": True}}}
+    kl = {"kl_placement": "reward", "kl_ctrl": "adaptive", "kl_in_reward_coef": 0.05, "target_kl": 1e-4,
+          "kl_horizon": 10, "kl_penalty": "k3"}
     states = []
     for seed in (0, 1):
-        ops["rollouts"] = {"config": {**SMALL_ROLLOUTS, "seed": seed}}
-        result, failures = _run_rl(upstream, ops)
+        result, failures = _run_rl(upstream, {"rollouts": {"config": {**SMALL_ROLLOUTS, "seed": seed}}}, **kl)
         assert result.success, failures
         lineage, meta = _lineage(instance, root, "advantages"), latest_metadata(instance, "advantages")
         assert "reference" in lineage["inputs"]
@@ -115,10 +112,9 @@ def test_kl_in_reward_adaptive_controller_carries_over(upstream):
 def test_kl_in_reward_lowers_the_token_rewards_by_beta_kl(upstream, policy):
     """REINFORCE++ returns at token 0 are the sum of the token rewards: reward - beta * sum_t |log-ratio_t|."""
     instance, root = upstream
-    ops = {"rollouts": {"config": {**SMALL_ROLLOUTS, "policy": policy}},
-           "advantages": {"config": {"estimator": "reinforce_plus_plus", "use_kl_in_reward": True,
-                                     "kl_coef": 0.5, "kl_penalty": "abs"}}}
-    result, failures = _run_rl(upstream, ops, ["rollouts", "rewards", "advantages"])
+    result, failures = _run_rl(upstream, {"rollouts": {"config": {**SMALL_ROLLOUTS, "policy": policy}}},
+                               ["rollouts", "rewards", "advantages"], estimator="reinforce_plus_plus",
+                               kl_placement="reward", kl_in_reward_coef=0.5, kl_penalty="abs")
     assert result.success, failures
     batch = pd.read_parquet(StorageResource(root=root).localize(_ref(instance, "advantages")) + "/advantages.parquet")
     penalty = batch["reward"] - batch["returns"].map(lambda r: r[0])
@@ -130,58 +126,116 @@ def test_kl_in_reward_lowers_the_token_rewards_by_beta_kl(upstream, policy):
         assert kl > 1e-3 and penalty.mean() > 0.5 * kl
 
 
-def test_policy_refuses_advantages_without_the_kl_it_expects(upstream):
-    _run_rl(upstream, {"rollouts": {"config": SMALL_ROLLOUTS}}, ["rollouts", "rewards", "advantages"])
-    result, failures = _run_rl(upstream, {"policy_checkpoint": {"config": {"use_kl_in_reward": True}}},
-                               ["policy_checkpoint"])
-    assert not result.success and "would silently vanish" in " ".join(failures)
+def test_policy_refuses_advantages_materialised_with_another_recipe(upstream):
+    """The advantages a policy update reads may come from an earlier run with another recipe: their lineage is
+    compared with the recipe the update reads (the KL's place, the estimator) before it trains."""
+    _run_rl(upstream, _small_rollouts(), ["rollouts", "rewards", "advantages"])  # the default: KL as a loss
+    for recipe_fields, refusal in [({"kl_placement": "reward"}, "the KL term would vanish"),
+                                   ({"estimator": "rloo"}, "computed with estimator grpo")]:
+        result, failures = _run_rl(upstream, {}, ["policy_checkpoint"], **recipe_fields)
+        assert not result.success and refusal in " ".join(failures), failures
+        assert "rematerialise advantages with this recipe" in " ".join(failures)
 
 
-@pytest.mark.parametrize("ops,field", [
-    ({"advantages": {"config": {"estimator": "remax"}}}, "ops.rollouts.config.greedy_baseline"),
-    ({"advantages": {"config": {"estimator": "rloo"}}, "rollouts": {"config": {"samples_per_prompt": 1}}},
-     "ops.rollouts.config.samples_per_prompt"),
-    ({"advantages": {"config": {"estimator": "gae"}}}, "ops.policy_checkpoint.config.critic"),
-    ({"policy_checkpoint": {"config": {"use_kl_in_reward": True}}}, "ops.advantages.config.use_kl_in_reward"),
-    ({"advantages": {"config": {"use_kl_in_reward": True}}}, "ops.policy_checkpoint.config.use_kl_in_reward"),
-    ({"advantages": {"config": {"estimator": "rloo"}}, "policy_checkpoint": {"config": {"adv_estimator": "grpo"}}},
-     "ops.policy_checkpoint.config.adv_estimator"),
-    ({"policy_checkpoint": {"config": {"adv_estimator": "gae"}}}, "ops.policy_checkpoint.config"),
-    ({"advantages": {"config": {"use_kl_in_reward": True, "kl_coef": 0}}}, "ops.advantages.config"),
-    ({"rewards": {"config": {"rule": "no_such_reward"}}}, "ops.rewards.config.rule"),
+def test_the_materialised_advantages_rule_compares_lineage_with_the_recipe():
+    from batchrl.assets.run_rules import materialised_advantages_problem
+    from batchrl.resources.rl_recipe import RLRecipe
+
+    agree = [({"estimator": "grpo", "use_kl_in_reward": False}, RLRecipe()),
+             ({"estimator": "grpo", "use_kl_in_reward": False}, RLRecipe(kl_placement="none")),
+             ({"estimator": "rloo", "use_kl_in_reward": True}, RLRecipe(estimator="rloo", kl_placement="reward")),
+             ({}, RLRecipe())]  # a lineage that names neither: nothing to compare
+    assert all(materialised_advantages_problem(config, recipe_) is None for config, recipe_ in agree)
+    twice = materialised_advantages_problem({"use_kl_in_reward": True}, RLRecipe())
+    assert "kl_placement is loss: the KL loss would count it twice" in twice
+    assert "would vanish" in materialised_advantages_problem({"use_kl_in_reward": False},
+                                                             RLRecipe(kl_placement="reward"))
+    assert "estimator gae" in materialised_advantages_problem({"estimator": "gae"}, RLRecipe())
+
+
+@pytest.mark.parametrize("run_config,named", [
+    (recipe(estimator="rloo", samples_per_prompt=1), "resources.rl_recipe: estimator rloo compares the responses "
+                                                     "of a prompt's group: samples_per_prompt=1 must be >= 2"),
+    (recipe(kl_placement="reward", kl_in_reward_coef=0), "set kl_placement: none"),
+    (recipe(kl_placement="reward", kl_loss_coef=0.05), "kl_loss_coef set but kl_placement is reward"),
+    (recipe(kl_placement="reward", target_kl=0.5), "target_kl set but kl_ctrl is fixed"),
+    (recipe(kl_ctrl="adaptive"), "kl_ctrl set but kl_placement is loss (the KL term is a loss term)"),
+    (recipe(off_policy_steps=1, old_logprobs="rollout"), "off_policy_steps 1 samples one update behind"),
+    (recipe(off_policy_steps=1, estimator="gae"), "the critic's values and returns are on-policy"),
+    (recipe(off_policy_steps=1, sample_ahead=True), "sample_ahead with off_policy_steps 1"),
+    (recipe(estimator="ppo_magic"), "resources.rl_recipe.estimator='ppo_magic'"),
 ])
-def test_impossible_combinations_are_config_errors_naming_the_field(ops, field):
+def test_a_bad_recipe_is_refused_in_one_line_naming_its_fields(run_config, named):
     with pytest.raises(RunConfigError) as err:
-        check_run_config({"ops": ops})
-    assert field in str(err.value)
+        check_run_config({"resources": run_config})
+    assert named in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("ops,recipe_fields,named", [
+    ({"advantages": {"config": {"dynamic_sampling": True}}}, {"estimator": "reinforce_plus_plus"},
+     "ops.advantages.config with resources.rl_recipe: dynamic_sampling drops groups"),
+    ({"rollouts": {"config": {"agent": {}}}}, {"estimator": "gae"},
+     "resources.rl_recipe.estimator=gae with ops.rollouts.config.agent"),
+    ({"rollouts": {"config": {"agent": {}}}}, {"estimator": "remax"},
+     "resources.rl_recipe.estimator=remax with ops.rollouts.config.agent"),
+    ({"rollouts": {"config": {"policy": "base"}}}, {"sample_ahead": True},
+     "resources.rl_recipe.sample_ahead with ops.rollouts.config.policy=base"),
+    ({"rewards": {"config": {"rule": "no_such_reward"}}}, {}, "ops.rewards.config.rule"),
+])
+def test_a_stage_config_the_recipe_cannot_run_is_refused_naming_both(ops, recipe_fields, named):
+    with pytest.raises(RunConfigError) as err:
+        check_run_config({"ops": ops, "resources": recipe(**recipe_fields)})
+    assert named in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("asset,old,value,new", [
+    ("advantages", "kl_coef", 0.001, "resources.rl_recipe.kl_in_reward_coef"),
+    ("policy_checkpoint", "kl_coef", 0.01, "resources.rl_recipe.kl_loss_coef"),
+    ("policy_checkpoint", "use_kl_in_reward", True, "resources.rl_recipe.kl_placement"),
+    ("advantages", "estimator", "rloo", "resources.rl_recipe.estimator"),
+    ("policy_checkpoint", "critic", True, "resources.rl_recipe.estimator: gae"),
+    ("rollouts", "samples_per_prompt", 4, "resources.rl_recipe.samples_per_prompt"),
+    ("rollouts", "greedy_baseline", True, "resources.rl_recipe.estimator: remax"),
+    ("rollouts", "off_policy_steps", 1, "resources.rl_recipe.off_policy_steps"),
+])
+def test_old_field_names_are_refused_with_their_new_place(asset, old, value, new):
+    """A field that moved to the recipe, given under its old name: one line naming the new place, for every path
+    that reads a stage's config (the up-front check here; `batchrl run` and the launchpad below)."""
+    with pytest.raises(RunConfigError) as err:
+        check_run_config({"ops": {asset: {"config": {old: value}}}})
+    line = str(err.value)
+    assert f"ops.{asset}.config: {old}={value!r} moved from ops.{asset}.config to the RL recipe: set {new}" in line
+    assert "\n" not in line
 
 
 def test_config_error_stops_the_run_before_any_asset(tmp_path):
     with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
-        with pytest.raises(RunConfigError, match="greedy_baseline"):
+        with pytest.raises(RunConfigError, match="samples_per_prompt=1 must be >= 2"):
             run_assets(local_resources(str(tmp_path / "s")), instance, None,
-                       {"ops": {"advantages": {"config": {"estimator": "remax"}}}})
+                       {"resources": recipe(estimator="rloo", samples_per_prompt=1)})
         assert instance.get_latest_materialization_event(dg.AssetKey("prompts")) is None
 
 
-def test_a_run_launched_from_the_ui_is_checked_by_its_rollouts_step(upstream):
-    """A run launched from the UI skips `batchrl run`'s and execute_assets' check: its rollouts step runs the same
-    one (the RL rules and, with the code location's graph, the DPO pair source's) before sampling anything."""
+def test_a_run_launched_from_the_ui_meets_the_recipe_where_its_stages_read_it(upstream):
+    """A run launched from the UI skips `batchrl run`'s and execute_assets' check: the recipe is validated when
+    Dagster builds the ``rl_recipe`` resource for the first RL step, and a stage's config is refused (an old name
+    naming its new place) when the stage builds it, before it samples anything."""
     from batchrl.definitions import build_definitions
     from batchrl.runs.execute import selected_job
 
     instance, root = upstream
     defs = build_definitions(local_resources(root), dpo_self_play=False)
-    for selection, ops, named in [
-        (RL[:3], {"advantages": {"config": {"estimator": "remax"}}}, "ops.rollouts.config.greedy_baseline"),
-        (["rollouts", "dpo_pairs"], {"dpo_pairs": {"config": {"source": "both"}}}, "BATCHRL_DPO_SELF_PLAY=1"),
+    for run_config, named in [
+        ({"resources": recipe(estimator="rloo", samples_per_prompt=1)}, "samples_per_prompt=1 must be >= 2"),
+        ({"ops": {"rollouts": {"config": {"samples_per_prompt": 4}}}}, "set resources.rl_recipe.samples_per_prompt"),
     ]:
         before = instance.get_latest_materialization_event(dg.AssetKey("rollouts"))
-        result = selected_job(defs, selection).execute_in_process(instance=instance, run_config={"ops": ops},
-                                                                  raise_on_error=False)
+        result = selected_job(defs, RL[:3]).execute_in_process(instance=instance, run_config=run_config,
+                                                               raise_on_error=False)
+        # the recipe fails its init (in process: at the run's start, step None; a step process: its first step's)
         failed = {e.step_key: str(e.event_specific_data.error) for e in result.all_events
-                  if e.event_type_value == "STEP_FAILURE"}
-        assert "rollouts" in failed and named in failed["rollouts"], failed
+                  if e.event_type_value in ("STEP_FAILURE", "RESOURCE_INIT_FAILURE")}
+        assert set(failed) <= {None, "rollouts"} and named in " ".join(failed.values()), failed
         assert instance.get_latest_materialization_event(dg.AssetKey("rollouts")) == before
 
 
@@ -191,41 +245,28 @@ def test_unknown_names_are_refused_by_the_config_schema(tmp_path):
 
     job = build_definitions(local_resources(str(tmp_path / "s"))).resolve_implicit_global_asset_job_def()
     with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
-        for asset, field, value in (("advantages", "estimator", "ppo_magic"), ("advantages", "kl_penalty", "k9"),
-                                    ("policy_checkpoint", "policy_loss", "nope")):
+        for run_config, field in ((recipe(estimator="ppo_magic"), "estimator"), (recipe(kl_penalty="k9"), "kl_penalty"),
+                                  ({"ops": {"policy_checkpoint": {"config": {"policy_loss": "nope"}}}}, "policy_loss")):
+            config = run_config if "ops" in run_config else {"resources": run_config}
             with pytest.raises(dg.DagsterInvalidConfigError, match=field):
-                job.execute_in_process(instance=instance, run_config={"ops": {asset: {"config": {field: value}}}})
-
-
-@pytest.mark.parametrize("materialised, vanishes, twice", [
-    (False, "the KL term would vanish", "adds it again as a loss"),  # this run's configs, up front
-    (True, "would silently vanish", "would count it twice"),  # the advantages policy_checkpoint reads
-])
-def test_one_kl_placement_rule_for_configs_and_materialised_advantages(materialised, vanishes, twice):
-    from batchrl.assets.run_rules import kl_placement
-
-    # (advantages use_kl_in_reward, policy use_kl_in_reward, policy kl_coef)
-    for agree in [(True, True, 0.01), (False, False, 0.01), (True, False, 0.0)]:
-        assert kl_placement(*agree, materialised=materialised) is None
-    assert vanishes in kl_placement(False, True, 0.0, materialised=materialised)
-    assert twice in kl_placement(True, False, 0.01, materialised=materialised)
+                job.execute_in_process(instance=instance, run_config=config)
 
 
 def test_valid_combinations_pass():
-    check_run_config({"ops": {"rollouts": {"config": {"greedy_baseline": True}},
-                                 "advantages": {"config": {"estimator": "remax"}}}})
-    check_run_config({"ops": {"advantages": {"config": {"estimator": "remax"}}}}, ["advantages"])
-    check_run_config({"ops": {"advantages": {"config": {"estimator": "gae"}},
-                                 "policy_checkpoint": {"config": {"adv_estimator": "gae", "critic": True}}}})
+    check_run_config({"resources": recipe(estimator="remax")})  # the greedy baseline follows the estimator
+    check_run_config({"resources": recipe(estimator="gae")}, ["advantages"])  # so does the critic
+    check_run_config({"resources": recipe(kl_placement="reward", kl_ctrl="adaptive", target_kl=0.05)})
+    check_run_config({"resources": recipe(kl_placement="none")})
+    check_run_config({"ops": {"advantages": {"config": {"dynamic_sampling": True}}}, "resources": recipe(estimator="rloo")})
 
 
 def test_the_critic_is_its_own_versioned_checkpoint_carried_to_the_next_iteration(upstream):
     instance, root = upstream
-    ops = _estimator_run_config("gae")
+    ops = _small_rollouts()
     versions = []
     for seed in (0, 1):
         ops["rollouts"]["config"]["seed"] = seed
-        result, failures = _run_rl(upstream, ops)
+        result, failures = _run_rl(upstream, ops, estimator="gae")  # the critic follows the estimator
         assert result.success, failures
         policy = latest_metadata(instance, "policy_checkpoint")
         critic = {"asset": "critic_checkpoint", "uri": policy["critic_checkpoint_uri"],
@@ -253,13 +294,13 @@ def test_rewards_route_by_data_source_through_the_pipeline(upstream, tmp_path):
     rows += [{"id": "m0", "prompt": "Compute 1 + 1. Answer with a number.", "answer": "2"}]  # default route
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ops = {"rollouts": {"config": {"samples_per_prompt": 2}},
-           "rewards": {"config": {"rule": "arith_exact", "custom": {"gsm8k": "gsm8k_flexible", "code": "code_exec"},
+    ops = {"rewards": {"config": {"rule": "arith_exact", "custom": {"gsm8k": "gsm8k_flexible", "code": "code_exec"},
                                   "route_by": "data_source", "weights": {"rule": 1.0},
                                   "routing": {"openai/gsm8k": {"gsm8k": 1.0}, "code": {"code": 1.0}}}}}
     resources = local_resources(root, landing=LandingResource(prompts=str(path)))
     try:
-        result = run_assets(resources, instance, ["prompts", "rollouts", "rewards"], {"ops": ops})
+        result = run_assets(resources, instance, ["prompts", "rollouts", "rewards"],
+                            {"ops": ops, "resources": recipe(samples_per_prompt=2)})
         assert result.success
         scored = pd.read_parquet(StorageResource(root=root).localize(_ref(instance, "rewards")) + "/rewards.parquet")
     finally:  # the other tests use the shipped prompts
@@ -296,13 +337,13 @@ def test_verl_parquet_prompts_run_through_rollouts_and_rewards_routed_by_data_so
     path = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(_verl_rows()), path)
     ops = {"prompts": {"config": {"field_mapping": {"reward_model.ground_truth": "answer"}}},
-           "rollouts": {"config": {"samples_per_prompt": 2}},
            "rewards": {"config": {"rule": "format_final_mark", "custom": {"gsm8k": "gsm8k_strict", "math": "math_strict"},
                                   "route_by": "data_source", "weights": {"rule": 1.0},
                                   "routing": {"openai/gsm8k": {"gsm8k": 1.0}, "lighteval/MATH": {"math": 1.0}}}}}
     resources = local_resources(root, landing=LandingResource(prompts=str(path)))
     try:
-        result = run_assets(resources, instance, ["prompts", "rollouts", "rewards"], {"ops": ops})
+        result = run_assets(resources, instance, ["prompts", "rollouts", "rewards"],
+                            {"ops": ops, "resources": recipe(samples_per_prompt=2)})
         assert result.success
         storage = StorageResource(root=root)
         table = pd.read_parquet(storage.localize(_ref(instance, "prompts")) + "/prompts.parquet")
@@ -344,8 +385,8 @@ def test_prompt_files_map_fields_and_refuse_what_they_cannot_carry(tmp_path):
 def test_a_new_critic_can_start_from_the_reward_model(upstream):
     instance, root = upstream
     ops = {"rollouts": {"config": {**SMALL_ROLLOUTS, "policy": "base"}},
-           "advantages": {"config": {"estimator": "gae", "critic_init": "reward_model"}}}
-    result, failures = _run_rl(upstream, ops, RL[:3])
+           "advantages": {"config": {"critic_init": "reward_model"}}}
+    result, failures = _run_rl(upstream, ops, RL[:3], estimator="gae")
     assert result.success, failures
     critic = _lineage(instance, root, "advantages")["inputs"]["critic"]
     assert critic["data_version"] == latest_metadata(instance, "reward_model")["data_version"]
@@ -390,7 +431,8 @@ with dg.DagsterInstance.ephemeral() as instance:
     # engines, a model library nor torch here
     engine = RolloutEngineResource(in_subprocess=True, max_new_tokens=4)
     result = run_assets(local_resources({str(tmp_path / "storage")!r}, rollout_engine=engine), instance,
-                        ["rollouts"], {{"ops": {{"rollouts": {{"config": {SMALL_ROLLOUTS!r}}}}}}})
+                        ["rollouts"], {{"ops": {{"rollouts": {{"config": {SMALL_ROLLOUTS!r}}}}},
+                                       "resources": {recipe(**SMALL_RECIPE)!r}}})
     print(result.success, [m for m in ("torch", "batchrl.training.rollout", "transformers", "deepspeed")
                            if m in sys.modules])
 """
@@ -409,7 +451,8 @@ def test_rewards_at_reward_model_weight_zero_need_no_reward_model(tmp_path):
     (tmp_path / "home").mkdir()
     with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
         ops = {"base_model": BASE["base_model"], "rollouts": {"config": SMALL_ROLLOUTS}}
-        result = run_assets(local_resources(root), instance, data + ["rollouts", "rewards"], {"ops": ops})
+        result = run_assets(local_resources(root), instance, data + ["rollouts", "rewards"],
+                            {"ops": ops, "resources": recipe(**SMALL_RECIPE)})
         assert result.success
         assert instance.get_latest_materialization_event(dg.AssetKey("reward_model")) is None
         assert "reward_model" not in _lineage(instance, root, "rewards")["inputs"]

@@ -10,8 +10,10 @@ import dagster as dg
 import pytest
 from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
 
+from batchrl.resources.rl_recipe import RLRecipe
+
 TINY = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}
+        "rollouts": {"config": {"max_prompts": 4}}}
 NUMBER = (int, float)
 
 
@@ -20,7 +22,7 @@ def two_iterations(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_metadata")
     (root / "home").mkdir()
     with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
-        resources = local_resources(str(root / "storage"))
+        resources = local_resources(str(root / "storage"), rl_recipe=RLRecipe(samples_per_prompt=2))
         assert run_assets(resources, instance, UPSTREAM + RL_LOOP, {"ops": TINY}).success
         first = {asset: latest_metadata(instance, asset) for asset in [*RL_LOOP, "promoted_policy"]}
         second_config = {"rollouts": {"config": {**TINY["rollouts"]["config"], "seed": 1}}}

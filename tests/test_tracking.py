@@ -17,7 +17,7 @@ import urllib.request
 
 import dagster as dg
 import pytest
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from pipeline_helpers import latest_metadata, local_resources, recipe, run_assets
 
 from batchrl.resources import TrackingResource
 
@@ -27,7 +27,7 @@ SELECTION = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_wi
 OPS = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
        "dpo_pairs": {"config": {"max_logged_pairs": 16}},
        "dpo_checkpoint": {"config": {"epochs": 1, "micro_batch_size": 4}},  # 4 steps
-       "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}},
+       "rollouts": {"config": {"max_prompts": 4}},
        "policy_checkpoint": {"config": {"micro_batch_size": 2, "ppo_epochs": 2}}}  # 8 samples: 8 steps
 
 
@@ -81,7 +81,7 @@ def tracked_run(mlflow_server, tmp_path_factory):
                 env.setenv(name, value)
             tracking = environment_resources("local")["tracking"]  # dg.EnvVar fields: the steps resolve them
             result = run_assets(local_resources(str(root / "storage"), tracking=tracking), instance, SELECTION,
-                                {"ops": OPS})
+                                {"ops": OPS, "resources": recipe(samples_per_prompt=2)})
         assert result.success
         yield result.run_id, {a: latest_metadata(instance, a) for a in ("dpo_checkpoint", "policy_checkpoint")}, \
             str(root / "wandb")

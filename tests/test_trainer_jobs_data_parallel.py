@@ -63,7 +63,7 @@ def test_policy_update_on_two_ranks_equals_one_process(arith_job_inputs, tmp_pat
     rows = [{"prompt_index": i // 4, "prompt_ids": [1, 2, 3 + i % 5], "reward": float(i % 2),
              "response_ids": list(rng.integers(3, 60, 1 + i % 4))} for i in range(32)]
     compute_advantages(pd.DataFrame(rows), "grpo").to_parquet(tmp_path / "batch.parquet")
-    trainer = {"micro_batch_size": 4, "global_batch_size": 8, "ppo_epochs": 2, "kl_coef": 0.05, "lr": 1e-3,
+    trainer = {"micro_batch_size": 4, "global_batch_size": 8, "ppo_epochs": 2, "kl_loss_coef": 0.05, "lr": 1e-3,
                "zero_stage": zero_stage}
     kw = dict(batch_parquet=str(tmp_path / "batch.parquet"), model_path=arith_job_inputs["model_path"],
               reference_model_path=arith_job_inputs["model_path"])

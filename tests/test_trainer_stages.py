@@ -70,7 +70,7 @@ def test_zero3_trains_resumes_and_exports(setup, tmp_path):
 
 
 def test_policy_first_step_is_on_policy_and_is_weights_apply(setup, tmp_path):
-    cfg = PolicyConfig(micro_batch_size=32, ppo_epochs=1, kl_coef=0.0, rollout_is_threshold=2.0)
+    cfg = PolicyConfig(micro_batch_size=32, ppo_epochs=1, kl_loss_coef=0.0, rollout_is_threshold=2.0)
     result = train_policy(cfg, out_dir=str(tmp_path / "a"), **setup["policy"])
     first = result["final"]
     # recomputed old log-probs equal the current ones before the update: ratio 1, nothing clipped
@@ -81,7 +81,7 @@ def test_policy_first_step_is_on_policy_and_is_weights_apply(setup, tmp_path):
 
 
 def test_policy_uses_rollout_logprobs_and_kl(setup, tmp_path):
-    cfg = PolicyConfig(micro_batch_size=8, ppo_epochs=2, kl_coef=0.1, old_logprobs="rollout", lr=1e-2)
+    cfg = PolicyConfig(micro_batch_size=8, ppo_epochs=2, kl_loss_coef=0.1, old_logprobs="rollout", lr=1e-2)
     result = train_policy(cfg, out_dir=str(tmp_path), **setup["policy"])
     curve = result["loss_curve"]
     assert len(curve) == 8 and "rollout_is_weight_mean" not in result["final"]
@@ -101,7 +101,7 @@ def test_policy_without_sampled_logprobs(setup, tmp_path):
     path = str(tmp_path / "no_logprobs.parquet")
     batch.to_parquet(path)
     paths = {**setup["policy"], "batch_parquet": path}
-    result = train_policy(PolicyConfig(micro_batch_size=32, kl_coef=0.0), out_dir=str(tmp_path / "a"), **paths)
+    result = train_policy(PolicyConfig(micro_batch_size=32, kl_loss_coef=0.0), out_dir=str(tmp_path / "a"), **paths)
     assert abs(result["final"]["ppo_kl"]) < 1e-5 and "rollout_is_weight_mean" not in result["final"]
     with pytest.raises(ValueError, match="sampled_logprobs=True"):
         train_policy(PolicyConfig(old_logprobs="rollout"), out_dir=str(tmp_path / "b"), **paths)

@@ -12,7 +12,8 @@ comes from the config):
 - ``evaluation``: ``models`` ({name: HF folder}), ``eval_prompts_parquet``, ``pairs_parquet``,
   ``reference_parquet``, ``options`` (``evaluate_models`` keywords) — results per model;
 - ``advantages``: ``rewards_parquet``, ``settings`` (AdvantageSettings fields), ``reference_model_path`` and
-  ``kl_coef`` (KL in the reward), ``critic_path`` (estimators that need values), ``device``, ``out_parquet`` —
+  ``kl_in_reward_coef`` (KL in the reward: a coefficient carried over), ``critic_path`` (estimators that need
+  values), ``device``, ``out_parquet`` —
   ``advantages_with_models`` over the scored samples, written to ``out_parquet``; its batch metrics.
 
 ``run_task`` is also what the asset calls when the stage runs in the Dagster process (CPU).
@@ -64,7 +65,8 @@ def advantages(config: dict) -> dict:
 
     out = advantages_with_models(pd.read_parquet(config["rewards_parquet"]), AdvantageSettings(**config["settings"]),
                                  reference_model_path=config.get("reference_model_path"),
-                                 kl_coef=config.get("kl_coef"), critic_path=config.get("critic_path"),
+                                 kl_in_reward_coef=config.get("kl_in_reward_coef"),
+                                 critic_path=config.get("critic_path"),
                                  device=config.get("device", "cpu"))
     out.to_parquet(config["out_parquet"], index=False)
     flat = [a for row in out["advantages"] for a in row]

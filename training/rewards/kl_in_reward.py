@@ -1,4 +1,4 @@
-"""KL to the reference in the reward (verl ``algorithm.use_kl_in_reward``).
+"""KL to the reference in the reward (verl ``algorithm.use_kl_in_reward``; the RL recipe's ``kl_placement: reward``).
 
 Per response token t: ``r_t <- r_t - beta * kl_t`` with ``kl_t = kl_penalty(logp_old_t, logp_ref_t, kind)``
 (``algos.apply_kl_penalty``), before advantages are estimated. ``logp_old`` are the rollout
@@ -34,12 +34,13 @@ def reference_token_logprobs(model_path: str, table: pd.DataFrame, *, batch_size
     return out
 
 
-def make_kl_controller(kind: str, kl_coef: float, *, target_kl: float = 0.1, horizon: int = 10000):
-    """``"fixed"`` -> ``FixedKLController(kl_coef)``; ``"adaptive"`` -> ``AdaptiveKLController``."""
+def make_kl_controller(kind: str, kl_in_reward_coef: float, *, target_kl: float = 0.1, horizon: int = 10000):
+    """``"fixed"`` -> ``FixedKLController(kl_in_reward_coef)``; ``"adaptive"`` -> ``AdaptiveKLController``
+    starting at it."""
     if kind == "fixed":
-        return FixedKLController(kl_coef)
+        return FixedKLController(kl_in_reward_coef)
     if kind == "adaptive":
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
+        return AdaptiveKLController(kl_in_reward_coef, target_kl, horizon)
     raise ValueError(f"kl_ctrl must be 'fixed' or 'adaptive', got {kind!r}")
 
 

@@ -29,13 +29,12 @@ ALL_GROUPS_KEPT_NOTE = ("dynamic_sampling: every group's rewards were identical,
                         "its KL/entropy terms only")
 
 
-class AdvantageSettings(BaseModel):
-    """The algorithm stage (verl ``algorithm.*``): the estimator and KL in the reward."""
+class AdvantageStageSettings(BaseModel):
+    """What ``ops.advantages.config`` holds: the estimator's knobs and DAPO's batch shaping. The estimator and the KL
+    in the reward are the RL recipe's (``resources.rl_recipe``), joined in ``AdvantageSettings``."""
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = Field(  # type: ignore[valid-type]
-        "grpo", description="advantage estimator (registry name); gae needs a critic, remax greedy baselines")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (gae, reinforce_plus_plus)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     norm_adv_by_std: bool = Field(True, description="grpo: divide by the group's (unbiased) std + 1e-6; off = "
@@ -43,18 +42,6 @@ class AdvantageSettings(BaseModel):
     critic_init: Literal["policy", "reward_model"] = Field(
         "policy", description="gae: where a new critic starts: the policy's weights with a zero value head, or "
         "the reward model (its score head becomes the value head)")
-    use_kl_in_reward: bool = Field(False, description="subtract beta * KL(policy || reference) from the "
-                                   "token rewards; the policy update then needs use_kl_in_reward too")
-    kl_penalty: Literal[KL_KINDS] = Field("kl", description="KL estimator per token (k1 'kl', k2 'mse', "  # type: ignore[valid-type]
-                                          "k3 'low_var_kl', 'abs')")
-    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="how kl_coef moves between iterations: "
-                                                  "fixed, or adaptive (steers the KL towards target_kl; its value is "
-                                                  "carried over to the next iteration)")
-    kl_coef: float = Field(0.001, ge=0, description="beta of the KL in the reward: token rewards become "
-                           "r - beta * KL(policy || reference) when use_kl_in_reward (the adaptive controller's start "
-                           "value)")
-    target_kl: float = Field(0.1, gt=0, description="adaptive controller: KL it steers towards")
-    kl_horizon: int = Field(10000, gt=0, description="adaptive controller: horizon in samples")
     overlong_filter: bool = Field(False, description="DAPO's overlong filtering: a sample cut at the token limit "
                                   "(finish_reason length) leaves the policy loss (its loss_mask all 0) but still "
                                   "counts in its group's statistics; metadata overlong_filtered")
@@ -68,9 +55,34 @@ class AdvantageSettings(BaseModel):
         "dynamic_sampling/all_groups_dropped 1), fail stops the advantages step saying so")
 
     @model_validator(mode="after")
+    def _drop_policy_needs_dynamic_sampling(self):
+        if self.when_all_groups_dropped != "keep_batch" and not self.dynamic_sampling:
+            raise ValueError("when_all_groups_dropped is set but dynamic_sampling is off: set dynamic_sampling: true")
+        return self
+
+
+class AdvantageSettings(AdvantageStageSettings):
+    """The advantages job's settings (verl ``algorithm.*``): the stage's knobs with the recipe's estimator and KL in
+    the reward (``RLRecipe.advantage_part``)."""
+
+    estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = Field(  # type: ignore[valid-type]
+        "grpo", description="the estimator computing the advantages (from rl_recipe.estimator)")
+    use_kl_in_reward: bool = Field(False, description="subtract beta * KL(policy || reference) from the token "
+                                   "rewards (rl_recipe.kl_placement reward)")
+    kl_in_reward_coef: float = Field(0.001, ge=0, description="beta of that KL, the controller's start value unless "
+                                     "one is carried over (rl_recipe.kl_in_reward_coef)")
+    kl_penalty: Literal[KL_KINDS] = Field("kl", description="KL estimator per token of the reward's KL "  # type: ignore[valid-type]
+                                          "(rl_recipe.kl_penalty)")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="how beta moves between iterations "
+                                                  "(rl_recipe.kl_ctrl)")
+    target_kl: float = Field(0.1, gt=0, description="adaptive controller's target KL (rl_recipe.target_kl)")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive controller's horizon (rl_recipe.kl_horizon)")
+
+    @model_validator(mode="after")
     def _kl_switches_agree(self):
-        if self.use_kl_in_reward and self.kl_coef == 0:
-            raise ValueError("use_kl_in_reward: true with kl_coef: 0 subtracts nothing; set kl_coef > 0")
+        if self.use_kl_in_reward and self.kl_in_reward_coef == 0:
+            raise ValueError("use_kl_in_reward: true with kl_in_reward_coef: 0 subtracts nothing; set "
+                             "kl_in_reward_coef > 0")
         return self
 
     @model_validator(mode="after")
@@ -79,8 +91,6 @@ class AdvantageSettings(BaseModel):
             raise ValueError(f"dynamic_sampling drops groups whose rewards are identical, which carry no advantage "
                              f"only under a group estimator ({', '.join(GROUP_ESTIMATORS)}); estimator "
                              f"{self.estimator} has none")
-        if self.when_all_groups_dropped != "keep_batch" and not self.dynamic_sampling:
-            raise ValueError("when_all_groups_dropped is set but dynamic_sampling is off: set dynamic_sampling: true")
         return self
 
 
@@ -234,12 +244,12 @@ def compute_advantages(table: pd.DataFrame, estimator: str = "grpo", *, reward_c
 
 
 def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
-                           reference_model_path: str | None = None, kl_coef: float | None = None,
+                           reference_model_path: str | None = None, kl_in_reward_coef: float | None = None,
                            critic_path: str | None = None, device: str = "cpu") -> pd.DataFrame:
     """``compute_advantages`` as ``settings`` ask, with what they need from models (the advantages stage's
     work, in one place whether it runs in the Dagster process or as a job on the GPU host): with
-    ``use_kl_in_reward`` the reference model's token log-probs and a KL controller starting at ``kl_coef``
-    (a value carried over from the previous iteration, else ``settings.kl_coef``); with ``critic_path`` the
+    ``use_kl_in_reward`` the reference model's token log-probs and a KL controller starting at ``kl_in_reward_coef``
+    (a value carried over from the previous iteration, else ``settings.kl_in_reward_coef``); with ``critic_path`` the
     critic's values."""
     kl = None
     if settings.use_kl_in_reward:
@@ -247,7 +257,8 @@ def advantages_with_models(table: pd.DataFrame, settings: AdvantageSettings, *,
 
         if reference_model_path is None:
             raise ValueError("use_kl_in_reward needs the reference model (reference_model_path)")
-        controller = make_kl_controller(settings.kl_ctrl, settings.kl_coef if kl_coef is None else kl_coef,
+        start = settings.kl_in_reward_coef if kl_in_reward_coef is None else kl_in_reward_coef
+        controller = make_kl_controller(settings.kl_ctrl, start,
                                         target_kl=settings.target_kl, horizon=settings.kl_horizon)
         kl = {"ref_logprobs": reference_token_logprobs(reference_model_path, table, device=device),
               "controller": controller, "kind": settings.kl_penalty}

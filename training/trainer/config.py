@@ -180,19 +180,11 @@ class RewardModelConfig(TrainerConfig):
                                   "(smoke-size runs); all when unset")
 
 
-class PolicyConfig(TrainerConfig):
-    """PPO/GRPO-style policy update on a fixed batch of rollouts (verl ``core_algos`` conventions).
+class PolicyUpdateConfig(TrainerConfig):
+    """What ``ops.policy_checkpoint.config`` holds: the PPO/GRPO-style update's own knobs (verl ``core_algos``
+    conventions). The estimator, the critic, the KL loss and the off-policy correction are the RL recipe's
+    (``resources.rl_recipe``), joined in ``PolicyConfig``."""
 
-    KL to the reference is a loss term (``kl_coef * k3``) unless ``use_kl_in_reward`` (then it is
-    expected folded into the rewards before advantages, and the loss term is off).
-    ``adv_estimator`` names the estimator the advantages stage used (``training/rl/advantages.py``);
-    the update itself reads the per-token advantages from its input batch.
-    """
-
-    # allowed values come from the registries: an unknown name fails when the config is written
-    adv_estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = Field(  # type: ignore[valid-type]
-        "grpo", description="the estimator the batch's advantages were computed with (must match "
-        "advantages.estimator when set); gae needs critic: true")
     policy_loss: Literal[POLICY_LOSS_NAMES] = Field(  # type: ignore[valid-type]
         "vanilla", description="policy-gradient loss: vanilla = PPO clipped surrogate with dual clip, gspo = its "
         "sequence-level ratio, weighted_regression = weights times log-likelihood, no ratio (AWR/RWR)")
@@ -202,13 +194,6 @@ class PolicyConfig(TrainerConfig):
                                    "importance ratio")
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant c (> 1) bounding the loss of negative "
                                 "advantages")
-    kl_coef: float = Field(0.01, ge=0, description="weight of the KL loss term kl_coef * KL(policy || reference) "
-                           "added to the policy loss (GRPO's use_kl_loss); no term when 0 or use_kl_in_reward")
-    kl_type: Literal[KL_KINDS] = Field(  # type: ignore[valid-type]
-        "low_var_kl", description="estimator of that KL loss term: k1 'kl', k2 'mse', k3 'low_var_kl' (clamped to "
-        "[-10, 10]), 'abs'; a '+' suffix keeps the value with k2's gradient")
-    use_kl_in_reward: bool = Field(False, description="the KL is already subtracted from the token rewards "
-                                   "(advantages.use_kl_in_reward): no KL loss term here")
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="how per-token losses become one: token-mean = mean over all response tokens; "
@@ -226,13 +211,6 @@ class PolicyConfig(TrainerConfig):
                                "only: not with torch_compile)")
     temperature: float = Field(1.0, gt=0, description="the temperature the rollouts were sampled at; the policy's "
                                "log-probs are computed at it (keep it equal to the rollout engine's)")
-    old_logprobs: Literal["recompute", "rollout"] = Field(
-        "recompute", description="log pi_old of the ratio: recompute = the trainer's own under the weights before "
-        "the update (exact on-policy ratio); rollout = the rollout engine's sampled-token log-probs")
-    rollout_is_threshold: float | None = Field(2.0, gt=0, description="with old_logprobs recompute and rollout "
-                                               "log-probs in the batch: the loss is reweighted by truncated importance "
-                                               "weights min(pi_old / pi_rollout, this) for the engine mismatch; "
-                                               "none = off")
     carry_optimizer_state: bool = Field(
         False, description="take up AdamW's moments and step count from the update that produced the policy trained "
         "here (published with its checkpoint, in its data version), as one optimiser over the RL iterations (verl, "
@@ -240,20 +218,9 @@ class PolicyConfig(TrainerConfig):
         "0 and precision fp32 or bf16_amp")
     lr: float = Field(1e-3, gt=0)
     micro_batch_size: int = Field(16, ge=1)
-    # critic (PPO with GAE): a value model trained after the policy in the same job, ppo_epochs passes
-    critic: bool = Field(False, description="train a value model on the batch's returns (clipped value loss)")
+    # critic (PPO with GAE, rl_recipe.estimator gae): a value model trained after the policy in the same job
     critic_lr: float = Field(1e-3, gt=0, description="learning rate of the critic (value model)")
     cliprange_value: float = Field(0.5, gt=0, description="value clip around the batch's old values")
-
-    @model_validator(mode="after")
-    def _critic_matches_estimator(self):
-        needs_values = "values" in estimator_needs(self.adv_estimator)
-        if needs_values and not self.critic:
-            raise ValueError(f"adv_estimator={self.adv_estimator} needs critic values: set critic: true")
-        if self.critic and not needs_values:
-            raise ValueError(f"critic: true but adv_estimator={self.adv_estimator} does not use values "
-                             "(use gae, or critic: false)")
-        return self
 
     @model_validator(mode="after")
     def _carried_state_is_the_trainers(self):
@@ -271,4 +238,40 @@ class PolicyConfig(TrainerConfig):
         if self.pack_samples and self.torch_compile:
             raise ValueError("pack_samples: true with torch_compile: true recompiles the layers for every packed "
                              "shape (slower than either alone): pick one")
+        return self
+
+
+class PolicyConfig(PolicyUpdateConfig):
+    """The policy trainer job's config: the update's knobs with the RL recipe's part (``RLRecipe.policy_part``).
+
+    KL to the reference is a loss term ``kl_loss_coef * KL`` (none at 0: the recipe puts the KL in the reward, or
+    nowhere). ``adv_estimator`` names the estimator the batch's advantages were computed with; the update itself
+    reads the per-token advantages from its input batch.
+    """
+
+    adv_estimator: Literal[tuple(ADV_ESTIMATOR_NEEDS)] = Field(  # type: ignore[valid-type]
+        "grpo", description="the estimator the batch's advantages were computed with (rl_recipe.estimator); gae "
+        "needs critic: true")
+    critic: bool = Field(False, description="train a value model on the batch's returns (clipped value loss); the "
+                         "recipe sets it for gae")
+    kl_loss_coef: float = Field(0.01, ge=0, description="weight of the loss term kl_loss_coef * KL(policy || "
+                                "reference) (rl_recipe.kl_loss_coef); 0 = no term")
+    kl_loss_type: Literal[KL_KINDS] = Field(  # type: ignore[valid-type]
+        "low_var_kl", description="estimator of the KL loss term (rl_recipe.kl_loss_type)")
+    old_logprobs: Literal["recompute", "rollout"] = Field(
+        "recompute", description="log pi_old of the ratio (rl_recipe.old_logprobs): recompute = the trainer's own "
+        "under the weights before the update; rollout = the rollout engine's sampled-token log-probs")
+    rollout_is_threshold: float | None = Field(2.0, gt=0, description="with old_logprobs recompute and rollout "
+                                               "log-probs in the batch: the loss is reweighted by truncated importance "
+                                               "weights min(pi_old / pi_rollout, this) for the engine mismatch; "
+                                               "none = off")
+
+    @model_validator(mode="after")
+    def _critic_matches_estimator(self):
+        needs_values = "values" in estimator_needs(self.adv_estimator)
+        if needs_values and not self.critic:
+            raise ValueError(f"adv_estimator={self.adv_estimator} needs critic values: set critic: true")
+        if self.critic and not needs_values:
+            raise ValueError(f"critic: true but adv_estimator={self.adv_estimator} does not use values "
+                             "(use gae, or critic: false)")
         return self

@@ -1,8 +1,9 @@
 """PPO/GRPO policy update on a fixed batch of scored rollouts, on the DeepSpeed engine.
 
 Per token (verl ``core_algos``): ρ = exp(logπ − logπ_old), clipped surrogate with dual clip
-(``algos.get_policy_loss(cfg.policy_loss)``), plus ``kl_coef · k3(logπ, logπ_ref)`` as a loss
-(GRPO's ``use_kl_loss``), minus ``entropy_coef · H``; aggregated by ``loss_agg_mode``.
+(``algos.get_policy_loss(cfg.policy_loss)``), plus ``kl_loss_coef · k3(logπ, logπ_ref)`` as a
+loss (GRPO's ``use_kl_loss``; 0 where the RL recipe puts the KL in the reward or nowhere), minus
+``entropy_coef · H``; aggregated by ``loss_agg_mode``.
 
 ``logπ_old`` and ``logπ_ref`` are computed once before the first update and cached in
 ``out_dir/fixed_logprobs.pt``, so a resumed run uses exactly the same ones as an uninterrupted run.
@@ -68,7 +69,7 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
         fixed["old"] = sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
     else:
         fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
-    if cfg.kl_coef > 0 and not cfg.use_kl_in_reward and reference_model_path:
+    if cfg.kl_loss_coef > 0 and reference_model_path:
         if _same_model(reference_model_path, loop.model_path):  # the chain's first update: the policy is the reference
             fixed["ref"] = fixed["old"] if cfg.old_logprobs == "recompute" else \
                 sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)  # its pass, no second model
@@ -105,8 +106,8 @@ def _policy_loss(cfg: PolicyConfig, policy_loss_fn, rows, fixed, idx, batch, old
         parts["rollout_is_weight_mean"] = masked_mean(is_weights, mask)
     if "ref" in fixed:
         ref = to_device_async(pad_floats([fixed["ref"][i] for i in idx], R), device)
-        kl = agg_loss(kl_penalty(logp, ref, cfg.kl_type), mask, cfg.loss_agg_mode)
-        loss = loss + cfg.kl_coef * kl
+        kl = agg_loss(kl_penalty(logp, ref, cfg.kl_loss_type), mask, cfg.loss_agg_mode)
+        loss = loss + cfg.kl_loss_coef * kl
         parts["kl_loss"] = kl
     if cfg.entropy_coef:
         loss = loss - cfg.entropy_coef * agg_loss(entropy, mask, cfg.loss_agg_mode)
