@@ -10,11 +10,11 @@ gives the table's default. Resource fields that Dagster resolves itself are ``dg
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
-from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
 
 from batchrl.common.run_config_error import RunConfigError
 
@@ -28,22 +28,22 @@ class EnvironmentVariableError(RunConfigError):
     """A ``BATCHRL_`` variable whose value does not parse as its table entry says."""
 
 
-@dataclass(frozen=True)
-class Variable:
-    name: str
-    kind: str  # one of KINDS
-    default: Any  # the value ``read`` gives when unset or blank
-    readers: tuple[str, ...]
-    summary: str  # what it does, one line
-    choices: tuple[str, ...] = ()  # kind choice: the values allowed
-    minimum: float | None = None  # kinds int and float: the least value allowed
-    unset: str = ""  # what unset means where ``default`` alone does not say it
-    sets: str = ""  # the resource fields it gives its value to, comma-separated
-    dagster_env_var: bool = False  # those fields are ``dg.EnvVar(name)``: Dagster resolves it, the UI shows the name
-    internal: bool = False  # batchrl sets it for its own child processes; not a setting for users
+# a namedtuple, not a dataclass: the thin client imports this module, and dataclasses costs it inspect and ast
+_FIELDS = ("name", "kind", "default", "readers", "summary", "choices", "minimum", "unset", "sets", "dagster_env_var",
+           "internal")
 
 
-def _v(name: str, kind: str, default: Any, readers: tuple[str, ...], summary: str, **more: Any) -> Variable:
+class Variable(collections.namedtuple("Variable", _FIELDS, defaults=((), None, "", "", False, False))):
+    """A row of the table. ``kind``: one of KINDS; ``default``: what ``read`` gives when unset or blank;
+    ``readers``: DAGSTER, JOB, CLI; ``summary``: what it does, one line; ``choices``: kind choice's values;
+    ``minimum``: kinds int and float, the least value allowed; ``unset``: what unset means where ``default`` alone
+    does not say it; ``sets``: the resource fields it gives its value to, comma-separated; ``dagster_env_var``:
+    those fields are ``dg.EnvVar(name)`` (Dagster resolves it, the UI shows the name); ``internal``: batchrl sets it
+    for its own child processes, no setting for users."""
+    __slots__ = ()
+
+
+def _v(name: str, kind: str, default: object, readers: tuple[str, ...], summary: str, **more: object) -> Variable:
     return Variable(PREFIX + name, kind, default, readers, summary, **more)
 
 
@@ -146,7 +146,7 @@ def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return bool((os.environ if environ is None else environ).get(name, "").strip())
 
 
-def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
+def read(name: str, environ: Mapping[str, str] | None = None) -> object:
     """``name``'s value in ``environ`` (default this process's), parsed as the table says; the table's default
     when unset or blank. ``EnvironmentVariableError`` names the variable, the value and what it takes."""
     entry = variable(name)
@@ -159,7 +159,7 @@ def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
         raise EnvironmentVariableError(f"{name}={text!r}: {error}") from None
 
 
-def _parsed(entry: Variable, text: str) -> Any:
+def _parsed(entry: Variable, text: str) -> object:
     if entry.kind == "text":
         return text
     if entry.kind == "path":

@@ -3,8 +3,7 @@ checks before a run starts (``runs.run_config``), so a caller catches one class;
 problem is written: one line naming the key (its dotted path), the value given and the rule."""
 from __future__ import annotations
 
-import difflib
-from typing import Any, Iterable
+from collections.abc import Iterable  # not typing: the thin client imports this module (common.environment_variables)
 
 VALUE_CHARS = 60  # a value longer than this is cut on the line (the file has it whole)
 NAMES_LISTED = 12  # an unknown name lists this many of the names it could have been, at most
@@ -16,13 +15,13 @@ class RunConfigError(ValueError):
     line each."""
 
 
-def shown_value(value: Any) -> str:
+def shown_value(value: object) -> str:
     """A config value as the line shows it: strings quoted, long values cut."""
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 1] + "…"
 
 
-def problem_line(path: str, rule: str, value: Any = ...) -> str:
+def problem_line(path: str, rule: str, value: object = ...) -> str:
     """``path=value: rule``; ``path: rule`` when there is no value to show (a required key not given)."""
     return f"{path}: {rule}" if value is ... else f"{path}={shown_value(value)}: {rule}"
 
@@ -49,6 +48,8 @@ def unknown_name_rule(name: str, known: list[str], what: str = "key") -> str:
     """The rule an unknown key (or asset, or resource field) breaks: the close names, else the names there are."""
     if not known:
         return f"no such {what}"
+    import difflib
+
     close = difflib.get_close_matches(name, known, n=3)
     if close:
         return f"no such {what}; did you mean {' or '.join(close)}?"
