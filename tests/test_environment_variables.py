@@ -12,7 +12,7 @@ import dagster as dg
 import pytest
 
 from batchrl.common.environment_variables import (
-    PREFIX, VARIABLES, EnvironmentVariableError, is_set, markdown, read, variable,
+    KINDS, PREFIX, VARIABLES, EnvironmentVariableError, is_set, markdown, read, variable,
 )
 from batchrl.common.package import PACKAGE_DIR
 from batchrl.common.run_config_error import RunConfigError
@@ -148,7 +148,8 @@ def test_the_tables_choices_and_defaults_are_the_codes():
                         ("RAY_PLACEMENT", "placement_strategy")):
         assert VARIABLES[PREFIX + name].default == RayJobs.model_fields[field].default, name
     for entry in VARIABLES.values():
-        assert entry.summary and entry.readers and "|" not in entry.summary + entry.unset
+        assert entry.kind in KINDS and entry.summary and entry.readers and "|" not in entry.summary + entry.unset
+        assert bool(entry.choices) == (entry.kind == "choice"), entry.name
 
 
 @pytest.mark.parametrize("name, value, expected", [
