@@ -82,7 +82,8 @@ class RunProgress:
     def __init__(self, instance, run_id: str, assets: set[str], out: IO[str], poll_s: float = 0.5):
         self.instance, self.run_id, self.out, self.poll_s = instance, run_id, out, poll_s
         self.assets, self.total = assets, len(assets)
-        self.done: list[dict] = []  # {asset, ok, seconds, metadata, error}
+        self.done: list[dict] = []  # {asset, ok, seconds, metadata, error, blocked}; step_only: not an asset
+        self._lines = 0  # asset lines written: the N of [N/total]
         self._started: dict[str, float] = {}
         self._metadata: dict[str, dict] = {}
         self._checks: dict[str, list[str]] = {}  # check lines of a step still running
@@ -166,12 +167,16 @@ class RunProgress:
             blocked = self._blocking_failed.pop(step, {})
             # a failed blocking check fails its step after the step published its assets: they are there
             ok = failure is None or bool(materialised and blocked and failure.cls_name == CHECK_BLOCKED_ERROR)
+            if not materialised and step not in self.assets:  # a step of its own for checks: no asset to count
+                self._check_step_failed(step, seconds, failure, error)
+                return
             for asset, metadata in (materialised or {step: {}}).items():  # not promoted_policy: not a step
                 item = {"asset": asset, "ok": ok, "seconds": seconds, "metadata": metadata, "error": error,
                         "blocked": blocked.get(asset, [])}
                 self.done.append(item)
                 self._clear_progress()
-                self.out.write(asset_line(len(self.done), self.total, asset, seconds, ok, metadata, error,
+                self._lines += 1
+                self.out.write(asset_line(self._lines, self.total, asset, seconds, ok, metadata, error,
                                           item["blocked"]) + "\n")
             self._write_checks(step)  # a step's checks, under the assets they check
         elif kind == "STEP_SUCCESS":  # a step of its own for checks
@@ -188,6 +193,17 @@ class RunProgress:
                 self._clear_progress()
                 self.out.write(line)
 
+
+    def _check_step_failed(self, step: str, seconds: float, failure, error: str) -> None:
+        """A failed step that is none of the run's assets (an asset check's own step, the log-drop op before it
+        published anything): in the summary's failures, but no ``[N/total]`` line (it was not counted: the line read
+        ``[ 2/1] FAIL``). A blocking check's failure is its check line (``check ...: FAILED``) already."""
+        self.done.append({"asset": step, "ok": False, "seconds": seconds, "metadata": {}, "error": error,
+                          "blocked": [], "step_only": True})
+        self._clear_progress()
+        if failure.cls_name != CHECK_BLOCKED_ERROR or step not in self._checks:
+            self.out.write(f"        step {step} FAILED after {seconds:.1f} s: {failure_line(error)}\n")
+        self._write_checks(step)
 
     def _write_checks(self, step: str) -> None:
         lines = self._checks.pop(step, [])
@@ -290,8 +306,11 @@ def print_run_summary(done: list[dict], success: bool, seconds: float, log_path:
 
     out = out or sys.stdout
     failed = [d for d in done if not d["ok"]]
+    steps = ", ".join(d["asset"] for d in failed if d.get("step_only"))  # a check's own step: not an asset
+    assets_failed = sum(not d.get("step_only") for d in failed)
     out.write(f"\n{'SUCCESS' if success else 'FAILED'}: {sum(d['ok'] for d in done)} assets materialised"
-              f"{f', {len(failed)} failed' if failed else ''} in {seconds:.0f} s\n")
+              f"{f', {assets_failed} failed' if assets_failed else ''}{f', step {steps} failed' if steps else ''}"
+              f" in {seconds:.0f} s\n")
     for item in failed:  # a cause cut on its asset line, whole (its traceback is in the log)
         whole = failure_line(item.get("error", ""), width=sys.maxsize)
         if whole != failure_line(item.get("error", "")):

@@ -143,3 +143,32 @@ def test_the_evaluation_table_fits_100_columns_with_every_model():
     assert lines[0].split() == ["metric", "base", "policy", "dpo", "offline", "kto"]
     assert any(line.startswith("arith_accuracy ") and "0.1235" in line for line in lines)
     assert any("…" in line for line in lines)
+
+
+@dg.asset
+def scored() -> int:
+    return 3
+
+
+@dg.asset_check(asset=scored, blocking=True)
+def scored_is_even(scored: int) -> dg.AssetCheckResult:  # a check of its own step, as promotion's gate is
+    return dg.AssetCheckResult(passed=scored % 2 == 0)
+
+
+def test_a_failed_check_step_is_not_counted_as_an_asset(tmp_path):
+    """Issue 50: a blocking check in a step of its own failed, and the console wrote ``[ 2/1] FAIL`` for its step."""
+    from batchrl.cli.console import print_run_summary
+
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        result = dg.materialize([scored, scored_is_even], instance=instance, raise_on_error=False)
+        assert not result.success
+        out = io.StringIO()
+        progress = RunProgress(instance, result.run_id, {"scored"}, out)
+        progress.poll()
+        print_run_summary(progress.done, False, 1.0, None, lambda asset: None, out=out)
+    lines = out.getvalue().splitlines()
+    counted = [line for line in lines if line.startswith("[")]
+    assert len(counted) == 1 and counted[0].startswith("[ 1/1] ok ") and " scored " in counted[0], lines
+    assert "check scored_is_even: FAILED" in [line.strip() for line in lines], lines
+    assert any(line.startswith("FAILED: 1 assets materialised, step ") and "scored_is_even failed" in line
+               for line in lines), lines
