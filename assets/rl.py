@@ -142,8 +142,9 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         with clock.phase("write"):
             samples.to_parquet(output_file(context, staging), index=False)
         return publish(context, storage, catalog, staging, seed=config.seed,
-                       config={**stage_fields(config), **rl_recipe.rollout_part(), "engine": rollout_engine.model_dump(),
-                               "chain_base": chain_base(policy), "staleness": staleness},
+                       config={**stage_fields(config), **rl_recipe.rollout_part(),
+                               "engine": rollout_engine.model_dump(), "chain_base": chain_base(policy),
+                               "staleness": staleness},
                        # off-policy: the policy sampled and the promoted one it stood behind (what reproduce pins)
                        inputs={"prompts": prompts, "policy": policy, **({PROMOTED: promoted} if staleness else {})},
                        metadata={**{k: v for k, v in stats.items() if k != "content_hash"}, **shown,

@@ -23,8 +23,8 @@ RECIPE = "resources.rl_recipe"
 
 
 def with_moved_fields(name: str, run_config: type[dg.Config], stage: str, moved: dict[str, str]) -> type[dg.Config]:
-    """A run config ``name``: ``run_config`` still naming each field that moved out of ``ops.<stage>.config`` (``moved``: old name -> where
-    it is set now), so that a value given under the old name is refused in one line saying where it went: when the
+    """A run config ``name``: ``run_config`` still naming each field that moved out of ``ops.<stage>.config``
+    (``moved``: old name -> where it is set now), so that a value given under the old name is refused in one line saying where it went: when the
     stage's config is built (a launchpad run) and by its ``library_model`` (`batchrl run`'s check of every op)."""
     def refusal(config: dict) -> str | None:
         given = [name for name in moved if config.get(name) is not None]
@@ -37,17 +37,25 @@ def with_moved_fields(name: str, run_config: type[dg.Config], stage: str, moved:
             raise ValueError(problem)
         return self
 
-    def library_model(**config):
-        problem = refusal(config)
-        if problem:
-            raise ValueError(problem)
-        return run_config.library_model(**{k: v for k, v in config.items() if k not in moved})
+    def with_old_names(base: type, class_name: str, description: str) -> type:
+        fields = {old: (Optional[Any], Field(None, description=f"{description}: set {where}"))
+                  for old, where in moved.items()}
+        return pydantic.create_model(class_name, __base__=base, __module__=__name__, **fields,
+                                     __validators__={"refuse_moved": model_validator(mode="after")(refuse_moved)})
 
-    fields = {name: (Optional[Any], Field(None, description=f"moved from ops.{stage}.config: set {where}"))
-              for name, where in moved.items()}
-    cls = pydantic.create_model(name, __base__=run_config, __module__=__name__,
-                                __validators__={"refuse_moved": model_validator(mode="after")(refuse_moved)}, **fields)
-    cls.library_model = library_model
+    library = run_config.library_model
+    if isinstance(library, type):  # the library model too, so its rules and the old names are checked together
+        library = with_old_names(library, f"{library.__name__}WithOldNames", f"moved to the RL recipe from {stage}")
+    else:
+        checks = library
+
+        def library(**config):
+            problem = refusal(config)
+            if problem:
+                raise ValueError(problem)
+            return checks(**{k: v for k, v in config.items() if k not in moved})
+    cls = with_old_names(run_config, name, f"moved from ops.{stage}.config")
+    cls.library_model = library
     cls.moved_fields = tuple(moved)
     return cls
 

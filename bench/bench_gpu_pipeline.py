@@ -67,11 +67,11 @@ def write_profile(out: str, model: str, landing: dict, a) -> str:
         "rl_iterations": 1,
         "resources": {"landing": landing,
                       "rollout_engine": {"max_new_tokens": a.new_tokens, "batch_size": 512, "kind": a.engine},
-                      "compute": {"batch_size": 128}},
+                      "compute": {"batch_size": 128}, "rl_recipe": {"samples_per_prompt": a.samples}},
         "ops": {
             "base_model": {"config": {"model_path": model}},
             "reward_model": {"config": {"epochs": 1, "lr": 1e-5, "micro_batch_size": 32, "max_length": 128}},
-            "rollouts": {"config": {"samples_per_prompt": a.samples, "max_prompts": a.prompts}},
+            "rollouts": {"config": {"max_prompts": a.prompts}},
             "rewards": {"config": {"rule": "final_answer", "weights": {"rule": 1.0, "reward_model": 0.5},
                                    "rm_batch_size": 128, "rm_max_length": 384}},
             "policy_checkpoint": {"config": {"lr": 1e-6, "micro_batch_size": 32, "grad_accum": 4,

@@ -18,10 +18,10 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   10x the full-weight rate; all linear layers);
 - ``eager``: the same with ``policy_checkpoint.torch_compile`` off (the profile compiles each decoder layer: the
   update of a thin 30-layer model is launch-bound);
-- ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``old_logprobs:
+- ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``rl_recipe.old_logprobs:
   rollout``): no old-policy pass before the update (0.78 s of a 8.8 s iteration on the H200), the ratio taken
   against the bf16 engine's numbers;
-- ``no_ahead``: the same without ``rollouts.sample_ahead`` (on in the profile since the twenty-fifth session: the
+- ``no_ahead``: the same without ``rl_recipe.sample_ahead`` (on in the profile since the twenty-fifth session: the
   update samples the next iteration from its new weights while it exports them; the next rollouts step takes the
   samples: same data versions);
 - ``carry``: the same with ``policy_checkpoint.carry_optimizer_state`` (each update takes up the AdamW state the
@@ -65,11 +65,11 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                # 5x the profile's lr (gsm8k: 1e-5): does a faster policy move GSM8K greedy accuracy in minutes?
                "hi_lr": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}}}},
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
-               "rollout_old": {"ops": {"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}},
+               "rollout_old": {"ops": {}, "resources": {"rl_recipe": {"old_logprobs": "rollout"}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
-               "off_policy": {"ops": {"rollouts": {"config": {"off_policy_steps": 1, "sample_ahead": False}}}},
+               "off_policy": {"ops": {}, "resources": {"rl_recipe": {"off_policy_steps": 1, "sample_ahead": False}}},
                # each update samples the next iteration from its new weights while it exports them (the profile's)
-               "no_ahead": {"ops": {"rollouts": {"config": {"sample_ahead": False}}}},
+               "no_ahead": {"ops": {}, "resources": {"rl_recipe": {"sample_ahead": False}}},
                # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
                "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
 
@@ -151,7 +151,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
 
         overrides = deep_merge(overrides, {"ops": {"rollouts": {"config": {"seed": seed}},
                                                    "policy_checkpoint": {"config": {"seed": seed}}}})
-    if overrides["ops"]:
+    if overrides["ops"] or overrides.get("resources"):
         import yaml
 
         config = os.path.join(state, f"{arm}.yaml")  # not JSON: YAML reads JSON's 1e-05 as a string

@@ -23,8 +23,9 @@ ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_windo
           "prompts", "base_model", "reward_model", "rollouts", "rewards", "advantages", "policy_checkpoint",
           "reference_logprobs", "dpo_checkpoint", "evaluation"]
 SMALL = {"ops": {"base_model": {"config": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2}},
-                 "rollouts": {"config": {"samples_per_prompt": 4, "max_prompts": 32}},
-                 "reward_model": {"config": {"epochs": 1}}, "dpo_checkpoint": {"config": {"epochs": 1}}}}
+                 "rollouts": {"config": {"max_prompts": 32}},
+                 "reward_model": {"config": {"epochs": 1}}, "dpo_checkpoint": {"config": {"epochs": 1}}},
+         "resources": {"rl_recipe": {"config": {"samples_per_prompt": 4}}}}
 
 
 def one_run(run_config: dict) -> tuple[dict, dict, float]:

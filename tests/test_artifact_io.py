@@ -135,9 +135,8 @@ def _launchpad_fields(defs) -> tuple[dict[str, str], int]:
 def test_every_launchpad_config_field_has_its_own_description():
     """The launchpad shows each run-config field's description, which is written on the field itself
     (``Field(..., description=...)``: TRL's ``help``), not kept in a side table: every field of every asset's
-    run config and every resource has one, and a field name that means different things in two models (the
-    advantages' ``kl_coef``, the beta of the KL in the reward, vs the policy trainer's, the weight of its KL
-    loss term) says so in each."""
+    run config and every resource has one; the two KL coefficients have a name each in the RL recipe
+    (``kl_in_reward_coef``, ``kl_loss_coef``), and the old ``kl_coef`` of each stage says where it went."""
     from batchrl.assets.common import field_description
     from batchrl.definitions import build_definitions
     from batchrl.resources.environments import environment_resources
@@ -163,5 +162,7 @@ def test_every_launchpad_config_field_has_its_own_description():
         declared.setdefault((name, text), set()).add(f"{origin.__module__}.{origin.__qualname__}")
     copies = {name: sorted(origins) for (name, text), origins in declared.items() if len(origins) > 1}
     assert not copies, f"one description on differently-declared fields: {copies}"
-    assert shown["advantages.kl_coef"] != shown["policy_checkpoint.kl_coef"]
-    assert "reward" in shown["advantages.kl_coef"] and "loss" in shown["policy_checkpoint.kl_coef"]
+    recipe = "resources.rl_recipe"
+    assert "reward" in shown[f"{recipe}.kl_in_reward_coef"] and "loss" in shown[f"{recipe}.kl_loss_coef"]
+    assert shown["advantages.kl_coef"].endswith("set resources.rl_recipe.kl_in_reward_coef")
+    assert shown["policy_checkpoint.kl_coef"].endswith("set resources.rl_recipe.kl_loss_coef")

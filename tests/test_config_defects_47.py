@@ -105,26 +105,26 @@ def test_a_reference_from_an_earlier_run_is_checked_by_dpo_checkpoint():
     assert "ops.dpo_checkpoint.config.max_length=128" in problem and "reference log-probs' max_length=256" in problem
 
 
-@pytest.mark.parametrize("ops, engine, named", [
-    ({"policy_checkpoint": {"config": {"temperature": 0.7}}}, {}, ["ops.policy_checkpoint.config.temperature=0.7",
-                                                                  "resources.rollout_engine.temperature=1.0"]),
-    ({"policy_checkpoint": {"config": {"old_logprobs": "rollout"}}}, {"kind": "vllm"},
-     ["old_logprobs='rollout'", "resources.rollout_engine.sampled_logprobs"]),
-    ({"rollouts": {"config": {"off_policy_steps": 1}}}, {"kind": "vllm"},
-     ["off_policy_steps=1", "resources.rollout_engine.sampled_logprobs"]),
+@pytest.mark.parametrize("run_config, engine, named", [
+    ({"ops": {"policy_checkpoint": {"config": {"temperature": 0.7}}}}, {},
+     ["ops.policy_checkpoint.config.temperature=0.7", "resources.rollout_engine.temperature=1.0"]),
+    ({"resources": {"rl_recipe": {"config": {"old_logprobs": "rollout"}}}}, {"kind": "vllm"},
+     ["resources.rl_recipe.old_logprobs='rollout'", "resources.rollout_engine.sampled_logprobs"]),
+    ({"resources": {"rl_recipe": {"config": {"off_policy_steps": 1}}}}, {"kind": "vllm"},
+     ["resources.rl_recipe.off_policy_steps=1", "resources.rollout_engine.sampled_logprobs"]),
 ])
-def test_what_the_policy_update_takes_from_the_rollout_engine(ops, engine, named):
+def test_what_the_policy_update_takes_from_the_rollout_engine(run_config, engine, named):
     from batchrl.assets.run_rules import check_run_config
     from batchrl.common.run_config_error import RunConfigError
     from batchrl.resources import RolloutEngineResource
 
     with pytest.raises(RunConfigError) as raised:
-        check_run_config({"ops": ops}, None, None, {"rollout_engine": RolloutEngineResource(**engine)})
+        check_run_config(run_config, None, None, {"rollout_engine": RolloutEngineResource(**engine)})
     assert all(name in str(raised.value) for name in named), raised.value
     # vLLM asked for its sampled-token log-probs, the same temperature: nothing to refuse
     if engine:
-        check_run_config({"ops": ops}, None, None, {"rollout_engine": RolloutEngineResource(**engine,
-                                                                                           sampled_logprobs=True)})
+        check_run_config(run_config, None, None, {"rollout_engine": RolloutEngineResource(**engine,
+                                                                                         sampled_logprobs=True)})
 
 
 def test_a_failed_pipes_jobs_exception_reaches_the_console(tmp_path):
@@ -157,7 +157,9 @@ def test_a_failed_pipes_jobs_exception_reaches_the_console(tmp_path):
 @pytest.mark.parametrize("ops, named", [
     ({"dpo_checkpoint": {"config": {"betta": 0.2}}}, "ops.dpo_checkpoint.config.betta=0.2: no such key; did you mean beta?"),
     ({"reward_model": {"config": {"lr": -1.0}}}, "ops.reward_model.config.lr=-1.0: Input should be greater than 0"),
-    ({"advantages": {"config": {"estimator": "no_such_estimator"}}}, "ops.advantages.config.estimator='no_such_estimator'"),
+    ({"advantages": {"config": {"norm_adv_by_std": "maybe"}}}, "ops.advantages.config.norm_adv_by_std='maybe'"),
+    ({"policy_checkpoint": {"config": {"kl_coef": 0.01}}}, "ops.policy_checkpoint.config: kl_coef=0.01 moved from "
+     "ops.policy_checkpoint.config to the RL recipe: set resources.rl_recipe.kl_loss_coef"),
     ({"dpo_checkpoint": {"config": {"loss_type": "no_such_loss"}}}, "ops.dpo_checkpoint.config.loss_type='no_such_loss'"),
 ])
 def test_config_of_assets_outside_the_selection_is_checked(tmp_path, batchrl_run, ops, named):
@@ -169,12 +171,33 @@ def test_config_of_assets_outside_the_selection_is_checked(tmp_path, batchrl_run
 
 def test_every_problem_of_the_file_is_named_on_a_line_of_its_own(tmp_path, batchrl_run):
     ops = {"dpo_checkpoint": {"config": {"lrr": 1.0}}, "reward_model": {"config": {"lr": -1.0}},
-           "rollouts": {"config": {"samples_per_prompt": "eight"}}}
+           "rollouts": {"config": {"seed": "eight"}}}
     code, _, err, _ = batchrl_run("--select", "prompts", "-c", _yaml(tmp_path, "run.yaml", {"ops": ops}))
     lines = _refused(err)
     assert code == 2 and len(lines) == 3, err
     assert "ops.dpo_checkpoint.config.lrr=1.0" in err and "ops.reward_model.config.lr=-1.0" in err, err
-    assert "ops.rollouts.config.samples_per_prompt='eight': expected Int" in err, err
+    assert "ops.rollouts.config.seed='eight': expected Int" in err, err
+
+
+@pytest.mark.parametrize("flag, content, named", [
+    ("-c", {"resources": {"rl_recipe": {"estimator": "rloo", "samples_per_prompt": 1}}},
+     "resources.rl_recipe: estimator rloo compares the responses of a prompt's group: samples_per_prompt=1 must be"),
+    ("--profile", {"resources": {"rl_recipe": {"kl_placement": "reward", "kl_loss_coef": 0.05}}},
+     "resources.rl_recipe: kl_loss_coef set but kl_placement is reward"),
+    ("--profile", {"ops": {"advantages": {"config": {"kl_coef": 0.001}}}},
+     "ops.advantages.config: kl_coef=0.001 moved from ops.advantages.config to the RL recipe: set "
+     "resources.rl_recipe.kl_in_reward_coef"),
+    ("-c", {"ops": {"rollouts": {"config": {"samples_per_prompt": 4}}}},
+     "set resources.rl_recipe.samples_per_prompt"),
+])
+def test_a_bad_rl_recipe_or_an_old_field_name_exits_2_before_any_asset(tmp_path, batchrl_run, flag, content, named):
+    """The RL recipe written once (a profile's or -c file's resources.rl_recipe) is validated when the command
+    builds its resources; an old field name in a stage's config is named with its new place: one line, exit 2, no
+    run started (whatever --select is)."""
+    code, _, err, runs = batchrl_run("--select", "prompts", flag, _yaml(tmp_path, "run.yaml", content))
+    assert code == 2 and not runs, err
+    [line] = _refused(err)
+    assert named in line, err
 
 
 def test_an_unknown_rollout_engine_in_a_profile_is_refused_before_anything_runs(tmp_path, batchrl_run):
@@ -249,9 +272,9 @@ def test_scientific_notation_without_a_dot_is_a_float(tmp_path):
     from batchrl.resources.profiles import load_run_file
 
     path = tmp_path / "c.yaml"
-    path.write_text('ops: {policy_checkpoint: {config: {lr: 1e-5, kl_coef: 1E-03}}, x: {config: {name: "1e-5"}}}\n')
+    path.write_text('ops: {policy_checkpoint: {config: {lr: 1e-5, entropy_coef: 1E-03}}, x: {config: {name: "1e-5"}}}\n')
     ops = load_run_file(str(path))["ops"]
-    assert ops["policy_checkpoint"]["config"] == {"lr": 1e-05, "kl_coef": 0.001}
+    assert ops["policy_checkpoint"]["config"] == {"lr": 1e-05, "entropy_coef": 0.001}
     assert ops["x"]["config"]["name"] == "1e-5"
     path.write_text('{"ops": {"policy_checkpoint": {"config": {"lr": 1e-05}}}}')
     assert load_run_file(str(path))["ops"]["policy_checkpoint"]["config"]["lr"] == 1e-05

@@ -21,9 +21,9 @@ def run_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
     monkeypatch.setenv("BATCHRL_DPO_SELF_PLAY", "")  # _run_config may set it; setenv records the undo
 
-    def run(select: str, ops: dict) -> tuple[int, str]:
+    def run(select: str, ops: dict, resources: dict | None = None) -> tuple[int, str]:
         path = tmp_path / "run.yaml"
-        path.write_text(yaml.safe_dump({"ops": ops}))
+        path.write_text(yaml.safe_dump({"ops": ops, "resources": resources or {}}))
         code = main(["run", "--select", select, "-c", str(path), "--concurrent-steps", "1"])
         err = capsys.readouterr().err
         with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
@@ -36,17 +36,16 @@ def run_cli(tmp_path, monkeypatch, capsys):
 RL = "rollouts,rewards,advantages"
 
 
-@pytest.mark.parametrize("select, ops, fields", [
-    (RL, {"advantages": {"config": {"estimator": "remax"}}, "rollouts": {"config": {"greedy_baseline": False}}},
-     ["ops.advantages.config.estimator=remax", "ops.rollouts.config.greedy_baseline"]),
-    (RL, {"advantages": {"config": {"estimator": "grpo"}}, "rollouts": {"config": {"samples_per_prompt": 1}}},
-     ["ops.advantages.config.estimator=grpo", "ops.rollouts.config.samples_per_prompt"]),
-    (RL + ",policy_checkpoint", {"advantages": {"config": {"estimator": "gae"}}},
-     ["ops.advantages.config.estimator=gae", "ops.policy_checkpoint.config.critic"]),
-    (RL, {"rewards": {"config": {"rule": "no_such_reward"}}}, ["ops.rewards.config.rule", "no_such_reward"]),
+@pytest.mark.parametrize("select, ops, recipe, fields", [
+    (RL, {"advantages": {"config": {"dynamic_sampling": True}}}, {"estimator": "remax"},
+     ["ops.advantages.config with resources.rl_recipe", "dynamic_sampling", "estimator remax"]),
+    (RL, {"rollouts": {"config": {"agent": {}}}}, {"estimator": "gae"},
+     ["resources.rl_recipe.estimator=gae with ops.rollouts.config.agent"]),
+    (RL, {"rewards": {"config": {"rule": "no_such_reward"}}}, {}, ["ops.rewards.config.rule", "no_such_reward"]),
 ])
-def test_cross_stage_errors_are_one_line_and_exit_2(run_cli, select, ops, fields):
-    code, err = run_cli(select, ops)
+def test_cross_stage_errors_are_one_line_and_exit_2(run_cli, select, ops, recipe, fields):
+    """A stage's config against the RL recipe (a -c file's resources.rl_recipe), a reward that does not resolve."""
+    code, err = run_cli(select, ops, {"rl_recipe": recipe})
     assert code == 2, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("batchrl run: run config in ") and all(field in err for field in fields), err
@@ -103,7 +102,7 @@ def test_config_of_assets_that_take_it_and_the_profiles_still_validate(tmp_path)
     ops = {"log_drop": {"config": {"reject_threshold": 0.5, "pair_min_margin": 1.0}},
            "scored_logs": {"config": {"field_mapping": {"rating": "score"}}},
            "scored_pairs": {"config": {"pair_min_margin": 1.0}},
-           "rollouts": {"config": {"greedy_baseline": True}}, "advantages": {"config": {"estimator": "remax"}}}
+           "rollouts": {"config": {"max_prompts": 4}}, "advantages": {"config": {"dynamic_sampling": True}}}
     validate_plan(defs, {"ops": ops}, [(selected_job(defs), {"ops": ops})])
     for name in available_profiles():
         for env in ("local", "gpu"):
@@ -136,7 +135,7 @@ def test_a_long_rl_run_validates_each_distinct_execution_once(tmp_path):
     from pipeline_helpers import local_resources
 
     defs = build_definitions(local_resources(str(tmp_path / "s")))
-    ops = {"rollouts": {"config": {"samples_per_prompt": 2}}, "evaluation": {"config": {"max_new_tokens": 4}}}
+    ops = {"rollouts": {"config": {"max_prompts": 2}}, "evaluation": {"config": {"max_new_tokens": 4}}}
     plan = _plan(defs, argparse.Namespace(select="*"), {"ops": ops}, 1000)
     distinct = _distinct_executions(plan)
     assert len(plan) == 1001  # the first execution, 999 RL iterations, the evaluation
@@ -145,6 +144,6 @@ def test_a_long_rl_run_validates_each_distinct_execution_once(tmp_path):
     seeds = {p[2]["ops"]["rollouts"]["config"]["seed"] for p in plan[1:-1]}
     assert seeds == set(range(1, 1000))
     # a config's rollouts seed starts the numbering: a replicate with seed 5000 shares no iteration's samples
-    replicate = {"ops": {**ops, "rollouts": {"config": {"samples_per_prompt": 2, "seed": 5000}}}}
+    replicate = {"ops": {**ops, "rollouts": {"config": {"max_prompts": 2, "seed": 5000}}}}
     plan = _plan(defs, argparse.Namespace(select="*"), replicate, 4)
     assert [p[2]["ops"]["rollouts"]["config"]["seed"] for p in plan[:-1]] == [5000, 5001, 5002, 5003]

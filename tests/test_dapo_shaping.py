@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, recipe, run_assets
 from pydantic import ValidationError
 
 from batchrl.resources import StorageResource
@@ -122,7 +122,8 @@ def test_overlong_filter_masks_truncated_samples_but_keeps_them_in_the_group():
 
 
 TINY = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}}}
-SMALL_ROLLOUTS = {"samples_per_prompt": 3, "max_prompts": 6}
+SMALL_ROLLOUTS = {"max_prompts": 6}
+RECIPE = recipe(samples_per_prompt=3)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +147,7 @@ def test_dapo_shaping_through_the_rl_stages(upstream):
     ops = {"rollouts": {"config": SMALL_ROLLOUTS},
            "rewards": {"config": {"overlong_buffer": {"length": 4, "penalty_factor": 0.5}}},
            "advantages": {"config": {"dynamic_sampling": True, "overlong_filter": True}}}
-    result = run_assets(local_resources(root), instance, RL_LOOP, {"ops": ops})
+    result = run_assets(local_resources(root), instance, RL_LOOP, {"ops": ops, "resources": RECIPE})
     assert result.success
     rollouts, rewards = _table(instance, root, "rollouts"), _table(instance, root, "rewards")
     lengths = np.array([len(ids) for ids in rewards["response_ids"]])
@@ -174,6 +175,6 @@ def test_every_group_identical_fails_the_advantages_step_when_asked(upstream):
     instance, root = upstream
     ops = {"rollouts": {"config": SMALL_ROLLOUTS}, "rewards": {"config": {"weights": {"rule": 0.0}}},
            "advantages": {"config": {"dynamic_sampling": True, "when_all_groups_dropped": "fail"}}}
-    result = run_assets(local_resources(root), instance, RL_LOOP, {"ops": ops})
+    result = run_assets(local_resources(root), instance, RL_LOOP, {"ops": ops, "resources": RECIPE})
     failures = [str(e.event_specific_data.error) for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert not result.success and len(failures) == 1 and "all 6 groups have identical rewards" in failures[0]

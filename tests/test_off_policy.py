@@ -1,4 +1,4 @@
-"""One-step off-policy RL iterations (``rollouts.off_policy_steps: 1``, issue 32; assets/rollout_prefetch.py).
+"""One-step off-policy RL iterations (the RL recipe's ``off_policy_steps: 1``, issue 32; assets/rollout_prefetch.py).
 
 An iteration's rollouts come from the promoted policy's parent, one update behind; the job worker's rollouts worker
 samples the next iteration's while this one's update trains. Prefetched or sampled then and there, they are the
@@ -8,17 +8,18 @@ same samples: three iterations with the rollouts sampled by the job worker (pref
 from __future__ import annotations
 
 import pytest
-from pipeline_helpers import RL_LOOP, seeded_rl_iterations, stop_workers
+from pipeline_helpers import RL_LOOP, recipe, seeded_rl_iterations, stop_workers
 
 from batchrl.assets.rollout_prefetch import NO_NEXT_ITERATION, NO_PREFETCH_WORKER
 from batchrl.assets.run_rules import check_run_config
+from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.runs.run_config import RunConfigError
 
 OFF_POLICY = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipeline_helpers.TINY_BASE)
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8, "off_policy_steps": 1}},
+    "rollouts": {"config": {"max_prompts": 8}},
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
-}}
+}, "resources": recipe(samples_per_prompt=2, off_policy_steps=1)}
 ITERATIONS = 3
 
 
@@ -61,19 +62,21 @@ def test_off_policy_iterations_sample_one_update_behind_and_the_prefetch_changes
 
 
 def test_off_policy_needs_the_recomputed_ratio_the_importance_correction_and_no_critic():
-    ops = {"rollouts": {"config": {"off_policy_steps": 1}}}
-    for policy in ({"old_logprobs": "rollout"}, {"rollout_is_threshold": None},
-                   {"critic": True, "adv_estimator": "gae"}):
-        with pytest.raises(RunConfigError, match="off_policy_steps=1"):
-            check_run_config({"ops": {**ops, "policy_checkpoint": {"config": policy}}})
-    check_run_config({"ops": ops})  # the defaults: recompute, threshold 2
-    with pytest.raises(Exception, match="less than or equal to 1"):
-        check_run_config({"ops": {"rollouts": {"config": {"off_policy_steps": 2}}}})
+    """Rules within the recipe: refused when it is written (a profile's, a -c file's), and by the up-front check
+    of a run config's ``resources.rl_recipe``."""
+    for fields in ({"old_logprobs": "rollout"}, {"rollout_is_threshold": None}, {"estimator": "gae"}):
+        with pytest.raises(ValueError, match="off_policy_steps 1"):
+            RLRecipe(off_policy_steps=1, **fields)
+        with pytest.raises(RunConfigError, match="resources.rl_recipe: off_policy_steps 1"):
+            check_run_config({"resources": recipe(off_policy_steps=1, **fields)})
+    check_run_config({"resources": recipe(off_policy_steps=1)})  # the defaults: recompute, threshold 2
+    with pytest.raises(RunConfigError, match="resources.rl_recipe.off_policy_steps=2: Input should be less than or "
+                                             "equal to 1"):
+        check_run_config({"resources": recipe(off_policy_steps=2)})
 
 
 def test_an_off_policy_run_starts_the_rollouts_worker_with_the_others():
     from batchrl.cli.run_command import _named_workers
 
-    assert _named_workers({"ops": {"rollouts": {"config": {"off_policy_steps": 1}}}}) == ("rollouts",)
-    assert _named_workers({"ops": {"rollouts": {"config": {"seed": 3}}}}) == ()
-    assert _named_workers({}) == ()
+    assert _named_workers(RLRecipe(off_policy_steps=1)) == ("rollouts",)
+    assert _named_workers(RLRecipe()) == ()

@@ -257,7 +257,8 @@ def test_valid_combinations_pass():
     check_run_config({"resources": recipe(estimator="gae")}, ["advantages"])  # so does the critic
     check_run_config({"resources": recipe(kl_placement="reward", kl_ctrl="adaptive", target_kl=0.05)})
     check_run_config({"resources": recipe(kl_placement="none")})
-    check_run_config({"ops": {"advantages": {"config": {"dynamic_sampling": True}}}, "resources": recipe(estimator="rloo")})
+    check_run_config({"ops": {"advantages": {"config": {"dynamic_sampling": True}}},
+                      "resources": recipe(estimator="rloo")})
 
 
 def test_the_critic_is_its_own_versioned_checkpoint_carried_to_the_next_iteration(upstream):

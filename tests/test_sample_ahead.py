@@ -1,5 +1,5 @@
-"""On-policy sampling ahead (``rollouts.sample_ahead``, issue 32; training/rollout/ahead.py): the policy update samples
-the next iteration's rollouts from the weights it has just trained while it exports and hashes them, and the next
+"""On-policy sampling ahead (the RL recipe's ``sample_ahead``, issue 32; training/rollout/ahead.py): the policy update
+samples the next iteration's rollouts from the weights it has just trained while it exports and hashes them, and the next
 rollouts step takes those samples. They are the samples that step would draw itself from the published checkpoint.
 """
 from __future__ import annotations
@@ -12,24 +12,25 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
-from pipeline_helpers import seeded_rl_iterations, stop_workers
+from pipeline_helpers import recipe, seeded_rl_iterations, stop_workers
 
 from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG, prompt_subset, sample_ahead_request
 from batchrl.common.prefetch_key import AHEAD_MARK, FOLDER, STATS_FILE
 from batchrl.common.storage_layout import cache_dir_of
 from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
 from batchrl.resources.artifacts import Artifact
+from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.training.rollout.sampling_job import sample_to_parquet
 from batchrl.training.data.text import prompt_messages
 
 AHEAD = {"ops": {  # on the upstream assets of the `upstream_copy` fixture (pipeline_helpers.TINY_BASE)
-    "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8, "sample_ahead": True}},
+    "rollouts": {"config": {"max_prompts": 8}},
     "rewards": {"config": {"weights": {"rule": 1.0, "reward_model": 0.0}}},
     "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 1.0e-3}},
-}}
+}, "resources": recipe(samples_per_prompt=2, sample_ahead=True)}
 ITERATIONS = 3
 NO_NEXT = "off: no next RL iteration announced in this run (batchrl run --rl-iterations N announces them)"
-LORA = {"ops": {**AHEAD["ops"], "policy_checkpoint": {"config": {
+LORA = {**AHEAD, "ops": {**AHEAD["ops"], "policy_checkpoint": {"config": {
     "micro_batch_size": 4, "lora_rank": 4, "lora_alpha": 8, "lr": 1.0e-3}}}}
 
 
@@ -102,15 +103,14 @@ def _table(root: str, asset: str, data_version: str = "*") -> pd.DataFrame:
 
 def test_sample_ahead_is_off_where_the_rollouts_are_not_in_the_job_worker():
     """In the Dagster process nothing could take the samples: the update is not asked, and its metadata says why."""
-    rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": True}})
+    rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {}})
     following = {NEXT_ROLLOUTS_SEED_TAG: "1"}
     request, why = sample_ahead_request(None, RolloutEngineResource(in_subprocess=False),
                                         TrainerLauncherResource(backend="worker"), rollouts, rollouts, "policy",
-                                        following)
+                                        following, RLRecipe(sample_ahead=True))
     assert request is None and why.startswith("off: sampling ahead needs the rollouts in the job worker")
-    off = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"sample_ahead": False}})
-    assert sample_ahead_request(None, RolloutEngineResource(in_subprocess=True),
-                                TrainerLauncherResource(backend="worker"), off, off, "policy", following) == (None, "off")
+    assert sample_ahead_request(None, RolloutEngineResource(in_subprocess=True), TrainerLauncherResource(
+        backend="worker"), rollouts, rollouts, "policy", following, RLRecipe()) == (None, "off")  # the recipe's
 
 
 def test_batchrl_run_announces_each_next_iteration_and_its_seed(tmp_path):
@@ -161,12 +161,14 @@ def test_a_sampling_ahead_that_cannot_start_leaves_the_update_to_export(monkeypa
     assert resident._kept is None
 
 
-@pytest.mark.parametrize("rollouts, refused", [
-    ({"sample_ahead": True, "off_policy_steps": 1}, "the off-policy rollouts are prefetched already"),
-    ({"sample_ahead": True, "policy": "base"}, "only policy: latest samples next"),
+@pytest.mark.parametrize("run_config, refused", [
+    ({"resources": recipe(sample_ahead=True, off_policy_steps=1)}, "the off-policy rollouts are prefetched already"),
+    ({"resources": recipe(sample_ahead=True), "ops": {"rollouts": {"config": {"policy": "base"}}}},
+     "only policy: latest samples next"),
 ])
-def test_sample_ahead_is_refused_where_nothing_could_take_its_samples(rollouts, refused):
-    from batchrl.assets.stage_configs import RolloutConfig
+def test_sample_ahead_is_refused_where_nothing_could_take_its_samples(run_config, refused):
+    from batchrl.assets.run_rules import check_run_config
+    from batchrl.common.run_config_error import RunConfigError
 
-    with pytest.raises(ValueError, match=refused):
-        RolloutConfig(**rollouts)
+    with pytest.raises(RunConfigError, match=refused):
+        check_run_config(run_config)

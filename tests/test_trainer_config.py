@@ -26,7 +26,8 @@ def test_config_json_round_trip(cls, tmp_path):
 def test_config_defaults_and_validation():
     dpo, pol = DPOConfig(), PolicyConfig()
     assert (dpo.beta, dpo.loss_type, dpo.max_length, dpo.keep_last) == (0.1, "sigmoid", 256, 2)
-    assert (pol.adv_estimator, pol.policy_loss, pol.kl_loss_coef, pol.kl_loss_type) == ("grpo", "vanilla", 0.01, "low_var_kl")
+    assert (pol.adv_estimator, pol.policy_loss, pol.kl_loss_coef, pol.kl_loss_type) == \
+        ("grpo", "vanilla", 0.01, "low_var_kl")
     assert pol.clip_ratio_low == pol.clip_ratio_high == 0.2 and pol.clip_ratio_c == 3.0
     with pytest.raises(ValidationError):
         DPOConfig(lr=-1)

@@ -71,8 +71,8 @@ class AdvantageSettings(AdvantageStageSettings):
                                    "rewards (rl_recipe.kl_placement reward)")
     kl_in_reward_coef: float = Field(0.001, ge=0, description="beta of that KL, the controller's start value unless "
                                      "one is carried over (rl_recipe.kl_in_reward_coef)")
-    kl_penalty: Literal[KL_KINDS] = Field("kl", description="KL estimator per token of the reward's KL "  # type: ignore[valid-type]
-                                          "(rl_recipe.kl_penalty)")
+    kl_penalty: Literal[KL_KINDS] = Field(  # type: ignore[valid-type]
+        "kl", description="KL estimator per token of the reward's KL (rl_recipe.kl_penalty)")
     kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="how beta moves between iterations "
                                                   "(rl_recipe.kl_ctrl)")
     target_kl: float = Field(0.1, gt=0, description="adaptive controller's target KL (rl_recipe.target_kl)")
