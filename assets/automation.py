@@ -160,7 +160,8 @@ def retrain_condition(cron: str = RETRAIN_CRON) -> dg.AutomationCondition:
     """The nightly retrain: at the cron tick, an asset is requested when one of its inputs has new data since
     it was last requested or materialised (``_new_input``), or an input is requested at the same tick; every
     stage downstream of a new drop follows in one run. ``promoted_policy`` is no input here (else each retrain
-    would ask for the next). Not ``on_cron()``: that waits for *every* input to update after the tick."""
+    would ask for the next). A retrain that failed runs again with the next new data (or by hand). Not
+    ``on_cron()``: that waits for *every* input to update after the tick."""
     condition = dg.AutomationCondition
     new_data = condition.any_deps_match(_new_input()).ignore(LOOP_BACK_EDGE).since_last_handled()
     input_requested = condition.any_deps_match(condition.will_be_requested()).ignore(LOOP_BACK_EDGE)

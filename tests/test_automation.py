@@ -69,8 +69,9 @@ def test_the_nightly_tick_retrains_only_on_new_data_that_passed_its_blocking_che
         with open(os.path.join(landing.preferences, "zz_broken.jsonl"), "w") as f:
             for i in range(60):  # far above the reject threshold: its blocking check fails
                 f.write(json.dumps({"prompt": f"q{i}", "chosen": "", "rejected": "x"}) + "\n")
+        events = run_assets(resources, instance, DATA).all_events
         checks = {e.event_specific_data.check_name: e.event_specific_data.passed
-                  for e in run_assets(resources, instance, DATA).all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+                  for e in events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
         assert checks == {"nothing_lost": True, "reject_rate_below_threshold": False}  # materialised, gate failed
         night = next_nightly_tick(night)
         assert ticks.at(night) == {}  # the failed drop is no new data

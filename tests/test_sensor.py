@@ -119,7 +119,8 @@ def test_s3_landing_prefixes(s3_options, tmp_path):
     digest = _write(tmp_path / "part.jsonl", 4)
     fs.put(str(tmp_path / "part.jsonl"), "sensor-bucket/landing/preferences/batch_004/part-1.jsonl")
     (request,) = _evaluate(landing, cursor)[0].run_requests  # one object of the batch changed: the batch again
-    assert request.partition_key == "batch_004" and request.tags["batchrl/changed_files"] == f"part-1.jsonl@{digest[:12]}"
+    assert request.partition_key == "batch_004"
+    assert request.tags["batchrl/changed_files"] == f"part-1.jsonl@{digest[:12]}"
 
 
 def test_batchrl_run_hashes_only_the_landed_files_new_or_changed_since_it_last_looked(tmp_path, monkeypatch):
