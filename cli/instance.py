@@ -59,9 +59,31 @@ def latest_uri(instance, asset: str) -> str | None:
 
 
 def target_uri(target: str) -> str | None:
-    """An artifact folder, or the latest materialisation of an asset named ``target``."""
-    if "/" in target or os.path.isdir(target):
-        return os.path.abspath(target) if "://" not in target else target
+    """An artifact folder; ``asset/data_version`` as lineage names an input (under this environment's storage root,
+    an S3 root's artifact fetched into the cache) where no such folder is here; or the latest materialisation of an
+    asset named ``target``."""
+    if "://" in target:
+        return target
+    if os.path.isdir(target):
+        return os.path.abspath(target)
+    if "/" in target:
+        return _stored_artifact(target) or os.path.abspath(target)
     ensure_dagster_home()
     with open_instance() as instance:
         return latest_uri(instance, target)
+
+
+def _stored_artifact(target: str) -> str | None:
+    """The local folder of ``asset/data_version`` under the storage root, if it is there."""
+    parts = target.strip("/").split("/")
+    if len(parts) != 2:
+        return None
+    from batchrl.resources.environments import environment_resources
+
+    storage = environment_resources()["storage"]
+    ref = {"asset": parts[0], "data_version": parts[1], "uri": f"{storage.root_uri()}/{parts[0]}/{parts[1]}"}
+    try:
+        folder = storage.localize(ref)
+    except (ValueError, OSError, FileNotFoundError):  # not a safe name, or no such artifact there
+        return None
+    return folder if os.path.isdir(folder) else None

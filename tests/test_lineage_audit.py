@@ -36,6 +36,21 @@ def test_code_version_follows_imports_not_just_named_modules():
         module_closure("batchrl.training.rl.advantages"))
 
 
+
+def test_a_resource_module_brings_its_own_imports_not_every_resources():
+    """The rollouts' code version names ``batchrl.resources.rl_recipe``: the package's ``__init__`` (in the closure:
+    it runs on import) loads its names on first use, so an edit of the scoring code the trainers use does not make
+    the rollouts stale through it."""
+    import batchrl.resources as resources
+
+    closure = set(module_closure("batchrl.resources.rl_recipe"))
+    assert "batchrl.resources" in closure and "batchrl.resources.rl_recipe" in closure
+    assert not {"batchrl.resources.compute", "batchrl.training.data.scoring"} & closure
+    assert resources.StorageResource.__module__ == "batchrl.resources.storage"  # still exported, on first use
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        resources.Nothing
+
+
 def test_parsed_imports_reach_the_next_process_and_only_for_the_same_file(tmp_path, monkeypatch):
     """The next process (the step server, the UI's code server) reads the imports this one parsed, keyed by
     each file's stat: an entry of another version of a file is parsed again."""

@@ -8,8 +8,9 @@ import shutil
 import dagster as dg
 import pandas as pd
 import pytest
-from e2e_helpers import STALE_SCRIPT, copy_package, input_files, second_iteration_rollouts, sensor_tick
-from pipeline_helpers import latest_metadata, local_resources, run_assets
+from e2e_helpers import (STALE_SCRIPT, AutomationTicks, copy_package, input_files, next_nightly_tick,
+                         second_iteration_rollouts, sensor_tick)
+from pipeline_helpers import latest_metadata, local_resources, recipe, run_assets
 
 from batchrl.lineage.audit import artifact_files, lineage_tree
 from batchrl.resources import LandingResource
@@ -24,12 +25,14 @@ ALL_ASSETS = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_w
 # asserts beyond their presence, on seeded samples (at load ~12 on 2 cores they took 118, 69 and 62 s of the graph).
 FAST_RUN_CONFIG = {"ops": {
     "base_model": {"config": {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2}},
-    "rollouts": {"config": {"samples_per_prompt": 4, "max_prompts": 32}},
+    "rollouts": {"config": {"max_prompts": 32}},
     "reward_model": {"config": {"epochs": 1, "max_pairs": 32}},
     "dpo_checkpoint": {"config": {"epochs": 1}},
     "kto_checkpoint": {"config": {"epochs": 1, "micro_batch_size": 16, "max_rows": 32}},
     "offline_policy_checkpoint": {"config": {"micro_batch_size": 16, "max_rows": 32}},
-}}
+    "evaluation": {"config": {"num_examples": 50}},  # every held-out answer kept: the export test compares them all
+}, "resources": recipe(samples_per_prompt=4)}
+TWO_A_PROMPT = recipe(samples_per_prompt=2)  # the RL recipe of the smaller iterations below
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +184,7 @@ def test_next_rollouts_sample_from_the_latest_policy_checkpoint(pipeline):
         k: latest_metadata(instance, "rollouts")[k] for k in ("uri", "data_version")}})["inputs"]["policy"]
     assert first_policy["asset"] == "base_model"  # the first iteration starts from the base model
     result = run_assets(local_resources(root), instance, selection=["rollouts"], run_config={"ops": {
-        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}})
+        "rollouts": {"config": {"max_prompts": 4}}}, "resources": TWO_A_PROMPT})
     assert result.success
     meta = latest_metadata(instance, "rollouts")
     lineage = StorageResource(root=root).read_lineage({"asset": "rollouts", "uri": meta["uri"],
@@ -197,7 +200,7 @@ def test_a_new_base_model_starts_a_new_policy_chain(pipeline):
     old_base = latest_metadata(instance, "base_model")["data_version"]
     new_base_config = {"base_model": {"config": {**FAST_RUN_CONFIG["ops"]["base_model"]["config"], "seed": 7}}}
     result = run_assets(local_resources(root), instance, selection=["base_model", "rollouts"], run_config={"ops": {
-        **new_base_config, "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}})
+        **new_base_config, "rollouts": {"config": {"max_prompts": 4}}}, "resources": TWO_A_PROMPT})
     assert result.success
     new_base = latest_metadata(instance, "base_model")["data_version"]
     assert new_base != old_base
@@ -214,7 +217,7 @@ def test_policy_update_refuses_rollouts_of_another_chain(pipeline):
     resources = local_resources(root)
     ok = run_assets(resources, instance, selection=["base_model", "rollouts", "rewards", "advantages"], run_config={
         "ops": {"base_model": {"config": FAST_RUN_CONFIG["ops"]["base_model"]["config"]},
-                "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4, "policy": "base"}}}})
+                "rollouts": {"config": {"max_prompts": 4, "policy": "base"}}}, "resources": TWO_A_PROMPT})
     assert ok.success
     switched = run_assets(resources, instance, selection=["base_model", "policy_checkpoint"], run_config={
         "ops": {"base_model": {"config": {**FAST_RUN_CONFIG["ops"]["base_model"]["config"], "seed": 11}}}})
@@ -259,9 +262,9 @@ def test_model_stages_in_pipes_subprocesses_equal_in_process(pipeline):
     from batchrl.resources import ComputeResource, RolloutEngineResource
 
     _, instance, root = pipeline
-    config = {"ops": {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 6, "seed": 3}},
-                      "advantages": {"config": {"use_kl_in_reward": True, "kl_coef": 0.05}},
-                      "evaluation": {"config": {"max_eval_prompts": 8}}}}
+    config = {"ops": {"rollouts": {"config": {"max_prompts": 6, "seed": 3}},
+                      "evaluation": {"config": {"max_eval_prompts": 8}}},
+              "resources": recipe(samples_per_prompt=2, kl_placement="reward", kl_in_reward_coef=0.05)}
     selection = ["rollouts", "rewards", "advantages", "reference_logprobs", "evaluation"]
     versions = []
     for in_subprocess in (False, True):
@@ -338,14 +341,14 @@ def test_each_rl_iteration_is_an_edge_from_the_promoted_checkpoint(pipeline):
     first = run_assets(local_resources(root), instance, selection=["base_model", "rollouts", "rewards", "advantages",
                                                                    "policy_checkpoint"], run_config={"ops": {
         **{k: FAST_RUN_CONFIG["ops"][k] for k in ("base_model",)},
-        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4}}}})
+        "rollouts": {"config": {"max_prompts": 4}}}, "resources": TWO_A_PROMPT})
     assert first.success
     parent, base = (latest_metadata(instance, a)["data_version"] for a in ("policy_checkpoint", "base_model"))
     promoted = latest_metadata(instance, "promoted_policy")
     assert promoted["data_version"] == parent and promoted["artifact_asset"] == "policy_checkpoint"
     second = run_assets(local_resources(root), instance, selection=["rollouts", "rewards", "advantages",
                                                                     "policy_checkpoint"], run_config={"ops": {
-        "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 4, "seed": 1}}}})
+        "rollouts": {"config": {"max_prompts": 4, "seed": 1}}}, "resources": TWO_A_PROMPT})
     assert second.success
     child = latest_metadata(instance, "policy_checkpoint")
     assert child["data_version"] != parent
@@ -360,10 +363,14 @@ def test_each_rl_iteration_is_an_edge_from_the_promoted_checkpoint(pipeline):
 
 def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, landing):
     """The issue's end-to-end test (~35 s: one retrain of the whole graph at test size): a second log file
-    lands, the sensor asks for one run (the new drop as a partition, then the training stages), and after
-    it: the earlier drops were not ingested again, the new checkpoint's parent is the earlier one (the
-    promoted checkpoint), and its audit names the new file's hash and the parent."""
+    lands, the sensor registers it as a partition, automation asks for its ingest, then at the nightly tick for
+    the training stages (the runs the daemon would launch, run here), and after it: the earlier drops were
+    not ingested again, the new checkpoint's parent is the earlier one (the promoted checkpoint), and its
+    audit names the new file's hash and the parent."""
+    import datetime
     import hashlib
+
+    from batchrl.assets.automation import PER_DROP
 
     from batchrl.definitions import build_definitions
     from batchrl.lineage.audit import policy_chain
@@ -382,15 +389,21 @@ def test_a_new_log_drop_retrains_without_recomputing_the_old_ones(pipeline, land
     digest = hashlib.sha256(open(new_file, "rb").read()).hexdigest()
 
     tick = sensor_tick(landing, before)
-    (request,) = tick.run_requests
-    assert request.partition_key == "prefs_002.jsonl" and request.asset_selection is None  # drop + training
+    assert not tick.run_requests  # a new drop: registered, for the automation sensor to ingest
     for partitions in tick.dynamic_partitions_requests:
         instance.add_dynamic_partitions(partitions.partitions_def_name, list(partitions.partition_keys))
-    job = build_definitions(local_resources(root, landing)).resolve_job_def("retrain")
-    smaller = {"rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}},
-               "evaluation": {"config": {"max_eval_prompts": 8}}}
-    run = job.execute_in_process(instance=instance, partition_key=request.partition_key, tags=request.tags,
-                                 run_config={"ops": {**FAST_RUN_CONFIG["ops"], **smaller}}, raise_on_error=False)
+    defs = build_definitions(local_resources(root, landing))
+    ticks, job = AutomationTicks(defs, instance), defs.resolve_job_def("retrain")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    assert ticks.at(now) == {key.to_user_string(): {"prefs_002.jsonl"} for key in PER_DROP}
+    assert job.get_subset(asset_selection=set(PER_DROP)).execute_in_process(
+        instance=instance, partition_key="prefs_002.jsonl").success
+    training = ticks.at(next_nightly_tick(now))
+    assert {"preference_window", "policy_checkpoint", "dpo_checkpoint", "evaluation"} <= set(training)
+    smaller = {"rollouts": {"config": {"max_prompts": 8}}, "evaluation": {"config": {"max_eval_prompts": 8}}}
+    run = job.get_subset(asset_selection={dg.AssetKey(name) for name in training}).execute_in_process(
+        instance=instance, run_config={"ops": {**FAST_RUN_CONFIG["ops"], **smaller}, "resources": TWO_A_PROMPT},
+        raise_on_error=False)
     assert run.success, [e.message for e in run.all_events if e.is_failure]
 
     for drop in ("prefs_000.jsonl", "prefs_001.jsonl"):  # the earlier drops: one ingestion each, ever
@@ -436,14 +449,68 @@ def test_training_assets_on_two_ranks_through_pipes(pipeline):
         # 32 of the logged pairs: 4 optimiser steps on each rank count instead of ~35 over the whole window
         ops = {"dpo_pairs": {"config": {"max_logged_pairs": 32}}, "dpo_checkpoint": {"config": {**dpo, **extra}},
                "policy_checkpoint": {"config": extra},
-               "rollouts": {"config": {"samples_per_prompt": 2, "max_prompts": 8}}}
+               "rollouts": {"config": {"max_prompts": 8}}}
         # an RL step from the promoted policy: rollouts sampled from it, then the update on 2 ranks
         selection = ["dpo_pairs", "reference_logprobs", "dpo_checkpoint"] + (
             ["rollouts", "rewards", "advantages", "policy_checkpoint"] if ranks else [])
-        assert run_assets(resources, instance, selection=selection, run_config={"ops": ops}).success
+        assert run_assets(resources, instance, selection=selection,
+                          run_config={"ops": ops, "resources": TWO_A_PROMPT}).success
         meta = latest_metadata(instance, "dpo_checkpoint")
         # the world size is shown as text: a run detail, not a series for the Plots tab
         assert meta["world_size"] == str(max(ranks, 1)) and meta["global_step"] == len(meta["loss_curve"])
         curves[ranks] = meta["loss_curve"]
     assert curves[2] == pytest.approx(curves[0], abs=1e-5)
     assert latest_metadata(instance, "policy_checkpoint")["world_size"] == "2"
+
+
+def test_an_exported_policy_answers_as_its_evaluation_did_in_plain_transformers(pipeline, tmp_path, monkeypatch):
+    """Issue 48: `batchrl export` of the evaluated policy, loaded by plain transformers (no batchrl loader) and
+    asked the held-out prompts one at a time as a user would (chat template, greedy, no padding), gives the very
+    answers and numbers the evaluation asset reported for that policy; the evaluation names the policy's chain and
+    iteration and draws the chain's iteration chart with its held-out numbers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchrl.cli.main import main
+    from batchrl.training.data.prompts import load_prompts
+    from batchrl.training.rewards.registry import get_reward_function
+
+    _, instance, root = pipeline
+    monkeypatch.setenv("BATCHRL_STORAGE", root)  # the lineage names the policy as asset/version under this root
+    monkeypatch.chdir(tmp_path)  # ...and no such folder is in the working directory
+    shown = latest_metadata(instance, "evaluation")
+    with open(os.path.join(shown["uri"], "lineage.json")) as f:
+        lineage = json.load(f)
+    with open(os.path.join(shown["uri"], "evaluation.json")) as f:
+        reported = json.load(f)["policy_checkpoint"]
+    policy = lineage["inputs"]["policy_checkpoint"]
+    evaluated = [m for m in reversed(instance.fetch_materializations(dg.AssetKey("policy_checkpoint"), limit=20).records)
+                 if m.asset_materialization.metadata["data_version"].value == policy["data_version"]][0]
+    assert shown["iteration"] == evaluated.asset_materialization.metadata["iteration"].value
+    assert shown["chain_base"] == evaluated.asset_materialization.metadata["chain_base"].value
+    assert shown["iterations_chart"].startswith("![the RL chain per iteration](data:image/png;base64,")
+
+    assert main(["export", policy["uri"], "--to", str(tmp_path / "export")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    config = lineage["config"]
+    rows = load_prompts(lineage["input_files"][0]["uri"], shape=config["shape"], suffix=config["prompt_suffix"])
+    rows = rows.head(config["max_eval_prompts"] or len(rows)).to_dict("records")
+    answers, lengths = [], []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.no_grad():
+            out = model.generate(**prompt, do_sample=False, max_new_tokens=config["max_new_tokens"])
+        answer_ids = out[0, prompt["input_ids"].shape[1]:]
+        answers.append(tokenizer.decode(answer_ids, skip_special_tokens=True))
+        lengths.append(len(answer_ids))
+    correct, partial = get_reward_function(config["reward"]), get_reward_function("arith_partial")
+    assert len(rows) == reported["arith_n"]
+    assert sum(correct(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows) == \
+        pytest.approx(reported["arith_accuracy"], abs=1e-6)
+    assert sum(partial(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows) == \
+        pytest.approx(reported["arith_mean_reward"], abs=1e-6)
+    assert sum(lengths) / len(rows) == pytest.approx(reported["mean_response_tokens"], abs=1e-6)
+    mine = {row["prompt"]: answer for row, answer in zip(rows, answers)}
+    assert reported["examples"] and all(mine[e["prompt"]] == e["response"] for e in reported["examples"])
