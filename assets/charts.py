@@ -19,8 +19,8 @@ COLUMNS = 3
 PANEL_INCHES = (3.0, 1.9)
 DPI = 72  # 3 panels of 3 inches: 648 pixels wide, small enough for the event log and the asset page
 # each panel's margins in inches (tick labels and y offset text left, title top, tick labels and x label bottom):
-# a fixed layout, since matplotlib's tight_layout measures every text first and took half of a chart's render
-# (0.6 of 1.26 s for 13 panels on the dev box), on the RL loop's critical path
+# a fixed layout: matplotlib's tight_layout measures every text first, half of a chart's render, and charts are
+# drawn on the RL loop's critical path
 PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM = 0.52, 0.12, 0.3, 0.3
 MARKERS_BELOW = 12  # a series of fewer points marks each one
 KEPT_FIGURES = 8  # line charts kept for their next render with new data (see ``_KeptFigure``)

@@ -131,8 +131,8 @@ def _runs_jobs(defs, jobs: list) -> bool:
 
 
 # a GPU's stages leave it partly idle, so the GPU environment overlaps independent steps (their jobs share the GPU
-# through gpu_job_slots: whole graph 107 -> 94 s warm, 162-168 -> 130 s cold on one H200, bench/RESULTS.md); on CPU
-# they divide the same cores (README job 140 -> 132 s on 2 cores: too little for a process per step)
+# through gpu_job_slots); on CPU they would divide the same cores for too little gain to pay a process per step
+# (both measured in bench/RESULTS.md, ninth session)
 CONCURRENT_STEPS_BY_ENV = {"local": 1, "s3": 1, "gpu": 3}
 
 
@@ -274,8 +274,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 # assets whose model-free work (rule rewards, advantages) runs in this process with torch (on the GPU host too): the
-# import, ~3 s there in the first RL iteration's advantages step, overlaps the steps before it (rollouts waits on
-# the job worker) when started with the run
+# import, started with the run, overlaps the steps before it (rollouts waits on the job worker) instead of delaying
+# the first RL iteration's advantages step
 TORCH_IN_PROCESS = {"rewards", "advantages"}
 
 

@@ -158,7 +158,7 @@ class ContractValidator:
         key = self._sql(self.key_sql, table).column("k").to_numpy()[keep] if keep.any() else np.zeros(0, np.uint64)
         # pandera leaves reference cycles that hold this batch's DataFrame (and so its Arrow buffers):
         # collect the young generations every batch, and every FULL_GC_EVERY batches the old one too,
-        # where the cycles that were still alive at a young collection end up (~30 ms)
+        # where the cycles that were still alive at a young collection end up (a full collection is slow)
         gc.collect(2 if next(self.batches) % FULL_GC_EVERY == FULL_GC_EVERY - 1 else 1)
         bad = np.flatnonzero(~keep)
         return Checked(table, keep, key, self._quarantine_rows(table, bad, reason, detail))

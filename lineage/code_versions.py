@@ -41,7 +41,7 @@ def _package_modules(name: str) -> list[str]:
 
 
 # _parsed_imports across processes (each of the CLI, the step server and the UI's code server builds the
-# definitions: parsing ~70 files was ~0.3 s of each start on a 2-core box); keyed like the in-process cache
+# definitions, and parsing every module again was a visible part of each start); keyed like the in-process cache
 IMPORTS_CACHE = os.path.join(PACKAGE_DIR, "__pycache__", "batchrl-imports.json")
 _disk_cache: dict[str, list] | None = None
 _disk_cache_dirty = False

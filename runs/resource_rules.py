@@ -6,7 +6,7 @@ from __future__ import annotations
 from batchrl.common.run_config_error import problem_line
 
 # the engines training/rollout registers (checked against its ROLLOUT_ENGINES by a test): a kind among these needs
-# no import of the engines (torch, ~1.5 s before the first step)
+# no import of the engines (torch: a slow import before the first step)
 BUILT_IN_ENGINES = ("static", "transformers", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 # (resource, field) -> what its value must name

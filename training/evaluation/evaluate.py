@@ -195,8 +195,8 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
                                          device=device, dtype=dtype, weights=ahead.pop(path, None)))
             reuse = None
             # the checkpoints after the next one are read ahead from now on; the next one loads straight from its
-            # files onto the device if not cached (H200: two reads begun beside the base model's short evaluation
-            # were not done by its end, 0.4-0.9 s of waiting each; a direct load is ~0.3 s)
+            # files onto the device if not cached (reads begun beside the base model's short evaluation were not
+            # done by its end, and waiting for them was slower than a direct load: bench/RESULTS.md)
             if getattr(current[1], "model", None) is not None:
                 for following in paths[index + 2:]:
                     if following not in ahead and same_model_files(path, following) and not cached_in_worker(

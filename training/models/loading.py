@@ -29,7 +29,7 @@ def placed_on(device: str | torch.device) -> dict[str, Any]:
 
 
 # Loaded tokenizers of this process, by the content of their folder's tokenizer files: a long-lived job
-# worker parses a 150k-vocabulary tokenizer.json once (~1 s each time), not once per stage and model;
+# worker parses a 150k-vocabulary tokenizer.json (slow) once, not once per stage and model;
 # exported checkpoints and the reward model carry identical tokenizer files, so they share the entry.
 _TOKENIZERS: OrderedDict[str, Any] = OrderedDict()
 TOKENIZER_CACHE_SIZE = 4
@@ -167,7 +167,7 @@ def load_pretrained(path: str, auto_class: Any, *, dtype: torch.dtype | str, dev
 
     dtype = resolve_dtype(dtype)
     build = lambda entry: _empty_model(entry, auto_class, dtype, device)  # noqa: E731
-    if lora.is_adapter_folder(path):  # a reward model's adapter (its head included) is kept merged: 3.1 s at 7B
+    if lora.is_adapter_folder(path):  # a reward model's adapter (its head included) is kept merged: merging is slow at 7B
         model, _ = weight_cache.load(
             _merged_cache_key(path, dtype, device, kind), build=build, extras=_model_extras,
             load=lambda: lora.load_merged(path, lambda base: load_pretrained(base, auto_class, dtype=dtype,

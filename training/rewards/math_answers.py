@@ -28,8 +28,8 @@ from batchrl.training.rewards.registry import (_NUMBER, _answer_text, final_numb
                                      same_number)
 
 _UNLOADED = object()
-# imported on first use (pinned in pyproject.toml, installed by scripts/bootstrap.sh): sympy behind it costs
-# ~0.5 s of every process start that imports the reward registry (the Dagster process, `batchrl run`)
+# imported on first use (pinned in pyproject.toml, installed by scripts/bootstrap.sh): sympy behind it would slow
+# every process start that imports the reward registry (the Dagster process, `batchrl run`)
 math_verify: Any = _UNLOADED
 
 

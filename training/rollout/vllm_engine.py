@@ -26,7 +26,7 @@ class VLLMUnavailableError(ImportError):
 
 def _import_vllm(compile_cache_dir: str | None = None):
     # Set before vLLM reads them. The compile cache (torch.compile artefacts, CUDA-graph plans) in a
-    # persistent folder turns a ~100-200 s cold start into ~12 s for every later stage and iteration.
+    # persistent folder makes every later stage and iteration skip most of a cold start (bench/RESULTS.md).
     # We never filter with top-k, the one case FlashInfer's sampler is for: vLLM's own sampler instead.
     if compile_cache_dir:
         os.environ.setdefault("VLLM_CACHE_ROOT", compile_cache_dir)

@@ -34,11 +34,10 @@ from batchrl.training.trainer.safetensors_writer import parallel_shard_writes
 _LOCAL_FS = fsutil.filesystem_for("/")[0]
 
 LATEST = "latest"
-# HF exports are written in shards, each by its own thread hashing as it writes (``parallel_shard_writes``): a
-# 0.5B model's fp32 export, 2 GB in one file, took ~2 s to hash on one core of the H200 host while the GPU idled.
-# The shard size is an eighth of the weights, between these bounds: SmolLM2-135M's 538 MB went to one 512 MB shard
-# (one thread did nearly all of it: ~0.7 s of each RL iteration on the H200, bench/RESULTS.md), now to 8 of ~67 MB;
-# a model under 64 MB stays one file.
+# HF exports are written in shards, each by its own thread hashing as it writes (``parallel_shard_writes``): one
+# file is hashed on one core while the GPU idles. The shard size is an eighth of the weights, between these bounds
+# (a 512 MB cap alone left SmolLM2-135M in one shard, one thread doing nearly all of it: bench/RESULTS.md); a model
+# under 64 MB stays one file.
 EXPORT_SHARDS, EXPORT_SHARD_MIN, EXPORT_SHARD_MAX = 8, 64 * 10**6, 512 * 10**6
 
 

@@ -233,8 +233,8 @@ class PolicyUpdateConfig(TrainerConfig):
 
     @model_validator(mode="after")
     def _packing_is_eager(self):
-        # packed rows change shape every micro-batch: compiled layers recompiled and ran 24 steps in 7.6 s
-        # against 1.7 s padded (H200, SmolLM2-135M, bench/check_packing_gpu.py)
+        # packed rows change shape every micro-batch: compiled layers recompile each time, far slower than padded
+        # rows (bench/check_packing_gpu.py)
         if self.pack_samples and self.torch_compile:
             raise ValueError("pack_samples: true with torch_compile: true recompiles the layers for every packed "
                              "shape (slower than either alone): pick one")
