@@ -3,7 +3,7 @@
 import os
 import shutil
 import warnings
-from typing import Optional
+from typing import Literal, Optional
 
 import dagster as dg
 import pandas as pd
@@ -42,6 +42,24 @@ class BaseModelConfig(dg.Config):
                                   "after it is built, so RL starts from a model that is sometimes right "
                                   "(training/models/warm_start.py); 0: random weights")
     warm_start_lr: float = Field(1e-3, gt=0, description="tiny default: learning rate of the warm start")
+    warm_start_lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="tiny default: the warm start's learning rate over its steps: constant; cosine = a "
+        "tenth of the steps of linear warmup, then a cosine decay to 0 (with a gold share below 1 the model then "
+        "ends near the taught mixture instead of its last batches' draws)")
+    warm_start_gold_share: float = Field(1.0, gt=0, le=1, description="tiny default: share of the warm start's "
+                                         "draws taught the gold answer; the others are taught the near miss (gold + "
+                                         "warm_start_near_miss_offset), drawn afresh each time an example is seen: "
+                                         "a habit RL can unlearn (samples right about this often, greedy mostly "
+                                         "not). 1: always gold, the plain warm start")
+    warm_start_near_miss_offset: int = Field(1, description="tiny default: the near miss taught when a draw is not "
+                                             "gold: the gold answer (a whole number) plus this; not 0")
+
+    @model_validator(mode="after")
+    def _near_miss_misses(self):
+        if self.warm_start_near_miss_offset == 0:
+            raise ValueError("warm_start_near_miss_offset: 0 teaches the gold answer as its own near miss: set a "
+                             "whole number other than 0, or warm_start_gold_share: 1")
+        return self
 
     @model_validator(mode="after")
     def _split_gguf_names_its_hash(self):
@@ -136,15 +154,23 @@ def _from_gguf_parts(parts: list[str], sha256: str | None, storage: StorageResou
 
 def _warm_started(model_dir: str, prompts: Artifact | None, config: BaseModelConfig) -> dict:
     """The tiny default trained ``warm_start_steps`` on the prompts' (prompt, answer) pairs, in place."""
-    from batchrl.training.models.warm_start import warm_start
+    from batchrl.training.models.warm_start import WarmStartError, warm_start
 
     table = prompts.read_table() if prompts is not None else None
     if table is None or "answer" not in table or not table["answer"].notna().any():
         raise dg.Failure("base_model: warm_start_steps trains on the prompts' gold answers, and the prompts have "
-                         "none: materialise prompts with an answer column, or set warm_start_steps: 0")
+                         "none: materialise prompts with an answer column, or set base_model.config."
+                         "warm_start_steps: 0 (`batchrl run` without a profile sets it: resources/profiles.py "
+                         "EMBEDDED_DEFAULT)")
     rows = table[table["answer"].notna()]
-    return warm_start(model_dir, list(zip(rows["prompt"], rows["answer"].astype(str))),
-                      steps=config.warm_start_steps, lr=config.warm_start_lr, seed=config.seed)
+    try:
+        return warm_start(model_dir, list(zip(rows["prompt"], rows["answer"].astype(str))),
+                          steps=config.warm_start_steps, lr=config.warm_start_lr, seed=config.seed,
+                          gold_share=config.warm_start_gold_share,
+                          near_miss_offset=config.warm_start_near_miss_offset,
+                          lr_schedule=config.warm_start_lr_schedule)
+    except WarmStartError as err:
+        raise dg.Failure(f"base_model: {err}") from None
 
 
 def _tokenizer_corpus(preference_window: Artifact | None, prompts: Artifact | None) -> tuple[list[str], dict]:
