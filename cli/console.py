@@ -287,16 +287,32 @@ def evaluation_table(report: dict, width: int = TABLE_WIDTH) -> list[str]:
     return lines
 
 
-def _is_tiny_default(base_model_dir) -> bool:
-    """The base model was the tiny default (no model path, no GGUF in its recorded config)."""
+def _tiny_default_config(base_model_dir) -> dict | None:
+    """The base model's recorded config when it was the tiny default (no model path, no GGUF), else None."""
     import json
 
     path = os.path.join(base_model_dir or "", "lineage.json")
     if not base_model_dir or not os.path.exists(path):
-        return False
+        return None
     with open(path) as f:
         config = json.load(f).get("config") or {}
-    return not config.get("model_path") and not config.get("gguf_file")
+    if config.get("model_path") or config.get("gguf_file") or config.get("gguf_parts"):
+        return None
+    return config
+
+
+def tiny_default_note(config: dict) -> str:
+    """What the evaluation table of a tiny default base model shows: a habit the warm start taught and RL unlearns
+    (a gold share below 1), else a random model that shows the pipeline only."""
+    share = config.get("warm_start_gold_share")
+    if config.get("warm_start_steps") and share is not None and share < 1:
+        offset = config.get("warm_start_near_miss_offset", 1)
+        return (f"  (the embedded default: a ~2.7M-parameter model built offline, warm-started to answer gold "
+                f"{offset:+d},\n   the sum only {share:.0%} of the time: RL unlearns that habit, a demo of the loop "
+                "(docs/GRAPH.md);\n   `batchrl run --profile real` trains SmolLM2-135M-Instruct)\n")
+    return ("  (the embedded default is a random ~2.7M-parameter model built offline: it shows the pipeline, "
+            "not learning;\n   `batchrl run --profile real` trains SmolLM2-135M-Instruct, 22.5% -> 54% "
+            "held-out on one H200)\n")
 
 
 def print_run_summary(done: list[dict], success: bool, seconds: float, log_path: str | None, latest_uri,
@@ -331,10 +347,9 @@ def print_run_summary(done: list[dict], success: bool, seconds: float, log_path:
         for model, metrics in report.items():
             for ex in metrics.get("examples", [])[:1]:
                 out.write(f"  {model}: {ex['prompt'][:40]!r} -> {ex['response'][:40]!r} (gold {ex['answer']})\n")
-        if _is_tiny_default(latest_uri("base_model")):
-            out.write("  (the embedded default is a random ~2.5M-parameter model built offline: it shows the pipeline, "
-                      "not learning;\n   `batchrl run --profile real` trains SmolLM2-135M-Instruct, 22.5% -> 54% "
-                      "held-out on one H200)\n")
+        tiny = _tiny_default_config(latest_uri("base_model"))
+        if tiny is not None:
+            out.write(tiny_default_note(tiny))
     out.write("\n")
     for asset in ("validated_preferences", "policy_checkpoint", "dpo_checkpoint", "evaluation"):
         if latest_uri(asset):

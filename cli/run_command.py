@@ -52,10 +52,12 @@ def _every(text: str) -> int:
 
 def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
     """Run config and default RL iterations: the profile's, then ``-c`` files merged over it; the files'
-    ``resources`` go over the profile's the same way, in the code location this command builds. ``ProfileError``
+    ``resources`` go over the profile's the same way, in the code location this command builds. Without a profile,
+    the embedded default's recipe (``resources.profiles.EMBEDDED_DEFAULT``) goes under the files. ``ProfileError``
     (a ``RunConfigError``) for a profile or file that cannot be read."""
     from batchrl.resources.profiles import (
-        announce_run_file_resources, deep_merge, dpo_self_play, load_profile, load_run_file,
+        EMBEDDED_DEFAULT_SOURCE, announce_run_file_resources, deep_merge, dpo_self_play, embedded_default,
+        load_profile, load_run_file,
     )
 
     ops, iterations = {}, 1
@@ -67,7 +69,12 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
     files = [(path, load_run_file(path)) for path in args.config or []]
     for _, loaded in files:
         ops = deep_merge(ops, loaded["ops"])
-    announce_run_file_resources([(path, loaded["resources"]) for path, loaded in files])
+    file_resources = [(path, loaded["resources"]) for path, loaded in files]
+    if not args.profile:  # the tiny default's recipe (README command 1), under the files
+        default = embedded_default(ops, [resources for _, resources in file_resources])
+        ops = deep_merge(default["ops"], ops)
+        file_resources = [(EMBEDDED_DEFAULT_SOURCE, default["resources"]), *file_resources]
+    announce_run_file_resources(file_resources)
     if dpo_self_play(ops):  # the DPO path with its rewards input (read when the definitions build)
         os.environ["BATCHRL_DPO_SELF_PLAY"] = "1"
     return ({"ops": ops} if ops else {}), (args.rl_iterations or iterations)

@@ -38,6 +38,37 @@ RUN_FILE_KEYS = {"resources", "ops", "environments"}  # a ``-c`` file: what a pr
 CONFIG_RESOURCES_ENV = "BATCHRL_CONFIG_RESOURCES"
 
 
+#: what `batchrl run` without a profile adds, under its ``-c`` files, when the base model is the embedded tiny default
+#: (README command 1): the warm start teaches the sums with a habit RL can unlearn (each draw the gold answer 30% of
+#: the time, gold + 1 otherwise; training/models/warm_start.py), and the RL update unlearns it in one iteration (a
+#: smaller lr and KL loss than the library defaults, which collapse it). Measured in bench/RESULTS.md (issue 50):
+#: held-out 2-16% -> 56-78% over seeds. Its resource overrides only where no ``-c`` file overrides that resource.
+EMBEDDED_DEFAULT_SOURCE = "the embedded default (resources/profiles.py EMBEDDED_DEFAULT)"
+EMBEDDED_DEFAULT = {
+    "ops": {
+        "base_model": {"config": {"warm_start_steps": 400, "warm_start_lr": 1.0e-3, "warm_start_lr_schedule": "cosine",
+                                  "warm_start_gold_share": 0.3, "warm_start_near_miss_offset": 1}},
+        "policy_checkpoint": {"config": {"lr": 2.0e-4}},
+    },
+    "resources": {"rl_recipe": {"kl_loss_coef": 0.001}},
+}
+BASE_MODEL_SOURCES = ("model_path", "gguf_file", "gguf_parts")  # any of them set: not the tiny default
+
+
+def embedded_default(ops: dict, file_resources: list[dict]) -> dict:
+    """``EMBEDDED_DEFAULT``'s part for a run without a profile whose ``ops`` (the ``-c`` files' merged) and
+    ``file_resources`` (each file's resource overrides) are these: nothing when ``ops`` name a base model of their
+    own (a path, a GGUF); each of its resource overrides only when no file overrides that resource (a resource's
+    fields are checked together: a file's ``rl_recipe.kl_placement: none`` would refuse the default's
+    ``kl_loss_coef``)."""
+    base = ((ops or {}).get("base_model") or {}).get("config") or {}
+    if any(base.get(name) for name in BASE_MODEL_SOURCES):
+        return {"ops": {}, "resources": {}}
+    set_by_files = {name for resources in file_resources for name in resources}
+    return {"ops": EMBEDDED_DEFAULT["ops"],
+            "resources": {k: v for k, v in EMBEDDED_DEFAULT["resources"].items() if k not in set_by_files}}
+
+
 def available_profiles() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
 

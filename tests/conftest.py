@@ -59,6 +59,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def _announced_run_file_resources_undone():
+    """`batchrl run` in a test's own process announces its resource overrides (its -c files', the embedded
+    default's rl_recipe) in os.environ for the code location it builds: put back after each test, so that no
+    test's overrides reach the next one's resources."""
+    name = "BATCHRL_CONFIG_RESOURCES"
+    before = os.environ.get(name)
+    yield
+    if before is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = before
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     from moto.server import ThreadedMotoServer
