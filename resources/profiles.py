@@ -42,7 +42,7 @@ CONFIG_RESOURCES_ENV = "BATCHRL_CONFIG_RESOURCES"
 #: (README command 1): the warm start teaches the sums with a habit RL can unlearn (each draw the gold answer 30% of
 #: the time, gold + 1 otherwise; training/models/warm_start.py), and the RL update unlearns it in one iteration (a
 #: smaller lr and KL loss than the library defaults, which collapse it). Measured in bench/RESULTS.md (issue 50):
-#: held-out 2-16% -> 56-78% over seeds. Its resource overrides only where no ``-c`` file overrides that resource.
+#: held-out 8-16% -> 66-76% over five seeds. Its resource overrides only where no ``-c`` file overrides that resource.
 EMBEDDED_DEFAULT_SOURCE = "the embedded default (resources/profiles.py EMBEDDED_DEFAULT)"
 EMBEDDED_DEFAULT = {
     "ops": {
