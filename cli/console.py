@@ -56,7 +56,25 @@ def asset_line(index: int, total: int, asset: str, seconds: float, ok: bool, met
     shown = [f"{k.removeprefix('final/')}={_fmt(metadata[k])}" for k in HEADLINE.get(asset, ()) if k in metadata]
     if blocked:  # published, but a blocking check failed: Dagster fails the step and skips what follows
         shown.append(f"(published; blocking check {', '.join(blocked)} FAILED: downstream not run)")
-    return f"{head}  {version:<16}  " + " ".join(shown)
+    return wrapped(f"{head}  {version:<16} ", shown)
+
+
+CONSOLE_WIDTH = 100  # the run's lines, the evaluation table's too, fit a terminal of 100 columns
+CONTINUATION = " " * 8  # as the check lines under an asset's line
+
+
+def wrapped(start: str, items: list[str], width: int = CONSOLE_WIDTH) -> str:
+    """``start`` and then ``items`` separated by spaces; an item that would pass ``width`` begins a line of its own,
+    indented by ``CONTINUATION``."""
+    lines, line = [], start
+    for item in items:
+        if len(line) + 1 + len(item) > width:
+            lines.append(line.rstrip())
+            line = CONTINUATION + item
+        else:
+            line = f"{line} {item}"
+    lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 # a path or URI with folders: /a/b/file.csv, s3://bucket/key/file.csv (its last part is group 1)
@@ -267,7 +285,7 @@ def quiet_libraries() -> None:
 # the evaluated models' column headings: a terminal of 100 columns holds the table with five models
 SHORT_MODEL_NAMES = {"base_model": "base", "policy_checkpoint": "policy", "dpo_checkpoint": "dpo",
                      "offline_policy_checkpoint": "offline", "kto_checkpoint": "kto"}
-TABLE_WIDTH = 100
+TABLE_WIDTH = CONSOLE_WIDTH
 
 
 def evaluation_table(report: dict, width: int = TABLE_WIDTH) -> list[str]:
@@ -372,7 +390,7 @@ def command_hints(dagster_home: str, argv0: str | None = None, audited: str | No
     batchrl = invoked_as(argv0)
     dagster = os.path.join(os.path.dirname(sys.executable), "dagster")  # beside this interpreter: its environment's
     dagster = _program(dagster) if os.path.exists(dagster) else "dagster"
-    audit = (f"audit:  {batchrl} audit {audited}    reproduce:  {batchrl} reproduce {audited}\n" if audited else "")
+    audit = (f"audit:  {batchrl} audit {audited}\nreproduce:  {batchrl} reproduce {audited}\n" if audited else "")
     return (f"{audit}UI:     DAGSTER_HOME={shlex.quote(os.path.abspath(dagster_home))} {dagster} dev   "
             "(then open http://127.0.0.1:3000)\n")
 

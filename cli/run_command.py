@@ -56,8 +56,7 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
     the embedded default's recipe (``resources.profiles.EMBEDDED_DEFAULT``) goes under the files. ``ProfileError``
     (a ``RunConfigError``) for a profile or file that cannot be read."""
     from batchrl.resources.profiles import (
-        EMBEDDED_DEFAULT_SOURCE, announce_run_file_resources, deep_merge, dpo_self_play, embedded_default,
-        load_profile, load_run_file,
+        announce_run_file_resources, deep_merge, dpo_self_play, embedded_default, load_profile, load_run_file,
     )
 
     ops, iterations = {}, 1
@@ -69,12 +68,9 @@ def _run_config(args: argparse.Namespace) -> tuple[dict, int]:
     files = [(path, load_run_file(path)) for path in args.config or []]
     for _, loaded in files:
         ops = deep_merge(ops, loaded["ops"])
-    file_resources = [(path, loaded["resources"]) for path, loaded in files]
     if not args.profile:  # the tiny default's recipe (README command 1), under the files
-        default = embedded_default(ops, [resources for _, resources in file_resources])
-        ops = deep_merge(default["ops"], ops)
-        file_resources = [(EMBEDDED_DEFAULT_SOURCE, default["resources"]), *file_resources]
-    announce_run_file_resources(file_resources)
+        ops = deep_merge(embedded_default(ops), ops)
+    announce_run_file_resources([(path, loaded["resources"]) for path, loaded in files])
     if dpo_self_play(ops):  # the DPO path with its rewards input (read when the definitions build)
         os.environ["BATCHRL_DPO_SELF_PLAY"] = "1"
     return ({"ops": ops} if ops else {}), (args.rl_iterations or iterations)

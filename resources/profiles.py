@@ -38,35 +38,25 @@ RUN_FILE_KEYS = {"resources", "ops", "environments"}  # a ``-c`` file: what a pr
 CONFIG_RESOURCES_ENV = "BATCHRL_CONFIG_RESOURCES"
 
 
-#: what `batchrl run` without a profile adds, under its ``-c`` files, when the base model is the embedded tiny default
-#: (README command 1): the warm start teaches the sums with a habit RL can unlearn (each draw the gold answer 30% of
-#: the time, gold + 1 otherwise; training/models/warm_start.py), and the RL update unlearns it in one iteration (a
-#: smaller lr and KL loss than the library defaults, which collapse it). Measured in bench/RESULTS.md (issue 50):
-#: held-out 8-16% -> 66-76% over five seeds. Its resource overrides only where no ``-c`` file overrides that resource.
-EMBEDDED_DEFAULT_SOURCE = "the embedded default (resources/profiles.py EMBEDDED_DEFAULT)"
+#: what `batchrl run` without a profile adds to the run config, under its ``-c`` files, when the base model is the
+#: embedded tiny default (README command 1): the warm start teaches the sums with a habit RL can unlearn (each draw
+#: the gold answer 30% of the time, gold + 1 otherwise; training/models/warm_start.py), and the RL update unlearns it
+#: in one iteration (a smaller lr than the library default, which collapses it). Run config only, no resource: a
+#: resource override would make the run's job differ from the one the UI loads (its re-execution would then be "a
+#: different version"). Measured in bench/RESULTS.md (issue 50).
 EMBEDDED_DEFAULT = {
-    "ops": {
-        "base_model": {"config": {"warm_start_steps": 400, "warm_start_lr": 1.0e-3, "warm_start_lr_schedule": "cosine",
-                                  "warm_start_gold_share": 0.3, "warm_start_near_miss_offset": 1}},
-        "policy_checkpoint": {"config": {"lr": 2.0e-4}},
-    },
-    "resources": {"rl_recipe": {"kl_loss_coef": 0.001}},
+    "base_model": {"config": {"warm_start_steps": 400, "warm_start_lr": 1.0e-3, "warm_start_lr_schedule": "cosine",
+                              "warm_start_gold_share": 0.3, "warm_start_near_miss_offset": 1}},
+    "policy_checkpoint": {"config": {"lr": 2.0e-4}},
 }
 BASE_MODEL_SOURCES = ("model_path", "gguf_file", "gguf_parts")  # any of them set: not the tiny default
 
 
-def embedded_default(ops: dict, file_resources: list[dict]) -> dict:
-    """``EMBEDDED_DEFAULT``'s part for a run without a profile whose ``ops`` (the ``-c`` files' merged) and
-    ``file_resources`` (each file's resource overrides) are these: nothing when ``ops`` name a base model of their
-    own (a path, a GGUF); each of its resource overrides only when no file overrides that resource (a resource's
-    fields are checked together: a file's ``rl_recipe.kl_placement: none`` would refuse the default's
-    ``kl_loss_coef``)."""
+def embedded_default(ops: dict) -> dict:
+    """``EMBEDDED_DEFAULT``'s ops for a run without a profile whose ``-c`` files' merged ``ops`` are these; nothing
+    when they name a base model of their own (a path, a GGUF)."""
     base = ((ops or {}).get("base_model") or {}).get("config") or {}
-    if any(base.get(name) for name in BASE_MODEL_SOURCES):
-        return {"ops": {}, "resources": {}}
-    set_by_files = {name for resources in file_resources for name in resources}
-    return {"ops": EMBEDDED_DEFAULT["ops"],
-            "resources": {k: v for k, v in EMBEDDED_DEFAULT["resources"].items() if k not in set_by_files}}
+    return {} if any(base.get(name) for name in BASE_MODEL_SOURCES) else EMBEDDED_DEFAULT
 
 
 def available_profiles() -> list[str]:

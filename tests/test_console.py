@@ -145,6 +145,22 @@ def test_the_evaluation_table_fits_100_columns_with_every_model():
     assert any("…" in line for line in lines)
 
 
+def test_an_asset_line_wraps_at_100_columns_keeping_every_headline_value():
+    """README command 1's lines (issue 50): the ingest counts and a blocked check's note continue on indented lines
+    instead of running past a terminal of 100 columns; nothing is cut."""
+    from batchrl.cli.console import asset_line
+
+    counts = {"rows_in": 140, "valid": 122, "quarantined": 0, "duplicates": 18, "data_version": "4f183fa215e63215"}
+    line = asset_line(7, 23, "feedback_logs", 0.1, True, counts, blocked=["reject_rate_below_threshold"])
+    rows = line.split("\n")
+    assert len(rows) >= 2 and max(len(row) for row in rows) <= 100, line
+    assert all(row.startswith(" " * 8) for row in rows[1:]), line
+    assert "rows_in=140 valid=122 quarantined=0 duplicates=18" in " ".join(line.split())
+    assert "blocking check reject_rate_below_threshold FAILED" in line
+    short = asset_line(2, 23, "prompts", 0.1, True, {"rows": 250, "data_version": "3297668604c0de84"})
+    assert "\n" not in short and short.endswith("rows=250")
+
+
 @dg.asset
 def scored() -> int:
     return 3

@@ -131,13 +131,13 @@ def test_the_cosine_schedule_warms_up_then_decays_to_zero():
 
 def test_batchrl_run_without_a_profile_warm_starts_the_tiny_default_only(monkeypatch):
     """README command 1's recipe (resources/profiles.py EMBEDDED_DEFAULT) goes under the -c files; not with a
-    profile, nor for a base model of one's own; its rl_recipe not where a file sets that resource."""
+    profile, nor for a base model of one's own; it overrides no resource (the job stays the one the UI loads)."""
     import argparse
 
     import yaml
 
     from batchrl.cli.run_command import _run_config
-    from batchrl.resources.profiles import CONFIG_RESOURCES_ENV, EMBEDDED_DEFAULT, EMBEDDED_DEFAULT_SOURCE
+    from batchrl.resources.profiles import CONFIG_RESOURCES_ENV, EMBEDDED_DEFAULT
 
     def run_config(tmp: str | None = None, profile: str | None = None, **file) -> tuple[dict, list]:
         monkeypatch.setenv(CONFIG_RESOURCES_ENV, "")  # _run_config announces; setenv records the undo
@@ -153,16 +153,16 @@ def test_batchrl_run_without_a_profile_warm_starts_the_tiny_default_only(monkeyp
         return config.get("ops", {}), json.loads(announced) if announced else []
 
     ops, announced = run_config()
-    assert ops == EMBEDDED_DEFAULT["ops"] and ops["base_model"]["config"]["warm_start_gold_share"] == 0.3
-    assert announced == [[EMBEDDED_DEFAULT_SOURCE, {"rl_recipe": {"kl_loss_coef": 0.001}}]]
+    assert ops == EMBEDDED_DEFAULT and ops["base_model"]["config"]["warm_start_gold_share"] == 0.3
+    assert announced == []
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         ops, announced = run_config(tmp, ops={"policy_checkpoint": {"config": {"lr": 1e-5}}},
                                     resources={"rl_recipe": {"kl_placement": "none"}})
         assert ops["policy_checkpoint"]["config"] == {"lr": 1e-5}  # the file's value over the default's
-        assert ops["base_model"] == EMBEDDED_DEFAULT["ops"]["base_model"]
-        assert [source for source, _ in announced] == [os.path.join(tmp, "run.yaml")]  # its recipe, whole
+        assert ops["base_model"] == EMBEDDED_DEFAULT["base_model"]
+        assert announced == [[os.path.join(tmp, "run.yaml"), {"rl_recipe": {"kl_placement": "none"}}]]
         ops, announced = run_config(tmp, ops={"base_model": {"config": {"model_path": "/models/mine"}}})
         assert ops == {"base_model": {"config": {"model_path": "/models/mine"}}} and announced == []
     ops, _ = run_config(profile="real")
