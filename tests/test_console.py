@@ -133,7 +133,7 @@ def test_the_footer_names_the_dagster_home_and_the_batchrl_in_use(tmp_path, monk
 
 
 def test_the_evaluation_table_fits_100_columns_with_every_model():
-    from batchrl.cli.console import evaluation_table
+    from batchrl.cli.evaluation_report import evaluation_table
 
     models = ["base_model", "policy_checkpoint", "dpo_checkpoint", "offline_policy_checkpoint", "kto_checkpoint"]
     metrics = {"arith_accuracy": 0.123456, "preference_accuracy/prefs_001.jsonl": 0.5, "logratio_margin": -1.234e-05,

@@ -170,7 +170,7 @@ def test_batchrl_run_without_a_profile_warm_starts_the_tiny_default_only(monkeyp
 
 
 def test_the_run_summary_says_what_the_tiny_default_was_taught():
-    from batchrl.cli.console import tiny_default_note
+    from batchrl.cli.evaluation_report import tiny_default_note
 
     habit = tiny_default_note({"warm_start_steps": 400, "warm_start_gold_share": 0.3, "warm_start_near_miss_offset": 1})
     assert "gold +1" in habit and "30% of the time" in habit and "RL unlearns" in habit
