@@ -91,6 +91,8 @@ _TABLE = (
        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), sets="trainer.ray.placement_strategy"),
     _v("RAY_ROLLOUT_REPLICAS", "int", 1, (DAGSTER,), "rollout replicas on Ray", minimum=1,
        sets="trainer.ray.rollout_replicas"),
+    _v("RAY_RESIDENT_IDLE_S", "float", 600.0, (DAGSTER,), "idle seconds before a node's resident job worker exits "
+       "(0: a fresh process per Ray job)", minimum=0, sets="trainer.ray.resident_worker_idle_s"),
     _v("RAY_PLACEMENT_TIMEOUT_S", "float", 300.0, (JOB,), "seconds the Ray driver waits for its placement group",
        minimum=0),
     # inside the job processes

@@ -102,7 +102,8 @@ def _ray() -> dict:
     """``s3``'s storage, every model stage a Pipes job on the Ray cluster at ``BATCHRL_RAY_ADDRESS`` (its dashboard,
     default http://127.0.0.1:8265; docs/SCALE_OUT.md): training over ``BATCHRL_RAY_WORLD_SIZE`` ranks (default 2,
     ``BATCHRL_RAY_GPUS_PER_RANK`` GPUs each, 0: a CPU slot and gloo), placed ``BATCHRL_RAY_PLACEMENT`` (PACK), rollouts
-    over ``BATCHRL_RAY_ROLLOUT_REPLICAS`` replicas (1); the jobs' files travel through the storage root."""
+    over ``BATCHRL_RAY_ROLLOUT_REPLICAS`` replicas (1), one-process jobs in each node's resident job worker
+    (``BATCHRL_RAY_RESIDENT_IDLE_S``); the jobs' files travel through the storage root."""
     from batchrl.resources.ray_launch import RayJobs
 
     base = _s3()
@@ -111,6 +112,7 @@ def _ray() -> dict:
     ray = RayJobs(address=read("BATCHRL_RAY_ADDRESS"), world_size=read("BATCHRL_RAY_WORLD_SIZE"),
                   rollout_replicas=read("BATCHRL_RAY_ROLLOUT_REPLICAS"), gpus_per_rank=gpus,
                   placement_strategy=read("BATCHRL_RAY_PLACEMENT"),
+                  resident_worker_idle_s=read("BATCHRL_RAY_RESIDENT_IDLE_S"),
                   storage_root=base["storage"].root, storage_options=base["storage"].storage_options)
     return {**base,
             "rollout_engine": RolloutEngineResource(in_subprocess=True, **device),

@@ -13,37 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any
 
 import dagster as dg
 
 from batchrl.common.environment_variables import PREFIX as JOB_SETTING_PREFIX  # per-job settings: sent per request
-from batchrl.common.package import code_fingerprint  # an edited batchrl gets a worker of its own
 from batchrl.resources.pipes_messages import DrainingTempFileMessageReader
-
-START_TIMEOUT_S = 120
-# variables that change what a job computes or where: a worker serves one combination of them
-_KEYED_ENV = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES", "BATCHRL_ENV", "BATCHRL_STORAGE", "BATCHRL_NUM_GPUS",
-              "BATCHRL_WEIGHT_CACHE_GB")
-
-
-def socket_path(env: dict[str, str]) -> str:
-    """A short path (Unix sockets allow ~100 bytes) under the temp dir, one per interpreter + environment +
-    version of the code."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    key = json.dumps([sys.executable, package, code_fingerprint(package),
-                      {k: env.get(k) for k in _KEYED_ENV}], sort_keys=True)
-    folder = os.path.join(tempfile.gettempdir(), f"batchrl-workers-{os.getuid()}")
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:16] + ".sock")
+from batchrl.training.jobs import worker_client
+from batchrl.training.jobs.worker_client import named_worker_path, socket_path, worker_log  # noqa: F401  (API)
 
 
 def slot_path(env: dict[str, str], slot: int) -> str:
@@ -51,12 +32,6 @@ def slot_path(env: dict[str, str], slot: int) -> str:
     ``socket_path``'s, each further slot a worker of its own."""
     path = socket_path(env)
     return path if slot == 0 else path.removesuffix(".sock") + f"-{slot}.sock"
-
-
-def named_worker_path(env: dict[str, str], name: str) -> str:
-    """The socket of a worker of its own for one kind of work (``name``, e.g. the off-policy rollouts'), beside the
-    GPU job slots' and outside their count: its jobs hold no slot."""
-    return socket_path(env).removesuffix(".sock") + f"-{name}.sock"
 
 
 def run_detached(job: str, config_path: str, workdir: str, env: dict[str, str], idle_s: float, path: str) -> int:
@@ -88,40 +63,12 @@ def free_slot(env: dict[str, str], slots: int):
         time.sleep(0.1)
 
 
-def _connect(path: str) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-        return sock
-    except (FileNotFoundError, ConnectionRefusedError):
-        sock.close()
-        return None
-
-
-def _start_worker(path: str, env: dict[str, str], idle_s: float) -> None:
-    log = open(path.removesuffix(".sock") + ".log", "ab")  # the jobs' own output, as a subprocess's would be
-    subprocess.Popen([sys.executable, "-m", "batchrl.training.jobs.worker", "--socket", path, "--idle", str(idle_s)],
-                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                     start_new_session=True)  # outlives this step: the next one finds it warm
-    log.close()
-
-
 def connect_or_start(path: str, env: dict[str, str], idle_s: float) -> socket.socket:
-    sock = _connect(path)
-    if sock is not None:
-        return sock
-    with open(path + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        sock = _connect(path)
-        if sock is None:
-            _start_worker(path, env, idle_s)
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while sock is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                sock = _connect(path)
-    if sock is None:
-        raise dg.Failure(f"the job worker did not start within {START_TIMEOUT_S} s; see {worker_log(path)}")
-    return sock
+    """``worker_client.connect_or_start`` with its failure as the step's."""
+    try:
+        return worker_client.connect_or_start(path, env, idle_s)
+    except worker_client.WorkerUnavailable as error:
+        raise dg.Failure(str(error)) from error
 
 
 def prestart(env: dict[str, str], idle_s: float, slots: int = 1) -> None:
@@ -129,10 +76,6 @@ def prestart(env: dict[str, str], idle_s: float, slots: int = 1) -> None:
     torch and the CUDA context while the run's first, data-only steps execute); running ones are left as they are."""
     for slot in range(slots):
         connect_or_start(slot_path(env, slot), env, idle_s).close()  # an empty request: the worker just goes on
-
-
-def worker_log(path: str) -> str:
-    return path.removesuffix(".sock") + ".log"
 
 
 def request(path: str, payload: dict[str, Any], env: dict[str, str], idle_s: float) -> dict[str, Any]:

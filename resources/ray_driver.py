@@ -21,10 +21,10 @@ import time
 
 from batchrl.common import fsutil
 from batchrl.common.environment_variables import read
+from batchrl.resources.ray_rank import PIPES_ENV_PREFIX
 
 PLACEMENT_TIMEOUT_S = read("BATCHRL_RAY_PLACEMENT_TIMEOUT_S")
 FAILURE_GRACE_S = 5.0  # after one rank fails: how long the others get to end (and say why) before they are killed
-PIPES_ENV_PREFIX = "DAGSTER_PIPES_"
 
 
 class RankOutcomes:
@@ -141,6 +141,10 @@ def run(spec: dict, storage_options: dict) -> int:
         if outcomes.failed() or len(outcomes.ended) < world:
             print(failure_message(spec, outcomes, nodes), file=sys.stderr, flush=True)
             return 1
+        resident = {r: o["worker_pid"] for r, o in outcomes.ended.items() if o.get("worker_pid")}
+        if resident:
+            print(f"batchrl job {spec['job']!r}: ran in the nodes' resident job workers (rank: pid) {resident}",
+                  flush=True)
         ray.get([rank.publish.remote() for rank in ranks[1:]])
         ray.get(ranks[0].publish.remote())  # last: rank 0's copy of a name every rank wrote wins
         ray.get([rank.close.remote() for rank in ranks])

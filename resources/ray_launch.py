@@ -37,6 +37,9 @@ class RayJobs(dg.Config):
     storage_options: dict[str, Any] = Field({}, description="fsspec options of storage_root (endpoint...)")
     python: str = Field("python", description="the cluster's Python, with batchrl installed")
     poll_interval_s: float = Field(0.5, gt=0, description="how often the Ray job's status is polled")
+    resident_worker_idle_s: float = Field(
+        600.0, ge=0, description="one-process jobs (one rank, rollout replicas) run in a job worker resident on "
+        "their node, which exits after this many idle seconds; 0: a fresh process per job")
 
 
 def ranks_of(job: str, ray: RayJobs) -> int:
@@ -96,7 +99,7 @@ def job_spec(job: str, configs: list[dict], roots: list[str], prefix: str, ray: 
     return {"job": job, "configs": configs, "roots": roots, "prefix": prefix,
             "world_size": len(configs) if len(configs) > 1 else ranks_of(job, ray),
             "cpus_per_rank": ray.cpus_per_rank, "gpus_per_rank": ray.gpus_per_rank,
-            "placement_strategy": ray.placement_strategy}
+            "placement_strategy": ray.placement_strategy, "resident_idle_s": ray.resident_worker_idle_s}
 
 
 def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config: dict, workdir: str,

@@ -3,9 +3,11 @@ storage root onto its node, runs the same job entry point as everywhere (``pytho
 with the rendezvous variables the driver hands it, streams the job's output lines back to the driver, and
 uploads what the job wrote (``resources/ray_staging.py``).
 
-The job runs as a child process, not inside the actor: a data-parallel rank ends with ``os._exit``
+A data-parallel rank runs as a child process, not inside the actor: it ends with ``os._exit``
 (``training/jobs/_runtime.py``), and its torch/DeepSpeed state must not outlive the job. The child dies with the
-actor (``PR_SET_PDEATHSIG``), so a rank killed by Ray or lost with its node leaves no process behind.
+actor (``PR_SET_PDEATHSIG``), so a rank killed by Ray or lost with its node leaves no process behind. A
+one-process job (one rank, a rollout replica) runs in the node's resident job worker instead, as jobs on one
+machine run in the warm worker: the worker outlives the actor (that is its point), but not the actor's job.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from batchrl.common import fsutil
 from batchrl.resources import ray_staging
 
 STDERR_TAIL_LINES = 40
+PIPES_ENV_PREFIX = "DAGSTER_PIPES_"  # a job's own Pipes session: never a resident worker's for good
 # the job's process: SIGKILLed when the actor's process ends (PR_SET_PDEATHSIG = 1; set by the child itself, as a
 # preexec_fn would run Python between fork and exec in a process full of Ray's threads), gone at once if the actor
 # already is, then the job module run as `python -m` runs it
@@ -63,8 +66,13 @@ class JobRank:
         return f"{ray.util.get_node_ip_address()} (node {ray.get_runtime_context().get_node_id()[:12]})"
 
     def run(self, env: dict[str, str | None]) -> Iterator[str | dict]:
-        """Stage the inputs, run the job; yields its stdout lines, then ``{"exit": code, "stderr_tail": [...]}``."""
+        """Stage the inputs, run the job; yields its stdout lines, then ``{"exit": code, "stderr_tail": [...]}``.
+        A one-process job (no ``WORLD_SIZE``: one rank, or a replica) runs in its node's resident job worker when
+        the spec keeps one (``resident_idle_s``); a data-parallel rank always in a process of its own."""
         config_path = self._stage()
+        if self.spec.get("resident_idle_s", 0) > 0 and not env.get("WORLD_SIZE"):
+            yield from self._run_resident(config_path, _with(os.environ, env))
+            return
         module = f"batchrl.training.jobs.{self.spec['job']}"
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(os.getpid()), module, config_path],
                                 cwd=self.scratch, text=True, env=_with(os.environ, env), stdout=subprocess.PIPE,
@@ -79,6 +87,40 @@ class JobRank:
         if code != 0:  # nothing of a failed job is uploaded: its scratch goes now (a killed actor leaves it)
             self.close()
         yield {"exit": code, "stderr_tail": list(tail)}
+
+    def _run_resident(self, config_path: str, env: dict[str, str]) -> Iterator[str | dict]:
+        """The job in this node's resident worker for this rank slot (``training/jobs/worker.py``; started here
+        if none answers, re-parented so that it outlives this actor, gone after ``resident_idle_s`` idle): the
+        imports, the CUDA context and the model classes are paid once per node, not per job. The job gets this
+        actor's whole environment (its Pipes context included) for its duration; the worker is started without
+        the Pipes variables, and abandons the job if this actor dies."""
+        import ray
+
+        from batchrl.training.jobs import worker_client
+
+        name = f"ray-{ray.get_runtime_context().get_node_id()[:12]}-{self.rank}"
+        path = worker_client.named_worker_path(env, name)
+        start_env = {k: v for k, v in env.items() if not k.startswith(PIPES_ENV_PREFIX)}
+        tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        answer: dict = {}
+        try:
+            for kind, item in worker_client.stream_job(path, {"job": self.spec["job"], "config": config_path,
+                                                              "cwd": self.scratch, "env": env},
+                                                       start_env, self.spec["resident_idle_s"]):
+                if kind == "out":
+                    yield item
+                elif kind == "err":
+                    sys.stderr.write(item + "\n")
+                    tail.append(item)
+                else:
+                    answer = item
+        except (worker_client.WorkerUnavailable, OSError) as error:
+            answer = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        if not answer.get("ok"):
+            tail.append(f"in the resident job worker ({worker_client.worker_log(path)}): {answer.get('error')}")
+            self.close()
+        yield {"exit": 0 if answer.get("ok") else 1, "stderr_tail": list(tail), "worker_pid": answer.get("pid"),
+               "job_s": answer.get("job_s")}
 
     @staticmethod
     def _echo_stderr(stream, tail: collections.deque) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -20,7 +21,9 @@ import time
 
 import psutil
 
-RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+# this interpreter's ray (a venv's), else the one on PATH (a bundle's, bench/bench_ray_overhead.py on the GPU host)
+RAY = next((p for p in (os.path.join(os.path.dirname(sys.executable), "ray"), shutil.which("ray")) if p and
+            os.path.exists(p)), "ray")
 GCS_PORT, DASHBOARD_PORT = 6379, 8265
 # node death noticed in ~3 s instead of Ray's default ~15 s (period 3 s x 5 failures)
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,

@@ -215,3 +215,13 @@ def _localized(storage: StorageResource, uri: str) -> str:
 def cluster_case_every_listener_is_on_loopback(cluster):
     assert listening_addresses() <= {"127.0.0.1", "::1", "0.0.0.0", "::", "::ffff:127.0.0.1"}
     assert only_loopback()  # 0.0.0.0 in a namespace whose one interface is lo: loopback only
+
+
+def cluster_case_one_process_jobs_ran_in_the_nodes_resident_workers(cluster):
+    """The reference pass and the rollouts (one rank each) and the two rollout replicas ran in job workers resident
+    on their nodes (re-parented, so nobody's child), keyed by node and rank slot: both slots seen."""
+    import psutil
+
+    sockets = [part for proc in psutil.process_iter(["cmdline"]) for part in proc.info["cmdline"] or []
+               if "-ray-" in part and part.endswith(".sock")]
+    assert {s.rsplit("-", 1)[1] for s in sockets} == {"0.sock", "1.sock"}, sockets

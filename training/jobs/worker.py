@@ -6,9 +6,10 @@ an idle GPU per stage (bench/RESULTS.md). The worker pays them once: it listens 
 for each request (one JSON line: job name, config path, working dir, the Dagster Pipes bootstrap
 variables) it runs the job's ``work`` in process through the same ``run_job`` plumbing as the
 subprocess entry point, so the job reports to Dagster through Pipes exactly as before, then answers
-one JSON line (``{"ok": true, "pid": ...}`` or the error). It exits after ``--idle`` seconds without a
-request, and after a failed job (a fresh process for the next one: a failure may leave CUDA or the
-process group in a bad state).
+one JSON line (``{"ok": true, "pid": ...}`` or the error); a ``stream`` request (a Ray rank's,
+``training/jobs/worker_client.stream_job``) gets the job's output lines first, as they are printed. It exits
+after ``--idle`` seconds without a request, and after a failed job (a fresh process for the next one: a
+failure may leave CUDA or the process group in a bad state).
 
     python -m batchrl.training.jobs.worker --socket /path/worker.sock [--idle 600]
 """
@@ -18,10 +19,13 @@ import argparse
 import contextlib
 import gc
 import importlib
+import io
 import json
 import os
+import select
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -113,6 +117,64 @@ def run_request(request: dict) -> dict:
                 "traceback": traceback.format_exc()[-6000:]}
 
 
+class _LinesOut(io.TextIOBase):
+    """A job's stdout or stderr sent back over the request's connection as JSON lines (``{"out": line}``,
+    ``{"err": line}``): the requester relays them (a Ray rank: to its driver, where the Pipes messages are read)."""
+
+    def __init__(self, stream, key: str, lock: threading.Lock):
+        self.stream, self.key, self.lock, self.pending = stream, key, lock, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self._send(line)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self._send(self.pending)
+            self.pending = ""
+
+    def _send(self, line: str) -> None:
+        try:
+            with self.lock:
+                self.stream.write(json.dumps({self.key: line}).encode() + b"\n")
+                self.stream.flush()
+        except OSError:  # the requester is gone: nobody takes this job's results
+            os._exit(1)
+
+
+def _exit_when_requester_leaves(conn: socket.socket, done: threading.Event) -> None:
+    """While a streamed job runs: the requester closing its end (a Ray actor killed or lost) abandons the job, and
+    the worker with it, as a job process dies with its actor."""
+    while not done.wait(0.5):
+        readable, _, _ = select.select([conn], [], [], 0)
+        if readable and not conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+            os._exit(1)
+
+
+def _run_streamed(request: dict, conn: socket.socket, stream) -> dict:
+    """``run_request`` with the job's output lines streamed to the requester as it prints them."""
+    lock, done = threading.Lock(), threading.Event()
+    out, err = _LinesOut(stream, "out", lock), _LinesOut(stream, "err", lock)
+    threading.Thread(target=_exit_when_requester_leaves, args=(conn, done), daemon=True).start()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            answer = run_request(request)
+            out.flush()
+            err.flush()
+    finally:
+        done.set()
+    if not answer["ok"]:
+        for line in answer.get("traceback", "").splitlines():
+            err._send(line)
+    return answer
+
+
 # What the jobs import lazily (transformers' auto classes alone take seconds): loaded by ``preload``
 PRELOAD_MODULES = (
     "batchrl.training.jobs._runtime", "batchrl.training.rollout.static_engine", "batchrl.training.evaluation.evaluate",
@@ -168,8 +230,12 @@ def serve(socket_path: str, idle_s: float) -> int:
                 if request.get("detached"):  # answered at once, run after: its outputs are its files
                     stream.write(json.dumps({"ok": True, "pid": os.getpid(), "detached": True}).encode() + b"\n")
                     stream.flush()
-                answer = ({"ok": True, "pid": os.getpid(), "protocol": PROTOCOL} if request.get("ping")
-                          else run_request(request))
+                if request.get("ping"):
+                    answer = {"ok": True, "pid": os.getpid(), "protocol": PROTOCOL}
+                elif request.get("stream"):
+                    answer = _run_streamed(request, conn, stream)
+                else:
+                    answer = run_request(request)
                 if not request.get("detached"):
                     stream.write(json.dumps(answer).encode() + b"\n")
                     stream.flush()
