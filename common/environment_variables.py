@@ -87,6 +87,8 @@ _TABLE = (
        sets="trainer.ray.world_size"),
     _v("RAY_GPUS_PER_RANK", "float", 0.0, (DAGSTER,), "GPUs of each Ray rank (0: a CPU slot and gloo)", minimum=0,
        sets="trainer.ray.gpus_per_rank"),
+    _v("RAY_CPUS_PER_RANK", "float", 1.0, (DAGSTER,), "CPU slots of each Ray rank (Ray sets its threads to them)",
+       minimum=0, sets="trainer.ray.cpus_per_rank"),
     _v("RAY_PLACEMENT", "choice", "PACK", (DAGSTER,), "the Ray placement group's strategy",
        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), sets="trainer.ray.placement_strategy"),
     _v("RAY_ROLLOUT_REPLICAS", "int", 1, (DAGSTER,), "rollout replicas on Ray", minimum=1,

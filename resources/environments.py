@@ -111,6 +111,7 @@ def _ray() -> dict:
     device = {"device": "cuda", "dtype": "bfloat16"} if gpus else {}
     ray = RayJobs(address=read("BATCHRL_RAY_ADDRESS"), world_size=read("BATCHRL_RAY_WORLD_SIZE"),
                   rollout_replicas=read("BATCHRL_RAY_ROLLOUT_REPLICAS"), gpus_per_rank=gpus,
+                  cpus_per_rank=read("BATCHRL_RAY_CPUS_PER_RANK"),
                   placement_strategy=read("BATCHRL_RAY_PLACEMENT"),
                   resident_worker_idle_s=read("BATCHRL_RAY_RESIDENT_IDLE_S"),
                   storage_root=base["storage"].root, storage_options=base["storage"].storage_options)

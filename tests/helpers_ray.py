@@ -64,11 +64,12 @@ def node_env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_node(head: bool) -> str:
-    """`ray start` one node (one CPU slot) on 127.0.0.1 with a temp dir of its own (short: socket paths are
-    limited to 107 bytes); that dir, which names the node's processes."""
+def start_node(head: bool, num_cpus: int = 1, env: dict[str, str] | None = None) -> str:
+    """`ray start` one node (``num_cpus`` CPU slots; ``env``: its processes' environment, ``node_env()``'s by
+    default) on 127.0.0.1 with a temp dir of its own (short: socket paths are limited to 107 bytes); that dir,
+    which names the node's processes."""
     temp_dir = tempfile.mkdtemp(prefix="rayh-" if head else "rayn-", dir="/tmp")
-    args = [RAY, "start", "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--temp-dir", temp_dir,
+    args = [RAY, "start", "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus), "--temp-dir", temp_dir,
             "--disable-usage-stats", "--object-store-memory", str(200 * 2**20)]
     if head:
         args += ["--head", "--port", str(GCS_PORT), "--dashboard-host", "127.0.0.1",
@@ -76,7 +77,7 @@ def start_node(head: bool) -> str:
                  "--system-config", json.dumps(FAST_FAILURE_DETECTION)]
     else:
         args += ["--address", f"127.0.0.1:{GCS_PORT}"]
-    proc = subprocess.run(args, env=node_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(args, env=env or node_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return temp_dir
 
