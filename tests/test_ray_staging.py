@@ -98,12 +98,14 @@ def test_the_ray_environment_takes_its_cluster_and_storage_from_the_variables(mo
     monkeypatch.delenv("BATCHRL_PROFILE", raising=False)
     for name, value in {"BATCHRL_RAY_ADDRESS": "http://head:8265", "BATCHRL_RAY_WORLD_SIZE": "4",
                         "BATCHRL_RAY_ROLLOUT_REPLICAS": "2", "BATCHRL_RAY_PLACEMENT": "STRICT_SPREAD",
+                        "BATCHRL_RAY_CPUS_PER_RANK": "8", "BATCHRL_RAY_RESIDENT_IDLE_S": "0",
                         "BATCHRL_S3_ROOT": "s3://team/artifacts", "BATCHRL_S3_ENDPOINT": "http://127.0.0.1:9"}.items():
         monkeypatch.setenv(name, value)
     resources = environment_resources("ray")
     trainer = resources["trainer"]
     assert trainer.backend == "ray" and (trainer.ray.address, trainer.ray.world_size) == ("http://head:8265", 4)
     assert (trainer.ray.rollout_replicas, trainer.ray.placement_strategy) == (2, "STRICT_SPREAD")
+    assert (trainer.ray.cpus_per_rank, trainer.ray.resident_worker_idle_s) == (8.0, 0.0)  # 0: a fresh process per job
     assert trainer.ray.storage_root == resources["storage"].root == "s3://team/artifacts"
     assert trainer.ray.storage_options == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
     assert resources["rollout_engine"].in_subprocess and resources["compute"].in_subprocess  # every model stage a job
