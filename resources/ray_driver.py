@@ -13,6 +13,8 @@ and nothing is uploaded, so the Dagster step publishes nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -21,6 +23,7 @@ import time
 
 from batchrl.common import fsutil
 from batchrl.common.environment_variables import read
+from batchrl.resources.ray_messages import ChunkWriter
 from batchrl.resources.ray_rank import PIPES_ENV_PREFIX
 
 PLACEMENT_TIMEOUT_S = read("BATCHRL_RAY_PLACEMENT_TIMEOUT_S")
@@ -56,8 +59,9 @@ class RankOutcomes:
                 self.changed.wait(timeout=timeout if timeout is not None else 1.0)
 
 
-def _relay(rank: int, stream, outcomes: RankOutcomes, reports: dict[int, dict], raw: bool) -> None:
-    """Print rank ``rank``'s lines (``raw``: unchanged, the Pipes protocol's; else tagged with the rank) and keep
+def _relay(rank: int, stream, outcomes: RankOutcomes, reports: dict[int, dict], emit) -> None:
+    """Print rank ``rank``'s lines (``emit`` given: rank 0 of an unsharded job, unchanged through ``emit``, the Pipes
+    protocol's; else tagged with the rank) and keep
     its exit report and a replica's final report (a ``{"materialization": ...}`` line)."""
     import ray
 
@@ -67,8 +71,8 @@ def _relay(rank: int, stream, outcomes: RankOutcomes, reports: dict[int, dict], 
             item = ray.get(ref)
             if isinstance(item, dict):
                 outcome = item
-            elif raw:
-                print(item, flush=True)
+            elif emit is not None:
+                emit(item)
             else:
                 if item.startswith('{"materialization"'):
                     reports[rank] = json.loads(item)["materialization"]
@@ -107,7 +111,8 @@ def failure_message(spec: dict, outcomes: RankOutcomes, nodes: dict[int, str]) -
     return "\n".join(lines)
 
 
-def run(spec: dict, storage_options: dict) -> int:
+def run(spec: dict, storage_options: dict, emit) -> int:
+    """The job on the cluster; ``emit`` takes the lines the Dagster step reads (``ray_messages.ChunkWriter``)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -130,12 +135,13 @@ def run(spec: dict, storage_options: dict) -> int:
     try:
         address, port = ray.get(ranks[0].rendezvous.remote())
         nodes = dict(enumerate(ray.get([r.node.remote() for r in ranks])))
-        print(f"batchrl job {spec['job']!r}: {world} rank(s) on {sorted(set(nodes.values()))}", flush=True)
+        emit(f"batchrl job {spec['job']!r}: {world} rank(s) on {sorted(set(nodes.values()))}")
         outcomes, reports = RankOutcomes(world), {}
         for r, rank in enumerate(ranks):
             stream = rank.run.options(num_returns="streaming").remote(
                 rank_env(r, world if not sharded else 1, address, port, pipes=not sharded))
-            threading.Thread(target=_relay, args=(r, stream, outcomes, reports, r == 0 and not sharded),
+            threading.Thread(target=_relay, args=(r, stream, outcomes, reports, emit if r == 0 and not sharded
+                                                  else None),
                              daemon=True).start()
         outcomes.wait()
         if outcomes.failed() or len(outcomes.ended) < world:
@@ -143,13 +149,12 @@ def run(spec: dict, storage_options: dict) -> int:
             return 1
         resident = {r: o["worker_pid"] for r, o in outcomes.ended.items() if o.get("worker_pid")}
         if resident:
-            print(f"batchrl job {spec['job']!r}: ran in the nodes' resident job workers (rank: pid) {resident}",
-                  flush=True)
+            emit(f"batchrl job {spec['job']!r}: ran in the nodes' resident job workers (rank: pid) {resident}")
         ray.get([rank.publish.remote() for rank in ranks[1:]])
         ray.get(ranks[0].publish.remote())  # last: rank 0's copy of a name every rank wrote wins
         ray.get([rank.close.remote() for rank in ranks])
         if sharded:
-            report_merged(reports, world)
+            report_merged(reports, world, emit)
         return 0
     finally:
         for rank in ranks:
@@ -157,17 +162,20 @@ def run(spec: dict, storage_options: dict) -> int:
         remove_placement_group(group)
 
 
-def report_merged(reports: dict[int, dict], replicas: int) -> None:
+def report_merged(reports: dict[int, dict], replicas: int, emit) -> None:
     """One Pipes materialisation for the replicas of a sharded job (``ray_launch.merged_numbers``)."""
     from dagster_pipes import open_dagster_pipes
 
     from batchrl.resources.ray_launch import merged_numbers
 
-    with open_dagster_pipes() as pipes:
+    written = io.StringIO()
+    with contextlib.redirect_stdout(written), open_dagster_pipes() as pipes:  # its messages go to stdout
         pipes.log.info(f"{replicas} replicas: " + ", ".join(f"{r}: {reports[r].get('samples')} samples"
                                                              for r in sorted(reports)))
         pipes.report_asset_materialization(metadata={**merged_numbers([reports[r] for r in sorted(reports)]),
                                                      "replicas": replicas})
+    for line in written.getvalue().splitlines():
+        emit(line)
 
 
 def main(argv: list[str]) -> int:
@@ -178,7 +186,11 @@ def main(argv: list[str]) -> int:
     with fs.open(path) as f:
         spec = json.load(f)
     ray.init(address="auto", log_to_driver=True)  # the cluster this job was submitted to
-    return run(spec, storage_options)
+    writer = ChunkWriter(spec["messages"], storage_options)
+    try:
+        return run(spec, storage_options, writer.emit)
+    finally:
+        writer.close()
 
 
 if __name__ == "__main__":

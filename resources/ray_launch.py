@@ -9,17 +9,18 @@ shard of the prompts, joined here in shard order.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import uuid
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import dagster as dg
 from pydantic import Field
 
 from batchrl.common import fsutil
-from batchrl.resources import ray_staging
+from batchrl.resources import ray_messages, ray_staging
 
 REPLICA_SEED_STRIDE = 1000  # replica r of a request with seed s samples its shard with seed s * stride + r
 SHARD_DIR = "ray_shards"
@@ -40,6 +41,35 @@ class RayJobs(dg.Config):
     resident_worker_idle_s: float = Field(
         600.0, ge=0, description="one-process jobs (one rank, rollout replicas) run in a job worker resident on "
         "their node, which exits after this many idle seconds; 0: a fresh process per job")
+
+
+class StorageMessageReader(dg.PipesBlobStoreMessageReader):
+    """A Ray job's Pipes messages read in chunks from the storage root as its driver writes them
+    (``resources/ray_messages.py``: why not dagster-ray's log-following reader)."""
+
+    def __init__(self, uri: str, storage_options: dict):
+        super().__init__(interval=ray_messages.CHUNK_INTERVAL_S)
+        self.fs, self.base = fsutil.filesystem_for(uri, storage_options)
+
+    @contextlib.contextmanager
+    def get_params(self) -> Iterator[dict]:
+        yield {"stdio": "stdout"}  # the job writes to its stdout; the driver relays and chunks it
+
+    def messages_are_readable(self, params: dict) -> bool:
+        return True
+
+    def download_messages_chunk(self, index: int, params: dict) -> str | None:
+        try:
+            text = self.fs.cat_file(ray_messages.chunk_path(self.base, index)).decode()
+        except FileNotFoundError:
+            return None
+        for line in text.split("\n"):
+            if line and not line.startswith(ray_messages.PIPES_MESSAGE_PREFIX):
+                print(line, flush=True)  # the driver's and the job's other lines: to the step's compute log
+        return text
+
+    def no_messages_debug_text(self) -> str:
+        return f"no message chunks were found under {self.base}"
 
 
 def ranks_of(job: str, ray: RayJobs) -> int:
@@ -96,10 +126,14 @@ def merged_numbers(reports: list[dict]) -> dict:
 
 
 def job_spec(job: str, configs: list[dict], roots: list[str], prefix: str, ray: RayJobs) -> dict:
-    return {"job": job, "configs": configs, "roots": roots, "prefix": prefix,
+    return {"job": job, "configs": configs, "roots": roots, "prefix": prefix, "messages": messages_uri(prefix),
             "world_size": len(configs) if len(configs) > 1 else ranks_of(job, ray),
             "cpus_per_rank": ray.cpus_per_rank, "gpus_per_rank": ray.gpus_per_rank,
             "placement_strategy": ray.placement_strategy, "resident_idle_s": ray.resident_worker_idle_s}
+
+
+def messages_uri(prefix: str) -> str:
+    return prefix.rstrip("/") + "/messages"
 
 
 def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config: dict, workdir: str,
@@ -123,7 +157,9 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
     spec_uri = protocol + fsutil.join(prefix, "spec.json")
     fsutil.atomic_write_bytes(fs, fsutil.join(prefix, "spec.json"),
                               json.dumps(job_spec(job, configs, roots, protocol + prefix, ray)).encode())
-    client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s)
+    client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s,
+                               message_reader=StorageMessageReader(messages_uri(protocol + prefix),
+                                                                   ray.storage_options))
     submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {shlex.quote(spec_uri)}",
               "runtime_env": {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS": json.dumps(ray.storage_options)}}}
     try:

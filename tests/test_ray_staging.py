@@ -3,6 +3,7 @@ and join (resources/ray_launch.py), without a cluster: the paths that travel, th
 upload / download round trip of what a job wrote, the replicas' shards and merged numbers."""
 
 import os
+import time
 
 import dagster as dg
 import pandas as pd
@@ -126,3 +127,27 @@ def test_a_failed_rank_is_named_with_its_node_and_why(monkeypatch):
     assert "    RuntimeError: gloo: peer gone" in message
     assert "rank 1 on 10.0.0.2 (node b): lost (ConnectionError: actor died)" in message
     assert "rank 2 on unknown node: still running when the job was stopped" in message
+
+
+def test_the_drivers_message_chunks_reach_the_reader_in_order(tmp_path, capsys):
+    """The Ray job's Pipes messages through the storage root: the driver's lines in numbered chunks, read back in
+    order by the step's reader; lines that are not Pipes messages go to the step's stdout."""
+    from batchrl.resources import ray_messages
+    from batchrl.resources.ray_launch import StorageMessageReader
+
+    uri = str(tmp_path / "job" / "messages")
+    writer = ray_messages.ChunkWriter(uri, {})
+    opened = '{"__dagster_pipes_version": "0.1", "method": "opened", "params": {}}'
+    writer.emit(opened)
+    time.sleep(3 * ray_messages.CHUNK_INTERVAL_S)  # a chunk of its own
+    writer.emit("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']")
+    writer.emit('{"__dagster_pipes_version": "0.1", "method": "closed", "params": {}}')
+    writer.close()
+    capsys.readouterr()
+    reader = StorageMessageReader(uri, {})
+    chunks = []
+    while (chunk := reader.download_messages_chunk(len(chunks) + 1, {})) is not None:
+        chunks.append(chunk)
+    assert chunks[0] == opened and len(chunks) == 2
+    assert chunks[1].splitlines()[1].endswith('"closed", "params": {}}')
+    assert capsys.readouterr().out == "batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']\n"
