@@ -114,7 +114,7 @@ class JobRank:
                     tail.append(item)
                 else:
                     answer = item
-        except (worker_client.WorkerUnavailable, OSError) as error:
+        except (worker_client.WorkerUnavailable, OSError, subprocess.SubprocessError) as error:
             answer = {"ok": False, "error": f"{type(error).__name__}: {error}"}
         if not answer.get("ok"):
             tail.append(f"in the resident job worker ({worker_client.worker_log(path)}): {answer.get('error')}")
