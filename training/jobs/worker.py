@@ -121,23 +121,25 @@ class _LinesOut(io.TextIOBase):
     """A job's stdout or stderr sent back over the request's connection as JSON lines (``{"out": line}``,
     ``{"err": line}``): the requester relays them (a Ray rank: to its driver, where the Pipes messages are read)."""
 
-    def __init__(self, stream, key: str, lock: threading.Lock):
+    def __init__(self, stream, key: str, lock: threading.RLock):
         self.stream, self.key, self.lock, self.pending = stream, key, lock, ""
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        self.pending += text
-        *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self._send(line)
+        with self.lock:  # the job's threads print too
+            self.pending += text
+            *lines, self.pending = self.pending.split("\n")
+            for line in lines:
+                self._send(line)
         return len(text)
 
     def flush(self) -> None:
-        if self.pending:
-            self._send(self.pending)
-            self.pending = ""
+        with self.lock:
+            if self.pending:
+                self._send(self.pending)
+                self.pending = ""
 
     def _send(self, line: str) -> None:
         try:
@@ -159,7 +161,7 @@ def _exit_when_requester_leaves(conn: socket.socket, done: threading.Event) -> N
 
 def _run_streamed(request: dict, conn: socket.socket, stream) -> dict:
     """``run_request`` with the job's output lines streamed to the requester as it prints them."""
-    lock, done = threading.Lock(), threading.Event()
+    lock, done = threading.RLock(), threading.Event()  # one lock: stdout's and stderr's lines never interleave
     out, err = _LinesOut(stream, "out", lock), _LinesOut(stream, "err", lock)
     threading.Thread(target=_exit_when_requester_leaves, args=(conn, done), daemon=True).start()
     try:
