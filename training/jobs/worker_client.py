@@ -60,7 +60,8 @@ def _connect(path: str) -> socket.socket | None:
         return None
 
 
-# started through a short-lived parent, so that the worker is nobody's child: a Ray actor's children die with it
+# started through a short-lived parent, so that the worker is nobody's child: Ray may kill an actor's children
+# with it (the node-worker case of tests/test_ray_cluster.py finds the workers alive after their actors ended)
 _DETACH = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, start_new_session=True)")
 
 
