@@ -5,6 +5,8 @@
 #   carry: [".carry/graph/part-002", ".carry/sandbox/part-000"]
 #   bash bench/agent_sandbox_device.sh [MINUTES] [BUDGET_MINUTES]
 set -euo pipefail
+minutes=${1:-2} budget=${2:-9.5}
+set --  # device_env.sh reads its own arguments
 bash bench/carry_assemble.sh graph .carry/graph/part-002 | tail -1
 bash bench/carry_assemble.sh sandbox .carry/sandbox/part-000 | tail -1
 files=/tmp/carry/sandbox/files
@@ -12,4 +14,4 @@ files=/tmp/carry/sandbox/files
 ldconfig -p | grep -q 'libseccomp.so.2 ' || export LD_LIBRARY_PATH=$files
 source bench/device_env.sh
 export BATCHRL_BWRAP=$files/bwrap PYTHONPATH=$PYTHONPATH:/tmp/carry/sandbox/site
-python3 bench/bench_gpu_agent.py --out "${OUT:-/tmp/out}" --minutes "${1:-2}" --budget-minutes "${2:-9.5}" 2>&1 | tail -30
+python3 bench/bench_gpu_agent.py --out "${OUT:-/tmp/out}" --minutes "$minutes" --budget-minutes "$budget" 2>&1 | tail -30
