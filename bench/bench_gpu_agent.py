@@ -150,7 +150,8 @@ def grpo_round(engine, agent, policy_cfg, prompts: list[dict], *, n: int, seed: 
     numbers = {"mean_reward": float(scored["reward"].mean()), "samples": len(scored), **clock,
                **{k: stats[k] for k in ("mean_tool_calls", "mean_turns", "tool_error_rate", "tool_share",
                                         "model_tokens_per_s", "finish/stop", "finish/length", "finish/max_turns")},
-               **{k: result.get(k) for k in ("pg_loss", "kl_loss", "global_step") if k in result}}
+               "global_step": result.get("global_step"), "nonfinite_steps": result.get("nonfinite_steps"),
+               **{k: result.get("final", {}).get(k) for k in ("pg_loss", "kl_loss", "grad_norm", "loss")}}
     return numbers, result["model_dir"]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -97,6 +98,22 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     for layer in layers:
         layer.compile(backend=backend, dynamic=None)
     return len(layers)
+
+
+def nonfinite_steps(history: list[dict]) -> int:
+    """Optimiser steps whose gradient norm was NaN or inf (skipped where the trainer clips: ``_skip_if_nonfinite``)."""
+    return sum(1 for h in history if not math.isfinite(h.get("grad_norm", 0.0)) or h.get("skipped_nonfinite"))
+
+
+def check_finite_weights(module: torch.nn.Module, history: list[dict]) -> None:
+    """Before an export: trained weights that hold a NaN or an inf are never published (one host sync)."""
+    params = [p.detach() for p in module.parameters() if p.requires_grad and p.numel()]
+    if params and not bool(torch.stack(torch._foreach_norm(params)).isfinite().all()):
+        bad = [i + 1 for i, h in enumerate(history) if not math.isfinite(h.get("grad_norm", 0.0))]
+        raise FloatingPointError(
+            f"the trained weights hold NaN or inf after {len(history)} optimiser steps (gradient norm not finite at "
+            f"steps {bad[:10] or 'none recorded'}); nothing is exported: look at the batch's rewards and advantages "
+            "and the loss terms in the step metrics, or lower the learning rate")
 
 
 def compute_autocast(cfg: TrainerConfig, device: torch.device):
@@ -227,10 +244,27 @@ class TrainLoop:
                 self._grad_norm = (  # foreach kernels, no host sync
                     torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm, foreach=True)
                     if trainer_clips(self.cfg) else torch.nn.utils.get_total_norm([p.grad for p in params]))
+                if trainer_clips(self.cfg):
+                    self._skip_if_nonfinite(params, self._grad_norm)
         with torch.profiler.record_function("batchrl/optimizer_step"):
             self.engine.step()
         if boundary and self._grad_norm is None:
             self._grad_norm = self.engine.get_global_grad_norm()
+
+    def _skip_if_nonfinite(self, params: list[torch.nn.Parameter], norm: torch.Tensor) -> None:
+        """A step whose gradients hold a NaN or an inf (their global norm is not finite) leaves the weights and the
+        optimiser's moments as they were, as verl and Megatron skip such steps: one such step would otherwise make
+        every weight NaN. The fused AdamW (GPUs) skips it on the device through its ``found_inf`` (no host sync);
+        the per-parameter AdamW (CPU, where reading the norm costs nothing) gets no gradients. Recorded per step as
+        ``skipped_nonfinite`` (``nonfinite_steps`` in the summary)."""
+        bad = (~torch.isfinite(norm)).float()
+        optimizer = self.engine.optimizer
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad
+        elif bad.item():
+            for p in params:
+                p.grad = None
+        self._sums["skipped_nonfinite"] = bad
 
     def forward_context(self):
         """Autocast to bf16 around forward passes (of ``model``) under ``precision: bf16_amp`` on GPUs."""
@@ -336,6 +370,9 @@ class TrainLoop:
         self.engine.module.config.use_cache = True  # off only for training; generation wants the KV cache
         out, record = os.path.join(self.out_dir, "model"), {"config": self.cfg.model_dump(), **extra_metadata}
         with self.phase("export"):
+            if self.cfg.zero_stage < 3:  # ZeRO-3: each rank holds a shard only
+                self.flush_metrics()
+                check_finite_weights(self.engine.module, self.state["history"])
             if self.lora_base is None:
                 export_hf_model(self.engine, self.tokenizer, out, record)
                 if self.cfg.zero_stage < 3 and world()[1] == 1:  # whole, plain weights: the next job may copy them
@@ -365,6 +402,7 @@ class TrainLoop:
             self._clock.add("steps", time.perf_counter() - self._steps_from)
         hist = self.state["history"]
         return {"global_step": self.global_step, "total_steps": self.total_steps,
+                "nonfinite_steps": nonfinite_steps(hist),
                 "optimizer_steps": int(self.engine.global_steps),  # DeepSpeed's own count
                 "stopped_early": self.global_step < self.total_steps, "world_size": world()[1],
                 "resumed_from_step": self.resumed_from, "wall_s": round(time.time() - self._t0, 3),

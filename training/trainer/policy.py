@@ -119,6 +119,7 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
     missing = {"prompt_ids", "response_ids", "advantages"} - set(table.columns)
     if missing:
         raise KeyError(f"{batch_parquet} lacks columns {sorted(missing)}")
+    check_finite_columns(table, batch_parquet)
     table = table[table["response_ids"].map(len) > 0].reset_index(drop=True)
     if "rollout_logprobs" in table.columns and not (
             table["rollout_logprobs"].map(len) == table["response_ids"].map(len)).all():
@@ -126,6 +127,16 @@ def load_batch(batch_parquet: str) -> dict[str, list]:
     cols = ["prompt_ids", "response_ids", "advantages"] + [
         c for c in ("rollout_logprobs", "reward", "values", "returns", "loss_mask") if c in table.columns]
     return {c: [list(v) if not np.isscalar(v) else v for v in table[c]] for c in cols}
+
+
+def check_finite_columns(table: pd.DataFrame, path: str) -> None:
+    """A batch whose advantages, rewards or returns hold a NaN or an inf fails here, naming the row: one such value
+    would make every trained weight NaN in the step that reads it."""
+    for column in ("advantages", "reward", "returns"):
+        for row, value in zip(table.index, table[column] if column in table.columns else []):
+            if not np.isfinite(np.asarray(value, dtype=np.float64)).all():
+                raise ValueError(f"{path}: row {row}: {column!r} holds NaN or inf "
+                                 f"({np.asarray(value).ravel()[:8].tolist()}); nothing was trained")
 
 
 def _start_sampling_ahead(loop: TrainLoop, request: dict[str, Any], adapter: str | None = None) -> dict[str, Any]:
