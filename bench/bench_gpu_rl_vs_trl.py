@@ -24,6 +24,9 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
 - ``no_ahead``: the same without ``rl_recipe.sample_ahead`` (on in the profile since the twenty-fifth session: the
   update samples the next iteration from its new weights while it exports them; the next rollouts step takes the
   samples: same data versions);
+- ``vllm_fresh`` / ``vllm_resident``: rollouts on vLLM (the ``gpu`` extra carried) instead of the static-cache
+  engine: a fresh process and engine per rollouts step, or the engine kept in the job worker between steps
+  (``rollout_engine.vllm_resident``: asleep between steps, each new checkpoint copied in); no sampling ahead;
 - ``carry``: the same with ``policy_checkpoint.carry_optimizer_state`` (each update takes up the AdamW state the
   update before published with its checkpoint: one optimiser over the run, as TRL's; the answer to ``trl_reset``'s
   question from batchrl's side);
@@ -75,6 +78,14 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                "off_policy": {"ops": {}, "resources": {"rl_recipe": {"off_policy_steps": 1, "sample_ahead": False}}},
                # each update samples the next iteration from its new weights while it exports them (the profile's)
                "no_ahead": {"ops": {}, "resources": {"rl_recipe": {"sample_ahead": False}}},
+               # rollouts on vLLM (issue 48): a fresh process and engine per step, or the engine kept in the job
+               # worker, asleep between steps, each new checkpoint copied in (no sampling ahead: vLLM's own process)
+               "vllm_fresh": {"ops": {}, "resources": {
+                   "rollout_engine": {"kind": "vllm", "gpu_memory_utilization": 0.35},
+                   "rl_recipe": {"sample_ahead": False}}},
+               "vllm_resident": {"ops": {}, "resources": {
+                   "rollout_engine": {"kind": "vllm", "vllm_resident": True, "gpu_memory_utilization": 0.35},
+                   "rl_recipe": {"sample_ahead": False}}},
                # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
                "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
 

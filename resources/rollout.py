@@ -7,7 +7,7 @@ import os
 
 import dagster as dg
 import pandas as pd
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from batchrl.common.prefetch_key import sampled_ahead
 
@@ -29,6 +29,18 @@ class RolloutEngineResource(dg.ConfigurableResource):
     sampled_logprobs: bool = Field(False, description="vLLM: report the sampled tokens' log-probs (for the "
                                    "truncated-IS correction); off, the trainer recomputes them, which is faster")
     in_subprocess: bool = Field(False, description="sample in a Pipes subprocess instead of the Dagster process")
+    vllm_resident: bool = Field(False, description="vLLM: keep the engine in the rollouts job's worker between "
+                                "iterations, asleep between jobs (weights in host memory, KV cache given back) and "
+                                "each new checkpoint copied into it in place, instead of a fresh process and engine "
+                                "start per rollouts step; needs kind vllm and in_subprocess")
+
+    @model_validator(mode="after")
+    def _resident_vllm_in_a_worker(self):
+        if self.vllm_resident and (self.kind != "vllm" or not self.in_subprocess):
+            raise ValueError(f"vllm_resident needs kind: vllm and in_subprocess: true (got kind {self.kind!r}, "
+                             f"in_subprocess {self.in_subprocess}): the engine stays in the rollouts job's worker; "
+                             "the other engines stay there by themselves")
+        return self
 
     def engine_options(self, model_path: str, cache_dir: str) -> dict:
         """``make_rollout_engine`` kwargs (with ``kind``) for this engine."""
@@ -37,6 +49,8 @@ class RolloutEngineResource(dg.ConfigurableResource):
         if self.kind == "vllm":
             options.update(gpu_memory_utilization=self.gpu_memory_utilization, sampled_logprobs=self.sampled_logprobs,
                            compile_cache_dir=os.path.join(cache_dir, "vllm"))
+            if self.vllm_resident:
+                options["sleep_mode"] = True
         else:
             options.update(batch_size=self.batch_size, device=self.device, dtype=self.dtype)
         return options
@@ -55,10 +69,11 @@ class RolloutEngineResource(dg.ConfigurableResource):
             job_config = {"engine": engine, "prompts_parquet": _prompts_file(workdir, prompts, messages), "n": n,
                           "seed": seed, "out_parquet": out, "agent": agent, "prefetched_from": prefetched}
             # vLLM keeps an engine-core process and its memory pool: a fresh process gives them back when the
-            # stage ends, the warm worker would not
+            # stage ends, the warm worker would not (unless vllm_resident: kept there asleep, for the next step)
             # an off-policy prefetch: in the rollouts worker that sampled it; sampled ahead by the update: where
             # the update ran (the job waits for it there)
-            result = launcher.run_job(context, "rollouts", job_config, workdir, fresh_process=self.kind == "vllm",
+            fresh = self.kind == "vllm" and not self.vllm_resident
+            result = launcher.run_job(context, "rollouts", job_config, workdir, fresh_process=fresh,
                                       worker=PREFETCH_WORKER if prefetched and not sampled_ahead(prefetched) else None)
             stats = {k: getattr(v, "value", v) for k, v in (result.metadata or {}).items()}
         else:  # imported here: the engines' torch and transformers stay out of a Dagster process that hands off

@@ -87,13 +87,13 @@ def _weight_cache_key(path: str, dtype: torch.dtype, device: str, kind: str = "c
         return None
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    from batchrl.training.models.weights import _weight_files
+    from batchrl.training.models.weights import weight_files
 
     if is_deepspeed_zero3_enabled():
         return None
     others = tuple(os.path.join(path, name) for name in
                    ("model.safetensors.index.json", "config.json", "generation_config.json"))
-    return weight_cache.key(_weight_files(path), dtype=dtype, device=device, kind=kind, other_files=others)
+    return weight_cache.key(weight_files(path), dtype=dtype, device=device, kind=kind, other_files=others)
 
 
 def _empty_model(entry: Any, auto_class: Any, dtype: torch.dtype, device: str):
@@ -117,10 +117,10 @@ def _uncovered(model: Any, path: str) -> list[str]:
     would hand the next load this load's random values instead of its own."""
     from safetensors import safe_open
 
-    from batchrl.training.models.weights import _weight_files
+    from batchrl.training.models.weights import weight_files
 
     names: set[str] = set()
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             names.update(f.keys())
     state = model.state_dict()

@@ -26,7 +26,7 @@ def same_model_files(a: str, b: str) -> bool:
     return os.path.isdir(a) and os.path.isdir(b) and folder_key(a) == folder_key(b)
 
 
-def _weight_files(path: str) -> list[str]:
+def weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -50,7 +50,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     from batchrl.training.models.lora import resolve_base
 
     tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(resolve_base(path)):
+    for file in weight_files(resolve_base(path)):
         with open(file, "rb", buffering=0) as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             header.pop("__metadata__", None)
@@ -81,7 +81,7 @@ def load_weights_in_place(model: Any, path: str, tensors: dict[str, torch.Tensor
     usual way."""
     from safetensors import safe_open
 
-    files = _weight_files(path)
+    files = weight_files(path)
     state = model.state_dict()
     stored: dict[str, tuple[int, ...]] = {}  # name -> shape, from the files' headers
     if tensors is not None:

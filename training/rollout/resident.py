@@ -9,9 +9,12 @@ folder of the same model (``weights.same_model_files``) copies the weights in pl
 else the weight cache, else the files), and the captured graphs stay valid (they replay on the same storage).
 
 Kept only where the worker's weight cache is on (never in the Dagster process), for the engines that hold a
-transformers model (``static``, ``transformers``; vLLM runs in a fresh process), and when the engine's tensors (its
-weights and static KV caches) fit ``limit_bytes``: the engine holds that memory while the other jobs run
-(SmolLM2-135M at 512 rows x 160 slots: ~2 GB; a 7B shape's bf16 weights alone: ~15 GB).
+transformers model (``static``, ``transformers``) when the engine's tensors (its weights and static KV caches) fit
+``limit_bytes``: the engine holds that memory while the other jobs run (SmolLM2-135M at 512 rows x 160 slots: ~2 GB;
+a 7B shape's bf16 weights alone: ~15 GB). A vLLM engine is kept only with ``sleep_mode`` (the rollout resource's
+``vllm_resident``; otherwise it runs in a fresh process per job): it sleeps between jobs (``suspend``: its memory
+given back) and takes a new checkpoint through its own loader (``load_checkpoint``); a kept engine that is
+replaced or released is shut down (vLLM's engine-core process and memory pool go with it).
 """
 from __future__ import annotations
 
@@ -44,6 +47,11 @@ def limit_bytes() -> int:
     return weight_cache.resident_limit_bytes(ENV, DEVICE_FRACTION)
 
 
+def resident_kind(options: dict[str, Any]) -> bool:
+    """Whether an engine of ``options`` may stay in the worker: the transformers engines, vLLM with ``sleep_mode``."""
+    return options["kind"] in RESIDENT_KINDS or (options["kind"] == "vllm" and bool(options.get("sleep_mode")))
+
+
 def _reusable(kept: dict, options: dict) -> bool:
     from batchrl.training.models.weights import same_model_files
 
@@ -74,13 +82,14 @@ def engine_for(options: dict[str, Any]) -> tuple[Any, bool]:
     from batchrl.training.models.loading import load_checkpoint_in_place
 
     options = dict(options)
-    if options["kind"] not in RESIDENT_KINDS or not weight_cache.enabled():
+    if not resident_kind(options) or not weight_cache.enabled():
         kind = options.pop("kind")
         return make_rollout_engine(kind, **options), False
     kept = _reusable_kept(options)
-    if kept is not None and load_checkpoint_in_place(kept.model, options["model_path"],
-                                                     dtype=options.get("dtype", "float32"),
-                                                     device=options.get("device", "cpu")):
+    if kept is not None and (kept.load_checkpoint(options["model_path"]) if hasattr(kept, "load_checkpoint") else
+                             load_checkpoint_in_place(kept.model, options["model_path"],
+                                                      dtype=options.get("dtype", "float32"),
+                                                      device=options.get("device", "cpu"))):
         return kept, True
     return _new_engine(options), False
 
@@ -101,16 +110,29 @@ def engine_with_weights(options: dict[str, Any], tensors: dict[str, torch.Tensor
 def keep(options: dict[str, Any], engine: Any) -> bool:
     """After a job: keep ``engine`` for the next when it is of a resident kind and fits the weight cache's limit."""
     global _kept
-    if options["kind"] not in RESIDENT_KINDS or not weight_cache.enabled() or \
-            engine_bytes(engine) > limit_bytes():
+    if not resident_kind(options) or not weight_cache.enabled():
+        return False
+    if hasattr(engine, "suspend"):  # its memory is given back while it sleeps: no size limit to check
+        engine.suspend()
+    elif engine_bytes(engine) > limit_bytes():
         return False
     with _lock:
-        _kept = (dict(options), engine)
+        replaced, _kept = _kept, (dict(options), engine)
+    if replaced is not None and replaced[1] is not engine:
+        _shut_down(replaced[1])
     return True
 
 
 def release() -> None:
-    """Drop the kept engine (its memory is freed with the next collection)."""
+    """Drop the kept engine (its memory is freed with the next collection; a vLLM engine is shut down now)."""
     global _kept
     with _lock:
-        _kept = None
+        replaced, _kept = _kept, None
+    if replaced is not None:
+        _shut_down(replaced[1])
+
+
+def _shut_down(engine: Any) -> None:
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()

@@ -10,6 +10,12 @@ correction of the engine mismatch (``rollout_is_threshold``) or ``old_logprobs="
 
 A LoRA adapter folder as ``model_path``: vLLM loads its base and applies the adapter per request (its built-in
 LoRA support, ``enable_lora``), so no merged weights are written anywhere.
+
+Resident (``sleep_mode``, the rollout resource's ``vllm_resident``): the engine stays in the rollouts job's worker
+between iterations (``training/rollout/resident.py``). Between jobs it sleeps (``LLM.sleep(level=1)``: weights to
+host memory, the KV cache given back, so the trainer has the GPU); the next job wakes it and copies the new
+checkpoint in place (``load_checkpoint``): vLLM's own ``load_weights`` in its worker (q/k/v and gate/up stacked
+there, ``copy_`` into the same storage, so the captured CUDA graphs stay valid), or a new LoRA request.
 """
 from __future__ import annotations
 
@@ -74,11 +80,15 @@ class VLLMRolloutEngine:
         tensor_parallel_size: int = 1,
         compile_cache_dir: str | None = None,
         sampled_logprobs: bool = False,
+        sleep_mode: bool = False,
         **llm_kwargs: Any,
     ) -> None:
         vllm = _import_vllm(compile_cache_dir)
         self._sampling_params = vllm.SamplingParams
         llm_kwargs.setdefault("logprobs_mode", "raw_logprobs")
+        if sleep_mode:  # vLLM's cumem allocator: what sleep() gives back and wake_up() maps again
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+        self._sleeps, self._asleep, self._adapter_id = bool(llm_kwargs.get("enable_sleep_mode")), False, 1
         model_path, self._lora_request = _with_adapter(model_path, llm_kwargs)
         self.llm = vllm.LLM(
             model=model_path,
@@ -103,6 +113,7 @@ class VLLMRolloutEngine:
             max_tokens=self.max_new_tokens,
             logprobs=0 if self.sampled_logprobs else None,
         )
+        self.resume()
         encoded = encode_prompts(self.tokenizer, list(prompts), messages)
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False,
                                     lora_request=self._lora_request)
@@ -137,6 +148,7 @@ class VLLMRolloutEngine:
                                         logprobs=0 if self.sampled_logprobs else None, stop=stop or None,
                                         include_stop_str_in_output=True)
                   for row in range(len(contexts))]
+        self.resume()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False,
                                     lora_request=self._lora_request)
         rows = []
@@ -148,8 +160,65 @@ class VLLMRolloutEngine:
             rows.append((ids, logprobs, completion.finish_reason == "stop"))
         return rows
 
+    def load_checkpoint(self, model_path: str) -> bool:
+        """Another checkpoint of this engine's model (``weights.same_model_files``) in place of its weights: a full
+        checkpoint's safetensors copied in by ``load_weight_files`` in vLLM's worker, or an adapter as a new LoRA
+        request (a new name and id: vLLM's prefix cache is keyed by the name; its LRU keeps ``max_loras``).
+        False, the engine untouched, when ``model_path`` is not of its kind (full weights vs an adapter)."""
+        from batchrl.training.models import lora
+        from batchrl.training.models.weights import weight_files
+
+        if lora.is_adapter_folder(model_path) != (self._lora_request is not None):
+            return False
+        self.resume()
+        if self._lora_request is not None:
+            from vllm.lora.request import LoRARequest
+
+            self._adapter_id += 1
+            self._lora_request = LoRARequest(f"batchrl-adapter-{self._adapter_id}", self._adapter_id,
+                                             os.path.abspath(model_path))
+        else:
+            files = weight_files(model_path)
+            if not files:
+                return False
+            self.llm.collective_rpc(load_weight_files, args=(files,))
+        self.llm.reset_prefix_cache()  # cached KV blocks of the old weights would be reused: their keys are the tokens
+        return True
+
+    def suspend(self) -> None:
+        """Between jobs, with ``sleep_mode``: weights to host memory, the KV cache given back (``LLM.sleep(1)``)."""
+        if self._sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def resume(self) -> None:
+        """The weights and KV cache back on the GPU after ``suspend`` (``LLM.wake_up``); else nothing."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
     def shutdown(self) -> None:
         """Stop vLLM's engine-core process now rather than at interpreter exit."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
+
+
+def load_weight_files(worker: Any, files: list[str]) -> int:
+    """Run in vLLM's worker (``LLM.collective_rpc`` passes its worker first): the safetensors ``files`` (HF tensor
+    names) through the model's own ``load_weights``, which stacks q/k/v and gate/up and ``copy_``s into the existing
+    parameters. Returns the tensors read."""
+    from safetensors import safe_open
+
+    read = 0
+
+    def tensors():
+        nonlocal read
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in handle.keys():
+                    read += 1
+                    yield name, handle.get_tensor(name)
+
+    worker.model_runner.get_model().load_weights(tensors())
+    return read
