@@ -83,11 +83,15 @@ class VLLMRolloutEngine:
         sleep_mode: bool = False,
         **llm_kwargs: Any,
     ) -> None:
+        if sleep_mode:
+            # vLLM's cumem allocator: what sleep() gives back and wake_up() maps again; the engine core in this
+            # process (as TRL's colocated engine): collective_rpc then calls load_weight_files directly, where an
+            # engine-core process would need the function pickled (VLLM_ALLOW_INSECURE_SERIALIZATION)
+            llm_kwargs.setdefault("enable_sleep_mode", True)
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm = _import_vllm(compile_cache_dir)
         self._sampling_params = vllm.SamplingParams
         llm_kwargs.setdefault("logprobs_mode", "raw_logprobs")
-        if sleep_mode:  # vLLM's cumem allocator: what sleep() gives back and wake_up() maps again
-            llm_kwargs.setdefault("enable_sleep_mode", True)
         self._sleeps, self._asleep, self._adapter_id = bool(llm_kwargs.get("enable_sleep_mode")), False, 1
         model_path, self._lora_request = _with_adapter(model_path, llm_kwargs)
         self.llm = vllm.LLM(
