@@ -32,6 +32,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   question from batchrl's side);
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
   ``train()`` (the model already built), stopped at the first round boundary after M minutes;
+- ``trl_vllm``: the same with TRL's generation on vLLM colocated in its process (``use_vllm=True``,
+  ``vllm_mode="colocate"``, 35% of the GPU for vLLM; the vllm bundle: ``bench/vllm_device_wheels.txt``);
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
   starts each iteration with a fresh optimiser: a measured answer to whether that costs accuracy);
 - ``eval``: the evaluation of base and every arm that finished and is not evaluated yet, and of each arm's
@@ -54,6 +56,7 @@ import time
 
 from bench_disk import OptimizerStatePruner, prune_checkpoints  # noqa: E402  (bench/ is the script's folder)
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
+from rl_arms import ARM_CONFIGS  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_CHAIN = "rollouts,rewards,advantages,policy_checkpoint"
@@ -63,31 +66,6 @@ ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 192, 8, 64, 96
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"  # a CPU check of this script's paths: the real profile's CPU size
 if SMOKE:
     ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = 2, 2, 4, 16
-# the batchrl arms other than ``full``: the run config over the profile's
-ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
-               # 5x the profile's lr (gsm8k: 1e-5): does a faster policy move GSM8K greedy accuracy in minutes?
-               "hi_lr": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}}}},
-               # hi_lr with DAPO's answers to overlong/looping answers and signal-free groups (issue 48): the soft
-               # overlong penalty over the last 128 of 512 tokens, and groups with identical rewards dropped
-               "dapo": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}},
-                                "rewards": {"config": {"overlong_buffer": {"length": 128, "penalty_factor": 1.0}}},
-                                "advantages": {"config": {"dynamic_sampling": True}}}},
-               "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
-               "rollout_old": {"ops": {}, "resources": {"rl_recipe": {"old_logprobs": "rollout"}}},
-               # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
-               "off_policy": {"ops": {}, "resources": {"rl_recipe": {"off_policy_steps": 1, "sample_ahead": False}}},
-               # each update samples the next iteration from its new weights while it exports them (the profile's)
-               "no_ahead": {"ops": {}, "resources": {"rl_recipe": {"sample_ahead": False}}},
-               # rollouts on vLLM (issue 48): a fresh process and engine per step, or the engine kept in the job
-               # worker, asleep between steps, each new checkpoint copied in (no sampling ahead: vLLM's own process)
-               "vllm_fresh": {"ops": {}, "resources": {
-                   "rollout_engine": {"kind": "vllm", "gpu_memory_utilization": 0.35},
-                   "rl_recipe": {"sample_ahead": False}}},
-               "vllm_resident": {"ops": {}, "resources": {
-                   "rollout_engine": {"kind": "vllm", "vllm_resident": True, "gpu_memory_utilization": 0.35},
-                   "rl_recipe": {"sample_ahead": False}}},
-               # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
-               "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
 
 
 def _arm_env(state: str, arm: str) -> dict[str, str]:
@@ -246,10 +224,11 @@ def prepare_base(state: str, out: str) -> str:
 
 
 def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False, curve_every: int = 0,
-                seed: int = 0) -> dict:
+                seed: int = 0, use_vllm: bool = False) -> dict:
     """TRL's GRPOTrainer for ``minutes``; ``reset_optimizer``: AdamW's moments cleared at every round boundary,
     as batchrl's policy_checkpoint starts each RL iteration with a fresh optimiser (the ``trl_reset`` arm: does
-    that reset explain a held-out accuracy gap?)."""
+    that reset explain a held-out accuracy gap?); ``use_vllm``: generation on vLLM in TRL's process
+    (``vllm_mode="colocate"``, TRL's fast path; the ``trl_vllm`` arm), TRL's other vLLM settings at their defaults."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -269,7 +248,8 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     steps_per_round = ROUND_PROMPTS * SAMPLES_PER_PROMPT // MICRO_BATCH
     clock = {"saves_s": 0.0}
     curve = {}
-    arm = "trl_reset" if reset_optimizer else "trl"
+    arm = "trl_reset" if reset_optimizer else "trl_vllm" if use_vllm else "trl"
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.35) if use_vllm else {}
 
     class StopAfter(TrainerCallback):  # at the first round boundary after the budget
         def on_step_end(self, args, state, control, **kwargs):
@@ -293,7 +273,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
         temperature=1.0, learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["beta"], bf16=not SMOKE,
         gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
         max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
-        seed=seed, dataloader_num_workers=0)
+        seed=seed, dataloader_num_workers=0, **vllm)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
@@ -302,7 +282,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     trainer.train()
     wall = time.monotonic() - clock["start"] - clock["saves_s"]
     rounds = trainer.state.global_step // steps_per_round
-    folder = os.path.join(state, "trl_reset_final" if reset_optimizer else "trl_final")
+    folder = os.path.join(state, f"{arm}_final")
     trainer.save_model(folder)
     tokenizer.save_pretrained(folder)
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
@@ -373,10 +353,11 @@ def main() -> None:
             elif part == "full" or part in ARM_CONFIGS:
                 record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every,
                                                        args.seed)
-            elif part in ("trl", "trl_reset"):
+            elif part in ("trl", "trl_reset", "trl_vllm"):
                 base = record["arms"].get("full", {}).get("base") or prepare_base(args.state, args.out)
                 record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset",
-                                                   curve_every=args.curve_every, seed=args.seed)
+                                                   curve_every=args.curve_every, seed=args.seed,
+                                                   use_vllm=part == "trl_vllm")
             elif part == "eval":
                 bases = [r["base"] for r in [*record["arms"].values(), *record.get("prepared", {}).values()]
                          if r.get("base")]

@@ -1,0 +1,27 @@
+"""The batchrl arms of bench_gpu_rl_vs_trl.py other than ``full``: each one's run config over the task's profile
+(``-c`` of ``batchrl run``), as the bench's docstring lists them."""
+
+ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32, "lora_alpha": 32, "lr": 1.0e-4}}}},
+               # 5x the profile's lr (gsm8k: 1e-5): does a faster policy move GSM8K greedy accuracy in minutes?
+               "hi_lr": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}}}},
+               # hi_lr with DAPO's answers to overlong/looping answers and signal-free groups (issue 48): the soft
+               # overlong penalty over the last 128 of 512 tokens, and groups with identical rewards dropped
+               "dapo": {"ops": {"policy_checkpoint": {"config": {"lr": 1.0e-5}},
+                                "rewards": {"config": {"overlong_buffer": {"length": 128, "penalty_factor": 1.0}}},
+                                "advantages": {"config": {"dynamic_sampling": True}}}},
+               "eager": {"ops": {"policy_checkpoint": {"config": {"torch_compile": False}}}},
+               "rollout_old": {"ops": {}, "resources": {"rl_recipe": {"old_logprobs": "rollout"}}},
+               # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
+               "off_policy": {"ops": {}, "resources": {"rl_recipe": {"off_policy_steps": 1, "sample_ahead": False}}},
+               # each update samples the next iteration from its new weights while it exports them (the profile's)
+               "no_ahead": {"ops": {}, "resources": {"rl_recipe": {"sample_ahead": False}}},
+               # rollouts on vLLM (issue 48): a fresh process and engine per step, or the engine kept in the job
+               # worker, asleep between steps, each new checkpoint copied in (no sampling ahead: vLLM's own process)
+               "vllm_fresh": {"ops": {}, "resources": {
+                   "rollout_engine": {"kind": "vllm", "gpu_memory_utilization": 0.35},
+                   "rl_recipe": {"sample_ahead": False}}},
+               "vllm_resident": {"ops": {}, "resources": {
+                   "rollout_engine": {"kind": "vllm", "vllm_resident": True, "gpu_memory_utilization": 0.35},
+                   "rl_recipe": {"sample_ahead": False}}},
+               # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
+               "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
