@@ -97,6 +97,10 @@ _TABLE = (
        "(0: a fresh process per Ray job)", minimum=0, sets="trainer.ray.resident_worker_idle_s"),
     _v("RAY_PLACEMENT_TIMEOUT_S", "float", 300.0, (JOB,), "seconds the Ray driver waits for its placement group",
        minimum=0),
+    _v("RAY_INPUT_CACHE_ENTRIES", "int", 8, (JOB,), "published artifacts (models, tables) a Ray node keeps for later "
+       "jobs, the least recently used dropped first", minimum=1),
+    _v("RAY_INPUT_CACHE_DIR", "path", None, (JOB,), "where a Ray node keeps published artifacts for later jobs",
+       unset="<temp dir>/batchrl-ray-inputs"),
     # inside the job processes
     _v("WEIGHT_CACHE_GB", "float", None, (JOB,), "decimal GB of model weights the job worker keeps (0: off)",
        minimum=0, unset="4 GB on a CUDA host, at most 10% of the GPU; off on CPU"),

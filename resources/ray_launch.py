@@ -20,7 +20,7 @@ import dagster as dg
 from pydantic import Field
 
 from batchrl.common import fsutil
-from batchrl.resources import ray_messages, ray_staging
+from batchrl.resources import ray_inputs, ray_messages, ray_staging
 
 REPLICA_SEED_STRIDE = 1000  # replica r of a request with seed s samples its shard with seed s * stride + r
 SHARD_DIR = "ray_shards"
@@ -125,8 +125,11 @@ def merged_numbers(reports: list[dict]) -> dict:
     return merged
 
 
-def job_spec(job: str, configs: list[dict], roots: list[str], prefix: str, ray: RayJobs) -> dict:
+def job_spec(job: str, configs: list[dict], roots: list[str], prefix: str, ray: RayJobs,
+             artifacts: dict[int, str] | None = None) -> dict:
+    """``artifacts``: the roots read from their published artifact under the storage root (``ray_inputs``)."""
     return {"job": job, "configs": configs, "roots": roots, "prefix": prefix, "messages": messages_uri(prefix),
+            "artifacts": {str(i): remote for i, remote in (artifacts or {}).items()},
             "world_size": len(configs) if len(configs) > 1 else ranks_of(job, ray),
             "cpus_per_rank": ray.cpus_per_rank, "gpus_per_rank": ray.gpus_per_rank,
             "placement_strategy": ray.placement_strategy, "resident_idle_s": ray.resident_worker_idle_s}
@@ -150,13 +153,14 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
     roots = ray_staging.path_roots(*configs)
     fs, base = fsutil.filesystem_for(ray.storage_root, ray.storage_options)
     prefix = fsutil.join(base, "_ray_jobs", context.run.run_id, f"{job}-{uuid.uuid4().hex[:12]}")
+    artifacts = ray_inputs.artifact_sources(roots, fs, base)  # the nodes read these where they are published
     for i, root in enumerate(roots):
-        if os.path.exists(root):
+        if os.path.exists(root) and i not in artifacts:
             ray_staging.upload(fs, fsutil.join(prefix, "in", str(i)), ray_staging.local_files(root))
     protocol = ray.storage_root.split("://", 1)[0] + "://" if "://" in ray.storage_root else ""
     spec_uri = protocol + fsutil.join(prefix, "spec.json")
     fsutil.atomic_write_bytes(fs, fsutil.join(prefix, "spec.json"),
-                              json.dumps(job_spec(job, configs, roots, protocol + prefix, ray)).encode())
+                              json.dumps(job_spec(job, configs, roots, protocol + prefix, ray, artifacts)).encode())
     client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s,
                                message_reader=StorageMessageReader(messages_uri(protocol + prefix),
                                                                    ray.storage_options))
@@ -174,7 +178,8 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
         if fs.exists(fsutil.join(prefix, "in")):
             fs.rm(fsutil.join(prefix, "in"), recursive=True)
     for i, root in enumerate(roots):
-        ray_staging.download(fs, fsutil.join(prefix, "out", str(i)), root)
+        if i not in artifacts:  # a published artifact is an input: jobs never write into one
+            ray_staging.download(fs, fsutil.join(prefix, "out", str(i)), root)
     fs.rm(prefix, recursive=True)
     if sharded:
         join_shards(configs, config["out_parquet"])

@@ -23,7 +23,7 @@ import threading
 from typing import Iterator
 
 from batchrl.common import fsutil
-from batchrl.resources import ray_staging
+from batchrl.resources import ray_inputs, ray_staging
 
 STDERR_TAIL_LINES = 40
 PIPES_ENV_PREFIX = "DAGSTER_PIPES_"  # a job's own Pipes session: never a resident worker's for good
@@ -50,6 +50,8 @@ class JobRank:
         self.local = {root: os.path.join(self.scratch, str(i), os.path.basename(root) or "root")
                       for i, root in enumerate(spec["roots"])}
         self.found: dict = {}
+        self.artifacts = {int(i): remote for i, remote in spec.get("artifacts", {}).items()}
+        self.inputs = ray_inputs.NodeInputCache()
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's node address and a free port on it: the process group's ``MASTER_ADDR``/``MASTER_PORT``."""
@@ -130,9 +132,11 @@ class JobRank:
 
     def _stage(self) -> str:
         for i, root in enumerate(self.spec["roots"]):
-            if ray_staging.download(self.fs, fsutil.join(self.prefix, "in", str(i)), self.local[root]) == 0:
+            if i in self.artifacts:  # a published artifact: this node's copy, fetched by the first job that read it
+                self.local[root] = self.inputs.local(self.fs, self.artifacts[i])
+            elif ray_staging.download(self.fs, fsutil.join(self.prefix, "in", str(i)), self.local[root]) == 0:
                 os.makedirs(os.path.dirname(self.local[root]), exist_ok=True)  # a file the job writes
-        self.found = ray_staging.snapshot(list(self.local.values()))
+        self.found = ray_staging.snapshot(self._written_roots())
         config = ray_staging.rewrite_paths(self.spec["configs"][self.rank % len(self.spec["configs"])], self.local)
         path = os.path.join(self.scratch, f"{self.spec['job']}.json")
         with open(path, "w") as f:
@@ -143,10 +147,20 @@ class JobRank:
         """Upload what the job created or changed under every root; the number of files."""
         count = 0
         for i, root in enumerate(self.spec["roots"]):
+            if i in self.artifacts:
+                continue
             changed = ray_staging.changed_files(self.local[root], self.found)
             ray_staging.upload(self.fs, fsutil.join(self.prefix, "out", str(i)), changed)
             count += len(changed)
         return count
+
+    def _written_roots(self) -> list[str]:
+        """The local roots a job may write into: all but the published artifacts it reads."""
+        return [self.local[root] for i, root in enumerate(self.spec["roots"]) if i not in self.artifacts]
+
+    def inputs_read(self) -> dict[str, int]:
+        """Published artifacts this rank read: from its node's cache, or fetched into it."""
+        return {"cached": self.inputs.reused, "fetched": self.inputs.fetched}
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)

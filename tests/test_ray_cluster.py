@@ -10,6 +10,7 @@ this module's `on_the_cluster` tests there and passes when they pass.
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -49,7 +50,7 @@ def test_two_node_ray_cluster_in_a_loopback_only_network(tmp_path):
                     "interface, which tests here must not")
     # one thread per process everywhere, as on the 1-CPU nodes: the same float sums in every process
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1"}
+           "MKL_NUM_THREADS": "1", "BATCHRL_RAY_INPUT_CACHE_DIR": str(tmp_path / "node_inputs")}
     command = [*unshare, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
                "--durations=0", "--basetemp", str(tmp_path / "inner"), os.path.abspath(__file__),
                "-o", f"python_functions={INNER_FUNCTIONS}"]
@@ -163,11 +164,17 @@ def cluster_case_the_dpo_rerun_completes_with_the_local_data_versions(cluster, o
             assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
 
 
-def cluster_case_an_rl_iteration_gives_the_local_data_versions(cluster, on_ray, local_versions):
+def cluster_case_an_rl_iteration_gives_the_local_data_versions(cluster, on_ray, local_versions, capsys):
     with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
         started = time.perf_counter()
         assert run_assets(on_ray["resources"], instance, RL_LOOP, RUN_CONFIG).success
-        print(f"RL iteration on 2 nodes: {time.perf_counter() - started:.1f} s")
+        took = time.perf_counter() - started
+        # the base model the DPO path's jobs fetched onto the nodes: read from their copies, not sent again
+        lines = re.findall(r"published inputs \(rank: from its node's cache, fetched\) (\{.*\})",
+                           capsys.readouterr().out)
+        reads = [ast.literal_eval(line) for line in lines]
+        assert reads and any(cached for read in reads for cached, _ in read.values()), lines
+        print(f"RL iteration on 2 nodes: {took:.1f} s; published inputs per job {reads}")
         for asset in RL_LOOP:
             assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
         assert latest_metadata(instance, "policy_checkpoint")["global_step"] > 0

@@ -1,0 +1,102 @@
+"""A Ray job's published inputs read from the storage root where they already are, kept on each node for later jobs.
+
+A job's config names local folders; those that are published artifacts (a folder ``<asset>/<data version>`` holding
+its ``lineage.json``, as ``StorageResource.localize`` lays them out) already lie complete under the storage root the
+nodes read. The Dagster side uploads nothing for them (``artifact_sources``); each node downloads such an artifact
+once into its input cache and every later job on that node reads it from there (``NodeInputCache``): the model a
+reference pass, the rollouts and the update of an RL iteration all read is fetched once per node, not uploaded and
+downloaded once per job. A data version names its content, so a cached copy never goes stale; the least recently
+used entries beyond ``BATCHRL_RAY_INPUT_CACHE_ENTRIES`` are dropped. Jobs read these folders and never write into
+them (what a job writes goes into its work dir, uploaded as before: ``resources/ray_staging.py``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+
+from batchrl.common import fsutil
+from batchrl.common.environment_variables import read
+from batchrl.common.storage_layout import artifact_path
+
+LINEAGE_FILE = "lineage.json"  # resources/storage.py: written last, so its presence marks a complete artifact
+
+
+def artifact_sources(roots: list[str], fs, base: str) -> dict[int, str]:
+    """``{index of a root: its artifact's folder under the storage root}`` for the roots that are published
+    artifacts complete there (``base``: the storage root as ``fs`` names it)."""
+    found = {}
+    for i, root in enumerate(roots):
+        try:
+            with open(os.path.join(root, LINEAGE_FILE)) as f:
+                lineage = json.load(f)
+            asset, version = lineage["asset"], lineage["data_version"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if os.path.basename(os.path.normpath(root)) != version:  # not an artifact's own folder (a copy of its record)
+            continue
+        remote = fsutil.join(base, artifact_path(asset, version))
+        if fs.exists(fsutil.join(remote, LINEAGE_FILE)):
+            found[i] = remote
+    return found
+
+
+class NodeInputCache:
+    """This node's copies of published artifacts, ``<folder>/<asset>/<data version>``, each downloaded once."""
+
+    def __init__(self, folder: str | None = None, entries: int | None = None):
+        self.folder = folder or read("BATCHRL_RAY_INPUT_CACHE_DIR") or \
+            os.path.join(tempfile.gettempdir(), "batchrl-ray-inputs")
+        self.entries = entries or read("BATCHRL_RAY_INPUT_CACHE_ENTRIES")
+        self.fetched = self.reused = 0
+
+    def local(self, fs, remote: str) -> str:
+        """The local folder of the artifact at ``remote`` (downloaded unless this node has it), marked as used."""
+        asset, version = remote.rstrip("/").split("/")[-2:]
+        path = os.path.join(self.folder, fsutil.safe_name(asset, "asset name"),
+                            fsutil.safe_name(version, "data version"))
+        if os.path.isdir(path):
+            self.reused += 1
+        else:
+            self._download(fs, remote, path)
+            self.fetched += 1
+        os.utime(path)  # the least recently used go first
+        self._evict(keep=path)
+        return path
+
+    @staticmethod
+    def _download(fs, remote: str, path: str) -> None:
+        """Into a temp folder, then renamed into place: a rank beside this one that gets there first wins."""
+        from batchrl.resources.ray_staging import TRANSFER_THREADS
+        from concurrent.futures import ThreadPoolExecutor
+
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        names = [p[len(remote.rstrip("/")) + 1:] for p in fs.find(remote)]
+
+        def get(name: str) -> None:
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            fs.get_file(fsutil.join(remote, name), os.path.join(tmp, name))
+
+        os.makedirs(tmp)
+        try:
+            with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
+                list(pool.map(get, names))
+            os.rename(tmp, path)
+        except OSError:
+            if not os.path.isdir(path):
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _evict(self, keep: str) -> None:
+        entries = []
+        for asset in os.listdir(self.folder):
+            folder = os.path.join(self.folder, asset)
+            entries += [os.path.join(folder, v) for v in os.listdir(folder) if ".tmp-" not in v]
+        entries.sort(key=lambda p: os.stat(p).st_mtime if os.path.exists(p) else time.time(), reverse=True)
+        for stale in entries[self.entries:]:
+            if stale != keep:
+                shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,65 @@
+"""A Ray job's published inputs (resources/ray_inputs.py) against the moto S3 server, without a cluster: which roots
+are read where they are published, a node's copy fetched once and reused, the least recently used dropped."""
+from __future__ import annotations
+
+import os
+import shutil
+
+from batchrl.common import fsutil
+from batchrl.resources import StorageResource
+from batchrl.resources.ray_inputs import NodeInputCache, artifact_sources
+
+
+def _published(storage: StorageResource, tmp_path, name: str, text: str) -> str:
+    """A published artifact of ``text`` and its local folder (as ``localize`` lays it out for a job config)."""
+    staging = tmp_path / f"staging-{name}-{text}"
+    (staging / "weights").mkdir(parents=True)
+    (staging / "weights" / "model.bin").write_text(text)
+    (staging / "config.json").write_text("{}")
+    ref = storage.publish(str(staging), name, {"inputs": {}})
+    return storage.localize(ref)
+
+
+def _s3(s3_options, bucket: str):
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options)
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    return fs
+
+
+def test_published_roots_are_read_where_they_are_and_the_rest_travel(s3_options, tmp_path):
+    fs = _s3(s3_options, "ray-inputs")
+    storage = StorageResource(root="s3://ray-inputs/root", storage_options=s3_options, cache_dir=str(tmp_path / "c"))
+    model = _published(storage, tmp_path, "base_model", "weights v1")
+    work = tmp_path / "work"
+    work.mkdir()
+    renamed = tmp_path / "copy"  # an artifact's record in a folder that is not the artifact's own
+    shutil.copytree(model, renamed)
+    elsewhere = StorageResource(root=str(tmp_path / "local_root"), cache_dir=str(tmp_path / "c2"))
+    unpublished_here = _published(elsewhere, tmp_path, "base_model", "weights v2")  # not under this storage root
+    roots = [model, str(work), str(renamed), unpublished_here, str(tmp_path / "missing.parquet")]
+    sources = artifact_sources(roots, fs, "ray-inputs/root")
+    assert sources == {0: fsutil.join("ray-inputs/root", "base_model", os.path.basename(model))}
+
+
+def test_a_node_fetches_an_artifact_once_and_drops_the_least_recently_used(s3_options, tmp_path):
+    fs = _s3(s3_options, "ray-node-cache")
+    storage = StorageResource(root="s3://ray-node-cache/root", storage_options=s3_options,
+                              cache_dir=str(tmp_path / "c"))
+    folders = [_published(storage, tmp_path, "policy_checkpoint", f"weights {i}") for i in range(3)]
+    remotes = [fsutil.join("ray-node-cache/root", "policy_checkpoint", os.path.basename(f)) for f in folders]
+    cache = NodeInputCache(folder=str(tmp_path / "node"), entries=2)
+    first = cache.local(fs, remotes[0])
+    assert open(os.path.join(first, "weights", "model.bin")).read() == "weights 0"
+    assert sorted(os.listdir(first)) == sorted(os.listdir(folders[0]))  # lineage.json too
+    assert (cache.fetched, cache.reused) == (1, 0)
+    inode = os.stat(first).st_ino
+    assert cache.local(fs, remotes[0]) == first and (cache.fetched, cache.reused) == (1, 1)
+    assert os.stat(first).st_ino == inode  # the same copy, not fetched again
+    os.utime(first, (1, 1))  # used long ago
+    cache.local(fs, remotes[1])
+    cache.local(fs, remotes[2])  # a third entry: the least recently used (the first) goes
+    kept = sorted(os.listdir(tmp_path / "node" / "policy_checkpoint"))
+    assert kept == sorted(os.path.basename(f) for f in folders[1:])
