@@ -13,6 +13,9 @@ import contextlib
 import json
 import os
 import shlex
+import sys
+import threading
+import time
 import uuid
 from typing import Any, Iterator, Literal
 
@@ -43,30 +46,61 @@ class RayJobs(dg.Config):
         "their node, which exits after this many idle seconds; 0: a fresh process per job")
 
 
-class StorageMessageReader(dg.PipesBlobStoreMessageReader):
+class StorageMessageReader(dg.PipesMessageReader):
     """A Ray job's Pipes messages read in chunks from the storage root as its driver writes them
-    (``resources/ray_messages.py``: why not dagster-ray's log-following reader)."""
+    (``resources/ray_messages.py``: why not dagster-ray's log-following reader), on a thread of its own that asks
+    for the next chunk every ``ray_messages.POLL_S``: Dagster's threaded blob-store reader sleeps a whole second
+    between reads, which put up to a second before each Ray job's first message and up to another after its end.
+    Once the Ray job has ended (the session closes) its driver has written every chunk: the rest is read and the
+    thread ends, without waiting for more."""
 
     def __init__(self, uri: str, storage_options: dict):
-        super().__init__(interval=ray_messages.CHUNK_INTERVAL_S)
         self.fs, self.base = fsutil.filesystem_for(uri, storage_options)
+        self.chunks_read = 0
 
     @contextlib.contextmanager
-    def get_params(self) -> Iterator[dict]:
-        yield {"stdio": "stdout"}  # the job writes to its stdout; the driver relays and chunks it
-
-    def messages_are_readable(self, params: dict) -> bool:
-        return True
-
-    def download_messages_chunk(self, index: int, params: dict) -> str | None:
+    def read_messages(self, handler) -> Iterator[dict]:
+        ended = threading.Event()
+        thread = threading.Thread(target=self._follow, args=(handler, ended), daemon=True)
+        thread.start()
         try:
-            text = self.fs.cat_file(ray_messages.chunk_path(self.base, index)).decode()
+            yield {"stdio": "stdout"}  # the job writes to its stdout; the driver relays and chunks it
+        finally:
+            ended.set()
+            thread.join()
+
+    def _follow(self, handler, ended: threading.Event) -> None:
+        while not handler.received_closed_message:
+            last_pass = ended.is_set()  # set before this read: every chunk is written by now
+            text = self._chunk(self.chunks_read + 1)
+            if text is not None:
+                self.chunks_read += 1
+                self._handle(handler, text)
+            elif last_pass:
+                return
+            else:
+                time.sleep(ray_messages.POLL_S)
+
+    def _chunk(self, index: int) -> str | None:
+        try:
+            return self.fs.cat_file(ray_messages.chunk_path(self.base, index)).decode()
         except FileNotFoundError:
             return None
+        except OSError as error:  # a storage hiccup: said, then asked again
+            print(f"reading {ray_messages.chunk_path(self.base, index)}: {error}", file=sys.stderr, flush=True)
+            return None
+
+    @staticmethod
+    def _handle(handler, text: str) -> None:
         for line in text.split("\n"):
-            if line and not line.startswith(ray_messages.PIPES_MESSAGE_PREFIX):
+            try:
+                message = json.loads(line) if line.startswith(ray_messages.PIPES_MESSAGE_PREFIX) else None
+            except ValueError:  # a line cut short: shown, not handled
+                message = None
+            if message is not None:
+                handler.handle_message(message)
+            elif line:
                 print(line, flush=True)  # the driver's and the job's other lines: to the step's compute log
-        return text
 
     def no_messages_debug_text(self) -> str:
         return f"no message chunks were found under {self.base}"

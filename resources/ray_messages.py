@@ -5,8 +5,8 @@ second and tells the end of a job from a status loop of its own (another second)
 last messages reached the Dagster step ~5.5 s after its driver had exited, on every job (bench/RESULTS.md, issue 49).
 Here the driver (``resources/ray_driver.py``) still prints rank 0's lines to its log, and also writes them in
 numbered chunks (``<job prefix>/messages/<n>.jsonl``, one atomic write each, every ``CHUNK_INTERVAL_S``) that
-``ray_launch.StorageMessageReader`` (a ``dg.PipesBlobStoreMessageReader``) reads in order; the session ends with the job's
-``closed`` message, read in the last chunk as soon as the job is over. The job itself still writes its messages
+``ray_launch.StorageMessageReader`` (a ``dg.PipesMessageReader`` with a reader thread of its own) reads in order;
+the session ends with the job's ``closed`` message, read in the last chunk as soon as the job is over. The job itself still writes its messages
 to stdout, as under dagster-ray's reader; lines that are not Pipes messages go to the step's stdout.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import threading
 from batchrl.common import fsutil
 
 CHUNK_INTERVAL_S = 0.2
+POLL_S = 0.1  # how often the Dagster side asks for the next chunk
 PIPES_MESSAGE_PREFIX = '{"__dagster_pipes_version"'  # how a Pipes message line starts
 
 

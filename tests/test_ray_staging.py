@@ -129,25 +129,58 @@ def test_a_failed_rank_is_named_with_its_node_and_why(monkeypatch):
     assert "rank 2 on unknown node: still running when the job was stopped" in message
 
 
-def test_the_drivers_message_chunks_reach_the_reader_in_order(tmp_path, capsys):
-    """The Ray job's Pipes messages through the storage root: the driver's lines in numbered chunks, read back in
-    order by the step's reader; lines that are not Pipes messages go to the step's stdout."""
+class _Handler:
+    """What the reader calls of Dagster's message handler (the real one runs in the two-node test)."""
+
+    def __init__(self):
+        self.messages, self.at = [], []
+
+    @property
+    def received_closed_message(self) -> bool:
+        return any(m["method"] == "closed" for m in self.messages)
+
+    def handle_message(self, message: dict) -> None:
+        self.messages.append(message)
+        self.at.append(time.monotonic())
+
+
+def test_the_drivers_message_chunks_reach_the_reader_in_order_as_they_come(tmp_path, capsys):
+    """The Ray job's Pipes messages through the storage root: the driver's lines in numbered chunks, handled in
+    order by the step's reader while the job runs (within a fraction of a second of their chunk); lines that are not
+    Pipes messages go to the step's stdout; the reader ends at the job's closed message."""
     from batchrl.resources import ray_messages
     from batchrl.resources.ray_launch import StorageMessageReader
 
     uri = str(tmp_path / "job" / "messages")
     writer = ray_messages.ChunkWriter(uri, {})
-    opened = '{"__dagster_pipes_version": "0.1", "method": "opened", "params": {}}'
-    writer.emit(opened)
-    time.sleep(3 * ray_messages.CHUNK_INTERVAL_S)  # a chunk of its own
-    writer.emit("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']")
-    writer.emit('{"__dagster_pipes_version": "0.1", "method": "closed", "params": {}}')
-    writer.close()
-    capsys.readouterr()
-    reader = StorageMessageReader(uri, {})
-    chunks = []
-    while (chunk := reader.download_messages_chunk(len(chunks) + 1, {})) is not None:
-        chunks.append(chunk)
-    assert chunks[0] == opened and len(chunks) == 2
-    assert chunks[1].splitlines()[1].endswith('"closed", "params": {}}')
-    assert capsys.readouterr().out == "batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']\n"
+    handler, reader = _Handler(), StorageMessageReader(uri, {})
+    with reader.read_messages(handler) as params:
+        assert params == {"stdio": "stdout"}
+        written = time.monotonic()
+        writer.emit('{"__dagster_pipes_version": "0.1", "method": "opened", "params": {}}')
+        deadline = time.monotonic() + 5
+        while not handler.messages and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [m["method"] for m in handler.messages] == ["opened"]  # while the job still runs
+        assert handler.at[0] - written < ray_messages.CHUNK_INTERVAL_S + 3 * ray_messages.POLL_S + 0.3
+        writer.emit("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']")
+        writer.emit('{"__dagster_pipes_version": "0.1", "method": "closed", "params": {}}')
+        writer.close()
+    assert [m["method"] for m in handler.messages] == ["opened", "closed"] and reader.chunks_read == 2
+    assert capsys.readouterr().out.endswith("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']\n")
+
+
+def test_a_job_that_ended_without_closing_leaves_the_reader_at_once(tmp_path):
+    """A failed job's driver writes no closed message: once the Ray job is over, what was written is read and the
+    reader ends (no wait for messages that cannot come)."""
+    from batchrl.resources import ray_messages
+    from batchrl.resources.ray_launch import StorageMessageReader
+
+    uri = str(tmp_path / "messages")
+    writer = ray_messages.ChunkWriter(uri, {})
+    handler = _Handler()
+    with StorageMessageReader(uri, {}).read_messages(handler):
+        writer.emit('{"__dagster_pipes_version": "0.1", "method": "opened", "params": {}}')
+        writer.close()  # the driver exits; the job's status becomes terminal after that
+        ended = time.monotonic()
+    assert time.monotonic() - ended < 1.0 and [m["method"] for m in handler.messages] == ["opened"]
