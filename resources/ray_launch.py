@@ -40,7 +40,8 @@ class RayJobs(dg.Config):
     storage_root: str = Field("", description="where job files travel (s3://... on a cluster; the storage root)")
     storage_options: dict[str, Any] = Field({}, description="fsspec options of storage_root (endpoint...)")
     python: str = Field("python", description="the cluster's Python, with batchrl installed")
-    poll_interval_s: float = Field(0.5, gt=0, description="how often the Ray job's status is polled")
+    poll_interval_s: float = Field(0.1, gt=0, description="how often the Ray job's status is polled (its end is "
+                                   "seen this late at most; one small request to the dashboard each)")
     resident_worker_idle_s: float = Field(
         600.0, ge=0, description="one-process jobs (one rank, rollout replicas) run in a job worker resident on "
         "their node, which exits after this many idle seconds; 0: a fresh process per job")
