@@ -107,7 +107,8 @@ def prepare(a: argparse.Namespace) -> None:
     os.makedirs(dl, exist_ok=True)
     specs = specs_of(a.requirements)
     if specs:  # pip skips files already in `dl`, so a re-run costs nothing
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "-d", dl,
+        platforms = [arg for p in a.platform or [] for arg in ("--platform", p)]
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, *platforms, "-d", dl,
                             *specs], stderr=subprocess.PIPE, text=True)
         sys.stderr.write("".join(ln for ln in r.stderr.splitlines(True) if "is ignored: it is neither" not in ln))
         if r.returncode:
@@ -208,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--xz", choices=["auto", "yes", "no"], default="auto", help="xz the tar (auto: if it saves >2%%)")
     p.add_argument("--xz-preset", type=int, default=6, help="6: 90.4 MB for the 98.4 MB GGUF, 1: 91.8 MB")
     p.add_argument("--no-lzma", action="store_true", help="keep wheels as downloaded")
+    p.add_argument("--platform", action="append", help="another wheel platform tag to accept (repeatable; e.g. "
+                   "manylinux_2_31_x86_64 for vLLM's llguidance: the GPU host's glibc has it)")
     s = sub.add_parser("show", help="summarise a prepared bundle")
     s.add_argument("name")
     a = ap.parse_args(argv)

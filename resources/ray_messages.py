@@ -6,8 +6,9 @@ last messages reached the Dagster step ~5.5 s after its driver had exited, on ev
 Here the driver (``resources/ray_driver.py``) still prints rank 0's lines to its log, and also writes them in
 numbered chunks (``<job prefix>/messages/<n>.jsonl``, one atomic write each, every ``CHUNK_INTERVAL_S``) that
 ``ray_launch.StorageMessageReader`` (a ``dg.PipesMessageReader`` with a reader thread of its own) reads in order;
-the session ends with the job's ``closed`` message, read in the last chunk as soon as the job is over. The job itself still writes its messages
-to stdout, as under dagster-ray's reader; lines that are not Pipes messages go to the step's stdout.
+the session ends with the job's ``closed`` message, read in the last chunk as soon as the job is over. The job
+itself still writes its messages to stdout, as under dagster-ray's reader; lines that are not Pipes messages go to
+the step's stdout.
 """
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -22,6 +21,7 @@ from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoin
                                                  write_train_record)
 from batchrl.training.trainer import optimizer_state, resident_trainer
 from batchrl.training.trainer.config import TrainerConfig
+from batchrl.training.trainer.finite import check_finite_weights, nonfinite_steps
 from batchrl.training.trainer.engine import (frozen_base_placement, init_deepspeed, make_optimizer, make_scheduler,
                                             trainer_clips)
 
@@ -98,22 +98,6 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     for layer in layers:
         layer.compile(backend=backend, dynamic=None)
     return len(layers)
-
-
-def nonfinite_steps(history: list[dict]) -> int:
-    """Optimiser steps whose gradient norm was NaN or inf (skipped where the trainer clips: ``_skip_if_nonfinite``)."""
-    return sum(1 for h in history if not math.isfinite(h.get("grad_norm", 0.0)) or h.get("skipped_nonfinite"))
-
-
-def check_finite_weights(module: torch.nn.Module, history: list[dict]) -> None:
-    """Before an export: trained weights that hold a NaN or an inf are never published (one host sync)."""
-    params = [p.detach() for p in module.parameters() if p.requires_grad and p.numel()]
-    if params and not bool(torch.stack(torch._foreach_norm(params)).isfinite().all()):
-        bad = [i + 1 for i, h in enumerate(history) if not math.isfinite(h.get("grad_norm", 0.0))]
-        raise FloatingPointError(
-            f"the trained weights hold NaN or inf after {len(history)} optimiser steps (gradient norm not finite at "
-            f"steps {bad[:10] or 'none recorded'}); nothing is exported: look at the batch's rewards and advantages "
-            "and the loss terms in the step metrics, or lower the learning rate")
 
 
 def compute_autocast(cfg: TrainerConfig, device: torch.device):
