@@ -44,6 +44,21 @@ def join(*parts: str) -> str:
     return "/".join(p.strip("/") if i else p.rstrip("/") for i, p in enumerate(parts) if p)
 
 
+def move_into_place(fill, dest: str) -> None:
+    """``fill(tmp)`` builds a folder next to ``dest``, then one rename makes it visible whole. Another
+    process may publish the same content at the same time: its folder wins, ours is dropped (the content
+    is the same: the name is its hash). A killed process leaves only a ``.tmp-`` sibling behind."""
+    tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        fill(tmp)
+        os.replace(tmp, dest)
+    except OSError:
+        if not os.path.isdir(dest):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def atomic_write_bytes(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see either nothing or the whole file."""
     parent = path.rsplit("/", 1)[0]

@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 
 from batchrl.common import fsutil
 from batchrl.common.environment_variables import read
@@ -61,35 +60,13 @@ class NodeInputCache:
         if os.path.isdir(path):
             self.reused += 1
         else:
-            self._download(fs, remote, path)
+            # as the storage localizes an artifact: a temp folder, one rename (two ranks of a node: the first wins)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fsutil.move_into_place(lambda tmp: fs.get(remote, tmp, recursive=True), path)
             self.fetched += 1
         os.utime(path)  # the least recently used go first
         self._evict(keep=path)
         return path
-
-    @staticmethod
-    def _download(fs, remote: str, path: str) -> None:
-        """Into a temp folder, then renamed into place: a rank beside this one that gets there first wins."""
-        from batchrl.resources.ray_staging import TRANSFER_THREADS
-        from concurrent.futures import ThreadPoolExecutor
-
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        names = [p[len(remote.rstrip("/")) + 1:] for p in fs.find(remote)]
-
-        def get(name: str) -> None:
-            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-            fs.get_file(fsutil.join(remote, name), os.path.join(tmp, name))
-
-        os.makedirs(tmp)
-        try:
-            with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
-                list(pool.map(get, names))
-            os.rename(tmp, path)
-        except OSError:
-            if not os.path.isdir(path):
-                raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def _evict(self, keep: str) -> None:
         entries = []

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
@@ -34,21 +33,6 @@ class ArtifactRef:
 
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
-
-
-def _move_into_place(fill, dest: str) -> None:
-    """``fill(tmp)`` builds a folder next to ``dest``, then one rename makes it visible whole. Another
-    process may publish the same content at the same time: its folder wins, ours is dropped (the content
-    is the same: the name is its hash). A killed process leaves only a ``.tmp-`` sibling behind."""
-    tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        fill(tmp)
-        os.replace(tmp, dest)
-    except OSError:
-        if not os.path.isdir(dest):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _take(staging: str, tmp: str) -> None:
@@ -112,7 +96,7 @@ class StorageResource(dg.ConfigurableResource):
         if self.is_local():
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
-                _move_into_place(lambda tmp: _take(local_dir, tmp), dest)
+                fsutil.move_into_place(lambda tmp: _take(local_dir, tmp), dest)
         else:
             if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
                 # lineage.json is uploaded last: its presence marks a complete artifact
@@ -138,7 +122,7 @@ class StorageResource(dg.ConfigurableResource):
         local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
         if not os.path.exists(local):
             fs, _ = self._fs()
-            _move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)
+            fsutil.move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)
         return local
 
     def root_uri(self) -> str:

@@ -63,3 +63,15 @@ def test_a_node_fetches_an_artifact_once_and_drops_the_least_recently_used(s3_op
     cache.local(fs, remotes[2])  # a third entry: the least recently used (the first) goes
     kept = sorted(os.listdir(tmp_path / "node" / "policy_checkpoint"))
     assert kept == sorted(os.path.basename(f) for f in folders[1:])
+
+
+def test_a_node_fetches_from_a_local_storage_root_too(tmp_path):
+    """One machine's cluster (bench_ray_overhead.py) keeps its storage root in a local folder: same copy."""
+    storage = StorageResource(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "c"))
+    folder = _published(storage, tmp_path, "base_model", "local weights")
+    fs, base = fsutil.filesystem_for(str(tmp_path / "root"))
+    assert artifact_sources([folder], fs, base) == {0: fsutil.join(base, "base_model", os.path.basename(folder))}
+    copy = NodeInputCache(folder=str(tmp_path / "node")).local(fs, fsutil.join(base, "base_model",
+                                                                              os.path.basename(folder)))
+    assert open(os.path.join(copy, "weights", "model.bin")).read() == "local weights"
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(folder))

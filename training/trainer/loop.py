@@ -225,11 +225,11 @@ class TrainLoop:
             self._grad_norm = None
             if self.cfg.zero_stage == 0:  # DeepSpeed reports no norm without ZeRO: measure (and clip) here
                 params = [p for p in self.engine.module.parameters() if p.grad is not None]
-                self._grad_norm = (  # foreach kernels, no host sync
-                    torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm, foreach=True)
-                    if trainer_clips(self.cfg) else torch.nn.utils.get_total_norm([p.grad for p in params]))
-                if trainer_clips(self.cfg):
+                if trainer_clips(self.cfg):  # foreach kernels, no host sync
+                    self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm, foreach=True)
                     self._skip_if_nonfinite(params, self._grad_norm)
+                else:
+                    self._grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         with torch.profiler.record_function("batchrl/optimizer_step"):
             self.engine.step()
         if boundary and self._grad_norm is None:
