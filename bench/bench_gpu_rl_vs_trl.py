@@ -354,7 +354,9 @@ def main() -> None:
                 record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every,
                                                        args.seed)
             elif part in ("trl", "trl_reset", "trl_vllm"):
-                base = record["arms"].get("full", {}).get("base") or prepare_base(args.state, args.out)
+                known = [r.get("base") for r in [record["arms"].get("full", {}), *record["arms"].values(),
+                                                 *record.get("prepared", {}).values()] if r.get("base")]
+                base = known[0] if known else prepare_base(args.state, args.out)  # the full arm's first, else any
                 record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset",
                                                    curve_every=args.curve_every, seed=args.seed,
                                                    use_vllm=part == "trl_vllm")
