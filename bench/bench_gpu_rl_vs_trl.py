@@ -347,6 +347,8 @@ def main() -> None:
     record["seed"] = args.seed
     for part in args.parts.split(","):
         print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
+        for scores in (record.get("eval", {}), record.get("eval_curve", {})):
+            scores.pop(part, None)  # an arm run again: its new policies get evaluated, not its old scores kept
         try:
             if part.startswith("prep:"):
                 record.setdefault("prepared", {})[part[5:]] = prepare_arm(args.state, part[5:], args.out)

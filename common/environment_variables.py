@@ -72,7 +72,7 @@ _TABLE = (
        sets="tracking.wandb_dir", dagster_env_var=True),
     # the gpu environment's jobs
     _v("ROLLOUT_ENGINE", "choice", None, (DAGSTER,), "the gpu environment's rollout engine",
-       choices=("transformers", "static", "vllm"), unset="vllm where installed, else static",
+       choices=("transformers", "static", "vllm"), unset="static (vllm: resident in the job worker)",
        sets="rollout_engine.kind"),
     _v("NUM_GPUS", "int", 1, (DAGSTER, JOB), "GPUs of a training job in the gpu environment (> 1: data-parallel "
        "under torchrun; the launcher sets it for its jobs)", minimum=0, sets="trainer.num_gpus"),

@@ -2,7 +2,6 @@
 (``BATCHRL_PROFILE``, see ``resources.profiles``) overrides fields of them."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import dagster as dg
@@ -68,11 +67,14 @@ def _s3() -> dict:
 def _gpu() -> dict:
     """Every model stage on CUDA in bf16, each in a Pipes job like the trainers (the Dagster process holds no
     GPU memory between assets; one-process jobs share a warm worker that empties its cache after each job);
-    rollouts with vLLM where it is installed, else the static-cache engine (``BATCHRL_ROLLOUT_ENGINE`` forces
-    one); evaluation decodes with the static-cache engine."""
-    engine = read("BATCHRL_ROLLOUT_ENGINE") or ("vllm" if importlib.util.find_spec("vllm") else "static")
+    rollouts with the static-cache engine, installed vLLM or not: measured faster at the GSM8K profile's size
+    (bench/RESULTS.md, 2026-12-05: 22.3 s an iteration, sampled ahead, against 25.8 s with vLLM resident and
+    ~60 s with a fresh vLLM per step); ``BATCHRL_ROLLOUT_ENGINE=vllm`` chooses vLLM, kept in the job worker
+    (asleep between steps, each checkpoint loaded in place). Evaluation decodes with the static-cache engine."""
+    engine = read("BATCHRL_ROLLOUT_ENGINE") or "static"
     return {**_local(),
-            "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True),
+            "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True,
+                                                    vllm_resident=engine == "vllm"),
             # one-process jobs in a long-lived warm job worker (resources/job_worker.py): fresh processes paid
             # imports + CUDA context per stage (bench/RESULTS.md); BATCHRL_JOB_BACKEND=subprocess for those
             "trainer": TrainerLauncherResource(num_gpus=read("BATCHRL_NUM_GPUS"),
