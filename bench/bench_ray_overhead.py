@@ -6,7 +6,9 @@ iterations after an untimed preparation (the base model, the prompts), with stor
   CPU box: rollouts in the Dagster process, the trainer a subprocess);
 - ``ray_fresh``: ``BATCHRL_ENV=ray`` on a one-node cluster started here (1 rank, the GPU if there is one), every
   job a fresh process on the node (``BATCHRL_RAY_RESIDENT_IDLE_S=0``, as before the resident workers);
-- ``ray_resident``: the same with one-process jobs in the node's resident job worker (the default).
+- ``ray_resident``: the same with one-process jobs in the node's resident job worker (the default);
+- ``ray_driver``: ``ray_resident`` with every job handed to one driver resident on the cluster
+  (``BATCHRL_RAY_DRIVER_IDLE_S``) instead of a Ray job per step.
 Reported per arm: each step's mean wall over the iterations after the first, the steady iteration (a run's wall),
 and the overhead of each ray arm against ``one_machine`` (absolute and as a share of its iteration).
 
@@ -32,7 +34,7 @@ REPO = os.path.dirname(BENCH)
 sys.path[:0] = [BENCH, os.path.join(REPO, "tests")]
 CHAIN = "rollouts,rewards,advantages,policy_checkpoint"
 PREP = "raw_logs,cleaned_logs,validated_preferences,preference_window,prompts,base_model"
-ARMS = ("one_machine", "ray_fresh", "ray_resident")
+ARMS = ("one_machine", "ray_fresh", "ray_resident", "ray_driver")
 
 
 def _cuda() -> bool:
@@ -51,7 +53,8 @@ def arm_env(state: str, arm: str, dashboard: int) -> dict[str, str]:
                     "BATCHRL_RAY_GPUS_PER_RANK": "1" if _cuda() else "0",
                     # the rank's threads as one machine's job has them (Ray sets OMP_NUM_THREADS to its CPU slots)
                     "BATCHRL_RAY_CPUS_PER_RANK": str(os.cpu_count()),
-                    "BATCHRL_RAY_RESIDENT_IDLE_S": "0" if arm == "ray_fresh" else "600"})
+                    "BATCHRL_RAY_RESIDENT_IDLE_S": "0" if arm == "ray_fresh" else "600",
+                    "BATCHRL_RAY_DRIVER_IDLE_S": "600" if arm == "ray_driver" else "0"})
     os.makedirs(env["DAGSTER_HOME"], exist_ok=True)
     return env
 
@@ -96,7 +99,7 @@ def run_arm(state: str, arm: str, args, dashboard: int) -> dict:
     profile = args.profiles.get(arm, args.profile)
     base = ["--profile", profile] if profile else []
     prep_s = batchrl(env, [*base, "--select", PREP, "--rl-iterations", "1"], log)
-    if arm == "ray_resident":  # the node's worker started and warm before the clock, as one_machine's is
+    if arm in ("ray_resident", "ray_driver"):  # the node's worker (and driver) warm before the clock, as one_machine's
         batchrl(env, [*base, "--select", "rollouts", "--rl-iterations", "1"], log)
     wall = batchrl(env, [*base, "--select", CHAIN, "--rl-iterations", str(args.iterations)], log)
     history = _arm_history(env)

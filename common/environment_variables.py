@@ -95,6 +95,9 @@ _TABLE = (
        sets="trainer.ray.rollout_replicas"),
     _v("RAY_RESIDENT_IDLE_S", "float", 600.0, (DAGSTER,), "idle seconds before a node's resident job worker exits "
        "(0: a fresh process per Ray job)", minimum=0, sets="trainer.ray.resident_worker_idle_s"),
+    _v("RAY_DRIVER_IDLE_S", "float", 0.0, (DAGSTER,), "> 0: one driver resident on the Ray cluster takes the steps' "
+       "jobs and exits after this many idle seconds (0: a Ray job per step through dagster-ray)", minimum=0,
+       sets="trainer.ray.resident_driver_idle_s"),
     _v("RAY_PLACEMENT_TIMEOUT_S", "float", 300.0, (JOB,), "seconds the Ray driver waits for its placement group",
        minimum=0),
     _v("RAY_INPUT_CACHE_ENTRIES", "int", 8, (JOB,), "published artifacts (models, tables) a Ray node keeps for later "

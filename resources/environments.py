@@ -105,7 +105,8 @@ def _ray() -> dict:
     default http://127.0.0.1:8265; docs/SCALE_OUT.md): training over ``BATCHRL_RAY_WORLD_SIZE`` ranks (default 2,
     ``BATCHRL_RAY_GPUS_PER_RANK`` GPUs each, 0: a CPU slot and gloo), placed ``BATCHRL_RAY_PLACEMENT`` (PACK), rollouts
     over ``BATCHRL_RAY_ROLLOUT_REPLICAS`` replicas (1), one-process jobs in each node's resident job worker
-    (``BATCHRL_RAY_RESIDENT_IDLE_S``); the jobs' files travel through the storage root."""
+    (``BATCHRL_RAY_RESIDENT_IDLE_S``), each job a Ray job of its own or, with ``BATCHRL_RAY_DRIVER_IDLE_S`` > 0,
+    handed to a driver resident on the cluster; the jobs' files travel through the storage root."""
     from batchrl.resources.ray_launch import RayJobs
 
     base = _s3()
@@ -116,6 +117,7 @@ def _ray() -> dict:
                   cpus_per_rank=read("BATCHRL_RAY_CPUS_PER_RANK"),
                   placement_strategy=read("BATCHRL_RAY_PLACEMENT"),
                   resident_worker_idle_s=read("BATCHRL_RAY_RESIDENT_IDLE_S"),
+                  resident_driver_idle_s=read("BATCHRL_RAY_DRIVER_IDLE_S"),
                   storage_root=base["storage"].root, storage_options=base["storage"].storage_options)
     return {**base,
             "rollout_engine": RolloutEngineResource(in_subprocess=True, **device),

@@ -46,11 +46,12 @@ class RankOutcomes:
     def failed(self) -> list[int]:
         return [r for r, o in self.ended.items() if isinstance(o, BaseException) or o.get("exit") != 0]
 
-    def wait(self) -> None:
-        """Until every rank ended, or one failed and the others had ``FAILURE_GRACE_S`` to end too."""
+    def wait(self, cancelled=lambda: False) -> None:
+        """Until every rank ended, or one failed and the others had ``FAILURE_GRACE_S`` to end too, or
+        ``cancelled()`` (asked about once a second)."""
         deadline = None
         with self.changed:
-            while len(self.ended) < self.world:
+            while len(self.ended) < self.world and not cancelled():
                 if deadline is None and self.failed():
                     deadline = time.monotonic() + FAILURE_GRACE_S
                 timeout = None if deadline is None else deadline - time.monotonic()
@@ -82,14 +83,17 @@ def _relay(rank: int, stream, outcomes: RankOutcomes, reports: dict[int, dict], 
     outcomes.end(rank, outcome)
 
 
-def rank_env(rank: int, world: int, address: str, port: int, pipes: bool) -> dict[str, str | None]:
-    """A rank's rendezvous variables (torchrun's names; each rank sees only its own GPUs, so local rank 0);
-    without Pipes (``pipes`` False) the Pipes variables removed (None)."""
-    env: dict[str, str | None] = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                                  "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": address,
-                                  "MASTER_PORT": str(port)} if world > 1 else {}
+def rank_env(rank: int, world: int, address: str, port: int, pipes: bool,
+             job_env: dict[str, str] | None = None) -> dict[str, str | None]:
+    """A rank's variables: ``job_env`` (the spec's: a job handed to the resident driver brings its Pipes session
+    and the launcher's variables along) and the rendezvous (torchrun's names; each rank sees only its own GPUs, so
+    local rank 0); without Pipes (``pipes`` False) the Pipes variables removed (None)."""
+    env: dict[str, str | None] = dict(job_env or {})
+    if world > 1:
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": address, "MASTER_PORT": str(port)})
     if not pipes:  # a replica: reports through the driver, never on its own
-        env.update({k: None for k in os.environ if k.startswith(PIPES_ENV_PREFIX)})
+        env.update({k: None for k in [*os.environ, *env] if k.startswith(PIPES_ENV_PREFIX)})
     return env
 
 
@@ -111,8 +115,15 @@ def failure_message(spec: dict, outcomes: RankOutcomes, nodes: dict[int, str]) -
     return "\n".join(lines)
 
 
-def run(spec: dict, storage_options: dict, emit) -> int:
-    """The job on the cluster; ``emit`` takes the lines the Dagster step reads (``ray_messages.ChunkWriter``)."""
+def _to_stderr(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run(spec: dict, storage_options: dict, emit, error=_to_stderr, cancelled=lambda: False) -> int:
+    """The job on the cluster; ``emit`` takes the lines the Dagster step reads (``ray_messages.ChunkWriter``),
+    ``error`` the account of a failure (the Ray job's stderr; the resident driver hands it to the step);
+    ``cancelled()`` true: the step gave up on the job (the resident driver's jobs: a stopped Dagster run), which
+    ends as a failed one does."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -122,12 +133,14 @@ def run(spec: dict, storage_options: dict, emit) -> int:
     world, sharded = spec["world_size"], len(spec["configs"]) > 1
     bundle = {"CPU": spec["cpus_per_rank"], **({"GPU": spec["gpus_per_rank"]} if spec["gpus_per_rank"] else {})}
     group = placement_group([dict(bundle) for _ in range(world)], strategy=spec["placement_strategy"])
-    try:
-        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        print(f"batchrl job {spec['job']!r}: Ray could not place {world} rank(s) of {bundle} "
-              f"({spec['placement_strategy']}) within {PLACEMENT_TIMEOUT_S:.0f} s", file=sys.stderr)
-        return 1
+    ready, deadline = group.ready(), time.monotonic() + PLACEMENT_TIMEOUT_S
+    while not ray.wait([ready], timeout=1.0)[0]:  # asked again each second: the step may give up meanwhile
+        if cancelled() or time.monotonic() > deadline:
+            error(f"batchrl job {spec['job']!r} was cancelled by its Dagster step while Ray placed its ranks"
+                  if cancelled() else f"batchrl job {spec['job']!r}: Ray could not place {world} rank(s) of "
+                  f"{bundle} ({spec['placement_strategy']}) within {PLACEMENT_TIMEOUT_S:.0f} s")
+            remove_placement_group(group)
+            return 1
     actor = ray.remote(max_restarts=0)(JobRank)  # a restarted rank cannot rejoin its process group
     ranks = [actor.options(num_cpus=spec["cpus_per_rank"], num_gpus=spec["gpus_per_rank"],
                            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
@@ -139,13 +152,16 @@ def run(spec: dict, storage_options: dict, emit) -> int:
         outcomes, reports = RankOutcomes(world), {}
         for r, rank in enumerate(ranks):
             stream = rank.run.options(num_returns="streaming").remote(
-                rank_env(r, world if not sharded else 1, address, port, pipes=not sharded))
+                rank_env(r, world if not sharded else 1, address, port, pipes=not sharded, job_env=spec.get("env")))
             threading.Thread(target=_relay, args=(r, stream, outcomes, reports, emit if r == 0 and not sharded
                                                   else None),
                              daemon=True).start()
-        outcomes.wait()
+        outcomes.wait(cancelled)
+        if cancelled():
+            error(f"batchrl job {spec['job']!r} was cancelled by its Dagster step; nothing was uploaded")
+            return 1
         if outcomes.failed() or len(outcomes.ended) < world:
-            print(failure_message(spec, outcomes, nodes), file=sys.stderr, flush=True)
+            error(failure_message(spec, outcomes, nodes))
             return 1
         reads = dict(enumerate(ray.get([rank.inputs_read.remote() for rank in ranks])))
         if any(sum(read.values()) for read in reads.values()):

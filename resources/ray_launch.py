@@ -45,6 +45,11 @@ class RayJobs(dg.Config):
     resident_worker_idle_s: float = Field(
         600.0, ge=0, description="one-process jobs (one rank, rollout replicas) run in a job worker resident on "
         "their node, which exits after this many idle seconds; 0: a fresh process per job")
+    resident_driver_idle_s: float = Field(
+        0.0, ge=0, description="> 0: the steps' jobs go to one driver resident on the cluster (itself a Ray job, "
+        "submitted when none runs, gone after this many idle seconds) instead of a Ray job per step through "
+        "dagster-ray's PipesRayJobClient: no job submission and driver start per step (resources/"
+        "ray_resident_driver.py)")
 
 
 class StorageMessageReader(dg.PipesMessageReader):
@@ -193,16 +198,21 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
         if os.path.exists(root) and i not in artifacts:
             ray_staging.upload(fs, fsutil.join(prefix, "in", str(i)), ray_staging.local_files(root))
     protocol = ray.storage_root.split("://", 1)[0] + "://" if "://" in ray.storage_root else ""
-    spec_uri = protocol + fsutil.join(prefix, "spec.json")
-    fsutil.atomic_write_bytes(fs, fsutil.join(prefix, "spec.json"),
-                              json.dumps(job_spec(job, configs, roots, protocol + prefix, ray, artifacts)).encode())
-    client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s,
-                               message_reader=StorageMessageReader(messages_uri(protocol + prefix),
-                                                                   ray.storage_options))
-    submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {shlex.quote(spec_uri)}",
-              "runtime_env": {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS": json.dumps(ray.storage_options)}}}
+    spec = job_spec(job, configs, roots, protocol + prefix, ray, artifacts)
+    reader = StorageMessageReader(messages_uri(protocol + prefix), ray.storage_options)
     try:
-        invocation = client.run(context=context, submit_job_params=submit)
+        if ray.resident_driver_idle_s > 0:
+            from batchrl.resources.ray_resident_driver import run_through_driver
+
+            invocation = run_through_driver(context, ray, fs, base, protocol, spec, reader, env)
+        else:
+            fsutil.atomic_write_bytes(fs, fsutil.join(prefix, "spec.json"), json.dumps(spec).encode())
+            spec_uri = protocol + fsutil.join(prefix, "spec.json")
+            submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {shlex.quote(spec_uri)}",
+                      "runtime_env": {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS":
+                                                   json.dumps(ray.storage_options)}}}
+            client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s, message_reader=reader)
+            invocation = client.run(context=context, submit_job_params=submit)
     except RuntimeError as error:  # dagster-ray: the Ray job FAILED or STOPPED, with its logs' tail
         raise dg.Failure(f"job {job!r} failed on the Ray cluster at {ray.address}; nothing is published "
                          f"(work dir {workdir}).\n{error}") from error

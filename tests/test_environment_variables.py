@@ -145,7 +145,7 @@ def test_the_tables_choices_and_defaults_are_the_codes():
     assert VARIABLES["BATCHRL_RAY_PLACEMENT"].choices == typing.get_args(placement)
     for name, field in (("RAY_ADDRESS", "address"), ("RAY_WORLD_SIZE", "world_size"),
                         ("RAY_ROLLOUT_REPLICAS", "rollout_replicas"), ("RAY_GPUS_PER_RANK", "gpus_per_rank"),
-                        ("RAY_PLACEMENT", "placement_strategy")):
+                        ("RAY_PLACEMENT", "placement_strategy"), ("RAY_DRIVER_IDLE_S", "resident_driver_idle_s")):
         assert VARIABLES[PREFIX + name].default == RayJobs.model_fields[field].default, name
     for entry in VARIABLES.values():
         assert entry.kind in KINDS and entry.summary and entry.readers and "|" not in entry.summary + entry.unset

@@ -22,7 +22,7 @@ import dagster as dg
 import pandas as pd
 import pytest
 from helpers_ray import (
-    DASHBOARD_PORT, bring_loopback_up, job_processes, kill_node, listening_addresses, namespaces_command,
+    DASHBOARD_PORT, GCS_PORT, bring_loopback_up, job_processes, kill_node, listening_addresses, namespaces_command,
     only_loopback, start_node, wait_for_nodes,
 )
 from pipeline_helpers import RL_LOOP, SMALL, UPSTREAM, latest_metadata, run_assets
@@ -209,6 +209,91 @@ def cluster_case_rollout_replicas_join_their_shards_in_order(cluster, on_ray):
     expected = pd.concat(expected, ignore_index=True)
     assert table["prompt_index"].tolist() == expected["prompt_index"].tolist()
     assert table["response"].tolist() == expected["response"].tolist()
+
+
+def _running_drivers(address: str) -> dict[str, str]:
+    """The resident drivers running on the cluster: each one's log."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    return {j.submission_id: client.get_job_logs(j.submission_id) for j in client.list_jobs()
+            if (j.submission_id or "").startswith("batchrl-driver-") and str(j.status).endswith("RUNNING")}
+
+
+def _stop_the_driver_once_it_claimed(address: str, job: str, stopped: dict) -> None:
+    """Once the running resident driver has claimed one more ``job`` than it had (its log says so): its Ray job
+    stopped, as a lost driver."""
+    from ray.job_submission import JobSubmissionClient
+
+    def claims() -> dict[str, int]:
+        return {driver: log.count(f"claimed job {job!r}") for driver, log in _running_drivers(address).items()}
+
+    before, deadline = claims(), time.monotonic() + 120
+    while time.monotonic() < deadline and not stopped:
+        for driver, count in claims().items():
+            if count > before.get(driver, 0):
+                JobSubmissionClient(address).stop_job(driver)
+                stopped["driver"] = driver
+        time.sleep(0.2)
+
+
+def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the_step(cluster, on_ray,
+                                                                                       local_versions, tmp_path):
+    """``resident_driver_idle_s``: the RL iteration's jobs handed to one driver that stays on the cluster, with the
+    data versions of the local environment; a driver stopped while it runs a job (here: waiting for a placement the
+    cluster cannot give) fails the step with its fate, and the next run submits a new driver and completes."""
+    resident = on_ray["ray"].model_copy(update={"resident_driver_idle_s": 30.0})
+    on_driver = {**on_ray["resources"], "trainer": TrainerLauncherResource(backend="ray", ray=resident)}
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:  # a first RL iteration again: a home of its own
+        started = time.perf_counter()
+        result = run_assets(on_driver, instance, UPSTREAM + RL_LOOP, RUN_CONFIG)
+        assert result.success
+        print(f"RL iteration on 2 nodes through the resident driver: {time.perf_counter() - started:.1f} s")
+        drivers = _running_drivers(resident.address)  # the rollouts and the update: one driver took both
+        assert len(drivers) == 1 and all(f"claimed job {job!r}" in log for log in drivers.values()
+                                         for job in ("rollouts", "train_policy")), drivers
+        for asset in RL_LOOP:
+            assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
+        unplaceable = {**on_driver, "trainer": TrainerLauncherResource(
+            backend="ray", ray=resident.model_copy(update={"cpus_per_rank": 2.0}))}  # 1-CPU nodes: it waits
+        stopped: dict = {}
+        stopper = threading.Thread(target=_stop_the_driver_once_it_claimed, args=(resident.address, "rollouts",
+                                                                                  stopped), daemon=True)
+        stopper.start()
+        failed = run_assets(unplaceable, instance, ["rollouts"], RUN_CONFIG)
+        stopper.join(timeout=5)
+        assert stopped.get("driver") and not failed.success
+        failures = _step_failures(failed)
+        assert len(failures) == 1 and f"the resident Ray driver {stopped['driver']} ended (STOPPED)" in failures[0], \
+            failures
+        assert "job 'rollouts' failed on the Ray cluster" in failures[0] and "nothing is published" in failures[0]
+        rerun = run_assets(on_driver, instance, ["rollouts"], RUN_CONFIG)
+        assert rerun.success
+        assert [driver for driver, log in _running_drivers(resident.address).items()
+                if "claimed job 'rollouts'" in log and driver not in drivers]  # a new one took the rerun
+
+
+def cluster_case_a_job_its_step_gave_up_on_ends_and_gives_back_its_placement(cluster):
+    """A job in the resident driver ends when its step gives up on it (a stopped Dagster run), here while Ray
+    places ranks the cluster cannot hold (2 CPUs on 1-CPU nodes): it fails with that reason within seconds, not
+    after the placement timeout, and its placement group is removed."""
+    import ray
+    from ray.util import placement_group_table
+
+    from batchrl.resources.ray_driver import run
+
+    ray.init(address=f"127.0.0.1:{GCS_PORT}", log_to_driver=False)
+    try:
+        before, errors, started = set(placement_group_table()), [], time.monotonic()
+        spec = {"job": "rollouts", "world_size": 1, "configs": [{}], "cpus_per_rank": 2.0, "gpus_per_rank": 0.0,
+                "placement_strategy": "PACK"}
+        code = run(spec, {}, print, error=errors.append, cancelled=lambda: time.monotonic() - started > 1.5)
+        assert code == 1 and time.monotonic() - started < 10, errors
+        assert errors == ["batchrl job 'rollouts' was cancelled by its Dagster step while Ray placed its ranks"]
+        created = {k: v for k, v in placement_group_table().items() if k not in before}
+        assert len(created) == 1 and all(g["state"] == "REMOVED" for g in created.values()), created
+    finally:
+        ray.shutdown()
 
 
 def _localized(storage: StorageResource, uri: str) -> str:

@@ -184,3 +184,18 @@ def test_a_job_that_ended_without_closing_leaves_the_reader_at_once(tmp_path):
         writer.close()  # the driver exits; the job's status becomes terminal after that
         ended = time.monotonic()
     assert time.monotonic() - ended < 1.0 and [m["method"] for m in handler.messages] == ["opened"]
+
+
+def test_the_resident_driver_leaves_a_spec_being_written_and_exits_when_idle(tmp_path):
+    """A local storage root's spec still being written (its temp file) is not claimed; with nothing to run the
+    driver exits after its idle seconds (the next step submits a new one)."""
+    from batchrl.resources.ray_resident_driver import ResidentDriver
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "rollouts-1.json.tmp-0a1b").write_text('{"job": "roll')  # half written
+    driver = ResidentDriver(str(inbox), idle_s=0.3, storage_options={})
+    started = time.monotonic()
+    driver.serve()
+    assert 0.3 <= time.monotonic() - started < 5 and driver.running == 0
+    assert [p.name for p in inbox.iterdir()] == ["rollouts-1.json.tmp-0a1b"]
