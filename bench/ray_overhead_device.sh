@@ -12,4 +12,4 @@ export PYTHONPATH=/tmp/pkgroot:$site PATH=/tmp/pybin:/tmp/carry/ray/site/bin:/tm
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 cd .carry/src && python3 bench/bench_ray_overhead.py --out "$OUT" --gsm8k ../gsm8k_data --iterations "${1:-3}" \
-  --arms "${2:-one_machine,ray_resident}"
+  --arms "${2:-one_machine,ray_resident,ray_driver}"
