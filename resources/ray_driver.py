@@ -119,36 +119,26 @@ def _to_stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run(spec: dict, storage_options: dict, emit, error=_to_stderr, cancelled=lambda: False) -> int:
+def run(spec: dict, storage_options: dict, emit, error=_to_stderr, cancelled=lambda: False, gangs=None) -> int:
     """The job on the cluster; ``emit`` takes the lines the Dagster step reads (``ray_messages.ChunkWriter``),
     ``error`` the account of a failure (the Ray job's stderr; the resident driver hands it to the step);
     ``cancelled()`` true: the step gave up on the job (the resident driver's jobs: a stopped Dagster run), which
-    ends as a failed one does."""
+    ends as a failed one does; ``gangs``: where its ranks come from (``ray_gangs``; a new gang by default)."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from batchrl.resources.ray_rank import JobRank
+    from batchrl.resources.ray_gangs import FreshGangs
 
     world, sharded = spec["world_size"], len(spec["configs"]) > 1
-    bundle = {"CPU": spec["cpus_per_rank"], **({"GPU": spec["gpus_per_rank"]} if spec["gpus_per_rank"] else {})}
-    group = placement_group([dict(bundle) for _ in range(world)], strategy=spec["placement_strategy"])
-    ready, deadline = group.ready(), time.monotonic() + PLACEMENT_TIMEOUT_S
-    while not ray.wait([ready], timeout=1.0)[0]:  # asked again each second: the step may give up meanwhile
-        if cancelled() or time.monotonic() > deadline:
-            error(f"batchrl job {spec['job']!r} was cancelled by its Dagster step while Ray placed its ranks"
-                  if cancelled() else f"batchrl job {spec['job']!r}: Ray could not place {world} rank(s) of "
-                  f"{bundle} ({spec['placement_strategy']}) within {PLACEMENT_TIMEOUT_S:.0f} s")
-            remove_placement_group(group)
-            return 1
-    actor = ray.remote(max_restarts=0)(JobRank)  # a restarted rank cannot rejoin its process group
-    ranks = [actor.options(num_cpus=spec["cpus_per_rank"], num_gpus=spec["gpus_per_rank"],
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
-             .remote(spec, storage_options, r) for r in range(world)]
+    gangs = gangs or FreshGangs()
+    gang = gangs.take(spec, storage_options, cancelled, error, PLACEMENT_TIMEOUT_S)
+    if gang is None:
+        return 1
+    ranks, succeeded = gang.ranks, False
     try:
         address, port = ray.get(ranks[0].rendezvous.remote())
         nodes = dict(enumerate(ray.get([r.node.remote() for r in ranks])))
-        emit(f"batchrl job {spec['job']!r}: {world} rank(s) on {sorted(set(nodes.values()))}")
+        emit(f"batchrl job {spec['job']!r}: {world} rank(s) on {sorted(set(nodes.values()))}"
+             + (" (kept from an earlier job)" if gang.reused else ""))
         outcomes, reports = RankOutcomes(world), {}
         for r, rank in enumerate(ranks):
             stream = rank.run.options(num_returns="streaming").remote(
@@ -175,11 +165,10 @@ def run(spec: dict, storage_options: dict, emit, error=_to_stderr, cancelled=lam
         ray.get([rank.close.remote() for rank in ranks])
         if sharded:
             report_merged(reports, world, emit)
+        succeeded = True
         return 0
     finally:
-        for rank in ranks:
-            ray.kill(rank)
-        remove_placement_group(group)
+        gangs.give_back(gang, succeeded)
 
 
 def report_merged(reports: dict[int, dict], replicas: int, emit) -> None:

@@ -44,8 +44,14 @@ class JobRank:
     """The actor class (wrapped with ``ray.remote`` by the driver, which owns placement and resources)."""
 
     def __init__(self, spec: dict, storage_options: dict, rank: int):
+        self.storage_options = storage_options
+        self.take_job(spec, rank)
+
+    def take_job(self, spec: dict, rank: int) -> None:
+        """This actor's next job, with a scratch and state of its own (the resident driver keeps a gang of rank
+        actors between jobs of the same shape: ``resources/ray_gangs.py``)."""
         self.spec, self.rank = spec, rank
-        self.fs, self.prefix = fsutil.filesystem_for(spec["prefix"], storage_options)
+        self.fs, self.prefix = fsutil.filesystem_for(spec["prefix"], self.storage_options)
         self.scratch = tempfile.mkdtemp(prefix=f"batchrl-ray-{spec['job']}-rank{rank}-")
         self.local = {root: os.path.join(self.scratch, str(i), os.path.basename(root) or "root")
                       for i, root in enumerate(spec["roots"])}

@@ -23,6 +23,7 @@ import uuid
 import dagster as dg
 
 from batchrl.common import fsutil
+from batchrl.resources.ray_gangs import KeptGangs
 
 POLL_S = 0.05  # how often the driver lists its inbox, and a step looks for its job's result
 STATUS_EVERY_S = 1.0  # how often a waiting step asks Ray whether the driver is still running
@@ -126,10 +127,12 @@ class ResidentDriver:
         self.idle_s, self.storage_options = idle_s, storage_options
         self.running, self.lock = 0, threading.Lock()
         self.last_end = time.monotonic()
+        self.gangs = KeptGangs()  # rank actors and their placement kept for the next job of the same shape
 
     def serve(self) -> None:
         while True:
             claimed = self._claim_new()
+            self.gangs.release_idle()
             with self.lock:
                 idle = self.running == 0 and time.monotonic() - self.last_end > self.idle_s
             if idle and not claimed:
@@ -166,7 +169,7 @@ class ResidentDriver:
         fs, path = fsutil.filesystem_for(spec["result"], self.storage_options)
         try:
             code = run(spec, self.storage_options, writer.emit, error=errors.append,
-                       cancelled=lambda: _exists(fs, cancel_path(path)))
+                       cancelled=lambda: _exists(fs, cancel_path(path)), gangs=self.gangs)
         except Exception as error:  # noqa: BLE001 - the step gets it; the driver serves the next job
             code, errors = 1, [*errors, f"batchrl job {spec['job']!r}: {type(error).__name__}: {error}"]
         finally:

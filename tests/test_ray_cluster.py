@@ -238,10 +238,12 @@ def _stop_the_driver_once_it_claimed(address: str, job: str, stopped: dict) -> N
 
 
 def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the_step(cluster, on_ray,
-                                                                                       local_versions, tmp_path):
+                                                                                       local_versions, tmp_path,
+                                                                                       capsys):
     """``resident_driver_idle_s``: the RL iteration's jobs handed to one driver that stays on the cluster, with the
-    data versions of the local environment; a driver stopped while it runs a job (here: waiting for a placement the
-    cluster cannot give) fails the step with its fate, and the next run submits a new driver and completes."""
+    data versions of the local environment; a job of the same shape as the one before runs on the ranks that job
+    left (same table); a driver stopped while it runs a job (here: waiting for a placement the cluster cannot give)
+    fails the step with its fate, and the next run submits a new driver and completes."""
     resident = on_ray["ray"].model_copy(update={"resident_driver_idle_s": 30.0})
     on_driver = {**on_ray["resources"], "trainer": TrainerLauncherResource(backend="ray", ray=resident)}
     with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:  # a first RL iteration again: a home of its own
@@ -254,6 +256,14 @@ def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the
                                          for job in ("rollouts", "train_policy")), drivers
         for asset in RL_LOOP:
             assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
+        capsys.readouterr()
+        versions = []
+        for _ in range(2):  # after the update's 2-rank gang: a new 1-rank gang, then the same one kept
+            assert run_assets(on_driver, instance, ["rollouts"], RUN_CONFIG).success
+            versions.append(latest_metadata(instance, "rollouts")["data_version"])
+        placed = re.findall(r"batchrl job 'rollouts': 1 rank\(s\) on .*", capsys.readouterr().out)
+        assert len(placed) == 2 and "kept from an earlier job" in placed[1] and "kept" not in placed[0], placed
+        assert versions[0] == versions[1]
         unplaceable = {**on_driver, "trainer": TrainerLauncherResource(
             backend="ray", ray=resident.model_copy(update={"cpus_per_rank": 2.0}))}  # 1-CPU nodes: it waits
         stopped: dict = {}
