@@ -171,11 +171,27 @@ def run(spec: dict, storage_options: dict, emit, error=_to_stderr, cancelled=lam
         gangs.give_back(gang, succeeded)
 
 
-def report_merged(reports: dict[int, dict], replicas: int, emit) -> None:
-    """One Pipes materialisation for the replicas of a sharded job (``ray_launch.merged_numbers``)."""
-    from dagster_pipes import open_dagster_pipes
+def merged_numbers(reports: list[dict]) -> dict:
+    """Replicas' sampling numbers as one: counts and rates add up, times are the slowest replica's, means weigh by
+    samples, anything else is the first replica's."""
+    total = sum(int(r.get("samples", 0)) for r in reports) or 1
+    merged = dict(reports[0])
+    for key, value in reports[0].items():
+        values = [r.get(key, 0) for r in reports]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if key == "samples" or key.endswith("tokens_per_s"):
+            merged[key] = sum(values)
+        elif key.endswith("_s"):
+            merged[key] = max(values)
+        else:
+            merged[key] = sum(v * int(r.get("samples", 0)) for v, r in zip(values, reports)) / total
+    return merged
 
-    from batchrl.resources.ray_launch import merged_numbers
+
+def report_merged(reports: dict[int, dict], replicas: int, emit) -> None:
+    """One Pipes materialisation for the replicas of a sharded job (``merged_numbers``)."""
+    from dagster_pipes import open_dagster_pipes
 
     written = io.StringIO()
     with contextlib.redirect_stdout(written), open_dagster_pipes() as pipes:  # its messages go to stdout

@@ -147,24 +147,6 @@ def join_shards(configs: list[dict], out_parquet: str) -> None:
     os.replace(f"{out_parquet}.tmp", out_parquet)
 
 
-def merged_numbers(reports: list[dict]) -> dict:
-    """Replicas' sampling numbers as one: counts and rates add up, times are the slowest replica's, means weigh by
-    samples, anything else is the first replica's."""
-    total = sum(int(r.get("samples", 0)) for r in reports) or 1
-    merged = dict(reports[0])
-    for key, value in reports[0].items():
-        values = [r.get(key, 0) for r in reports]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if key == "samples" or key.endswith("tokens_per_s"):
-            merged[key] = sum(values)
-        elif key.endswith("_s"):
-            merged[key] = max(values)
-        else:
-            merged[key] = sum(v * int(r.get("samples", 0)) for v, r in zip(values, reports)) / total
-    return merged
-
-
 def job_spec(job: str, configs: list[dict], roots: list[str], prefix: str, ray: RayJobs,
              artifacts: dict[int, str] | None = None) -> dict:
     """``artifacts``: the roots read from their published artifact under the storage root (``ray_inputs``)."""

@@ -10,7 +10,8 @@ import pandas as pd
 
 from batchrl.common import fsutil
 from batchrl.resources import TrainerLauncherResource, ray_staging
-from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE, RayJobs, join_shards, merged_numbers, shard_configs
+from batchrl.resources.ray_driver import merged_numbers
+from batchrl.resources.ray_launch import REPLICA_SEED_STRIDE, RayJobs, join_shards, shard_configs
 
 
 def test_the_paths_that_travel_are_the_outermost_existing_or_writable_ones(tmp_path):
