@@ -29,6 +29,7 @@ POLL_S = 0.05  # how often the driver lists its inbox, and a step looks for its 
 STATUS_EVERY_S = 1.0  # how often a waiting step asks Ray whether the driver is still running
 CURRENT = "current.json"  # under the drivers' folder: the driver steps hand their jobs to
 LIVE = ("PENDING", "RUNNING")
+HAND_OVER_TRIES = 3  # drivers a job is handed to before the step gives up (one that idled out as the job came)
 
 
 def drivers_prefix(base: str) -> str:
@@ -61,8 +62,9 @@ def _submit_driver(client, fs, prefix: str, protocol: str, ray, env: dict[str, s
 
 def run_through_driver(context: dg.AssetExecutionContext, ray, fs, base: str, protocol: str, spec: dict,
                        reader: dg.PipesMessageReader, env: dict[str, str]) -> dg.PipesClientCompletedInvocation:
-    """``spec``'s job run by the cluster's resident driver (submitted first if none is running); raises
-    ``dg.Failure`` with the driver's account of a failed job, or with the driver's fate if it ended meanwhile."""
+    """``spec``'s job run by the cluster's resident driver (submitted first if none is running; a driver that
+    ends without taking the job, idle as it came, is replaced); raises ``RuntimeError`` (the step's ``dg.Failure``
+    in ``ray_launch``) with the driver's account of a failed job, or with the driver's fate if it ended meanwhile."""
     from ray.job_submission import JobSubmissionClient
 
     try:
@@ -70,26 +72,35 @@ def run_through_driver(context: dg.AssetExecutionContext, ray, fs, base: str, pr
     except (ConnectionError, RuntimeError) as error:
         raise OSError(str(error)) from error  # as dagster-ray's: "could not reach the Ray cluster's job server"
     prefix = drivers_prefix(base)
-    driver = _current_driver(client, fs, prefix) or _submit_driver(client, fs, prefix, protocol, ray, env)
     job_id = spec["prefix"].rstrip("/").rsplit("/", 1)[-1]
-    result_path = fsutil.join(driver["results"], f"{job_id}.json")
     with dg.open_pipes_session(context=context, context_injector=dg.PipesEnvContextInjector(),
                                message_reader=reader) as session:
-        job = {**spec, "env": {**env, **session.get_bootstrap_env_vars()}, "result": protocol + result_path}
-        fsutil.atomic_write_bytes(fs, fsutil.join(driver["inbox"], f"{job_id}.json"), json.dumps(job).encode())
-        context.log.info(f"job {spec['job']!r} handed to the resident Ray driver {driver['submission_id']}")
-        try:
-            result = _wait_for_result(client, fs, result_path, driver["submission_id"], spec["job"])
-        except BaseException:  # the run stopped (Dagster interrupts the step) or the driver lost: the job goes too
-            fsutil.atomic_write_bytes(fs, cancel_path(result_path), b"")
-            raise
+        job = {**spec, "env": {**env, **session.get_bootstrap_env_vars()}}
+        for _ in range(HAND_OVER_TRIES):
+            driver = _current_driver(client, fs, prefix) or _submit_driver(client, fs, prefix, protocol, ray, env)
+            result_path = fsutil.join(driver["results"], f"{job_id}.json")
+            spec_path = fsutil.join(driver["inbox"], f"{job_id}.json")
+            fsutil.atomic_write_bytes(fs, spec_path, json.dumps({**job, "result": protocol + result_path}).encode())
+            context.log.info(f"job {spec['job']!r} handed to the resident Ray driver {driver['submission_id']}")
+            try:
+                result = _wait_for_result(client, fs, result_path, spec_path, driver["submission_id"], spec["job"])
+            except BaseException:  # the run stopped (Dagster interrupts the step) or the driver lost: the job too
+                fsutil.atomic_write_bytes(fs, cancel_path(result_path), b"")
+                raise
+            if result is not None:
+                break
+        else:
+            raise RuntimeError(f"{HAND_OVER_TRIES} resident Ray drivers in a row ended before they took job "
+                               f"{spec['job']!r}")
         if result["exit"] != 0:
             raise RuntimeError(result.get("error") or f"exit code {result['exit']}")
     fs.rm(result_path)
     return dg.PipesClientCompletedInvocation(session)
 
 
-def _wait_for_result(client, fs, path: str, submission_id: str, job: str) -> dict:
+def _wait_for_result(client, fs, path: str, spec_path: str, submission_id: str, job: str) -> dict | None:
+    """The job's result; None if the driver ended without taking the job (it went idle as the job came: the job is
+    taken back, for a new driver)."""
     asked = time.monotonic()
     while True:
         try:
@@ -100,6 +111,9 @@ def _wait_for_result(client, fs, path: str, submission_id: str, job: str) -> dic
             asked = time.monotonic()
             status = str(client.get_job_status(submission_id)).split(".")[-1]
             if status not in LIVE and not _exists(fs, path):
+                if _exists(fs, spec_path):  # never claimed
+                    fs.rm(spec_path)
+                    return None
                 logs = client.get_job_logs(submission_id).splitlines()[-20:]
                 raise RuntimeError(f"the resident Ray driver {submission_id} ended ({status}) while it ran job "
                                    f"{job!r}; its last log lines:\n" + "\n".join(logs))

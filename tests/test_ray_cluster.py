@@ -11,6 +11,7 @@ this module's `on_the_cluster` tests there and passes when they pass.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -281,6 +282,39 @@ def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the
         assert rerun.success
         assert [driver for driver, log in _running_drivers(resident.address).items()
                 if "claimed job 'rollouts'" in log and driver not in drivers]  # a new one took the rerun
+        # a driver that ends as a job is handed to it (its idle time up) without taking it: the job is taken back
+        # and handed to a new driver
+        idling = _an_ending_driver_as_the_current_one(on_ray, resident.address)
+        assert run_assets(on_driver, instance, ["rollouts"], RUN_CONFIG).success
+        assert any("claimed job 'rollouts'" in log for log in _running_drivers(resident.address).values())
+        assert not on_ray_files(on_ray, idling["inbox"])  # nothing left behind in the ended driver's inbox
+
+
+def _an_ending_driver_as_the_current_one(on_ray: dict, address: str) -> dict:
+    """A Ray job that stays 8 s and takes no job, recorded as the current resident driver."""
+    import s3fs
+    from ray.job_submission import JobSubmissionClient
+
+    from batchrl.resources.ray_resident_driver import CURRENT, drivers_prefix
+
+    client = JobSubmissionClient(address)
+    submission_id = client.submit_job(entrypoint="python -c 'import time; time.sleep(8)'",
+                                      submission_id=f"batchrl-driver-ending{int(time.time())}")
+    prefix = drivers_prefix(on_ray["root"].removeprefix("s3://"))
+    current = {"submission_id": submission_id, "inbox": f"{prefix}/{submission_id}/inbox",
+               "results": f"{prefix}/{submission_id}/results"}
+    s3fs.S3FileSystem(**on_ray["options"]).pipe_file(f"{prefix}/{CURRENT}", json.dumps(current).encode())
+    deadline = time.monotonic() + 30
+    while not str(client.get_job_status(submission_id)).endswith("RUNNING") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return current
+
+
+def on_ray_files(on_ray: dict, folder: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**on_ray["options"])
+    return fs.find(folder) if fs.exists(folder) else []
 
 
 def cluster_case_a_job_its_step_gave_up_on_ends_and_gives_back_its_placement(cluster):
