@@ -67,10 +67,10 @@ def _s3() -> dict:
 def _gpu() -> dict:
     """Every model stage on CUDA in bf16, each in a Pipes job like the trainers (the Dagster process holds no
     GPU memory between assets; one-process jobs share a warm worker that empties its cache after each job);
-    rollouts with the static-cache engine, installed vLLM or not: measured faster at the GSM8K profile's size
-    (bench/RESULTS.md, 2026-12-05: 22.3 s an iteration, sampled ahead, against 25.8 s with vLLM resident and
-    ~60 s with a fresh vLLM per step); ``BATCHRL_ROLLOUT_ENGINE=vllm`` chooses vLLM, kept in the job worker
-    (asleep between steps, each checkpoint loaded in place). Evaluation decodes with the static-cache engine."""
+    rollouts with the static-cache engine, installed vLLM or not: measured faster at the GSM8K profile's size than
+    vLLM, resident or fresh per step (bench/RESULTS.md); ``BATCHRL_ROLLOUT_ENGINE=vllm`` chooses vLLM, kept in the
+    job worker (asleep between steps, each checkpoint loaded in place). Evaluation decodes with the static-cache
+    engine."""
     engine = read("BATCHRL_ROLLOUT_ENGINE") or "static"
     return {**_local(),
             "rollout_engine": RolloutEngineResource(kind=engine, device="cuda", dtype="bfloat16", in_subprocess=True,

@@ -182,17 +182,17 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
     protocol = ray.storage_root.split("://", 1)[0] + "://" if "://" in ray.storage_root else ""
     spec = job_spec(job, configs, roots, protocol + prefix, ray, artifacts)
     reader = StorageMessageReader(messages_uri(protocol + prefix), ray.storage_options)
+    runtime_env = {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS": json.dumps(ray.storage_options)}}
     try:
         if ray.resident_driver_idle_s > 0:
             from batchrl.resources.ray_resident_driver import run_through_driver
 
-            invocation = run_through_driver(context, ray, fs, base, protocol, spec, reader, env)
+            invocation = run_through_driver(context, ray, fs, base, protocol, spec, reader, runtime_env)
         else:
             fsutil.atomic_write_bytes(fs, fsutil.join(prefix, "spec.json"), json.dumps(spec).encode())
             spec_uri = protocol + fsutil.join(prefix, "spec.json")
             submit = {"entrypoint": f"{ray.python} -m batchrl.resources.ray_driver {shlex.quote(spec_uri)}",
-                      "runtime_env": {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS":
-                                                   json.dumps(ray.storage_options)}}}
+                      "runtime_env": runtime_env}
             client = PipesRayJobClient(address=ray.address, poll_interval=ray.poll_interval_s, message_reader=reader)
             invocation = client.run(context=context, submit_job_params=submit)
     except RuntimeError as error:  # dagster-ray: the Ray job FAILED or STOPPED, with its logs' tail

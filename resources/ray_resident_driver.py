@@ -1,8 +1,8 @@
 """A driver that stays on the Ray cluster and takes the steps' jobs (``RayJobs.resident_driver_idle_s`` > 0).
 
-A Ray job per step costs each step Ray's job submission (the job supervisor, ~1 s on the dev box) and a driver
-process (its interpreter, ``import ray``, ``ray.init``: ~1.2 s) before the job's ranks are even asked for
-(bench/RESULTS.md, issue 49). Here one driver, itself a Ray job submitted through Ray's job submission API, lives
+A Ray job per step costs each step Ray's job submission (the job supervisor) and a driver process (its
+interpreter, ``import ray``, ``ray.init``) before the job's ranks are even asked for (how much: bench/RESULTS.md,
+issue 49). Here one driver, itself a Ray job submitted through Ray's job submission API, lives
 across steps and runs: ``python -m batchrl.resources.ray_resident_driver <inbox uri> <idle s>``. A step drops its
 job's spec (the same spec a per-step driver reads, with the step's Pipes session in ``env``) into the driver's inbox
 under the storage root; the driver claims it, runs it as a per-step driver would (``ray_driver.run``: placement
@@ -42,26 +42,29 @@ def _current_driver(client, fs, prefix: str) -> dict | None:
     except FileNotFoundError:
         return None
     try:
-        status = str(client.get_job_status(current["submission_id"]))
+        status = _status(client, current["submission_id"])
     except RuntimeError:  # not known to this cluster (restarted): a new one is submitted
         return None
-    return current if status.split(".")[-1] in LIVE else None
+    return current if status in LIVE else None
 
 
-def _submit_driver(client, fs, prefix: str, protocol: str, ray, env: dict[str, str]) -> dict:
+def _status(client, submission_id: str) -> str:
+    return str(client.get_job_status(submission_id)).split(".")[-1]  # "JobStatus.RUNNING" or "RUNNING"
+
+
+def _submit_driver(client, fs, prefix: str, protocol: str, ray, runtime_env: dict) -> dict:
     submission_id = f"batchrl-driver-{uuid.uuid4().hex[:12]}"
     inbox, results = fsutil.join(prefix, submission_id, "inbox"), fsutil.join(prefix, submission_id, "results")
     client.submit_job(entrypoint=f"{ray.python} -m batchrl.resources.ray_resident_driver {protocol}{inbox} "
                                  f"{ray.resident_driver_idle_s}", submission_id=submission_id,
-                      runtime_env={"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS":
-                                                json.dumps(ray.storage_options)}})
+                      runtime_env=runtime_env)
     current = {"submission_id": submission_id, "inbox": inbox, "results": results}
     fsutil.atomic_write_bytes(fs, fsutil.join(prefix, CURRENT), json.dumps(current).encode())
     return current
 
 
 def run_through_driver(context: dg.AssetExecutionContext, ray, fs, base: str, protocol: str, spec: dict,
-                       reader: dg.PipesMessageReader, env: dict[str, str]) -> dg.PipesClientCompletedInvocation:
+                       reader: dg.PipesMessageReader, runtime_env: dict) -> dg.PipesClientCompletedInvocation:
     """``spec``'s job run by the cluster's resident driver (submitted first if none is running; a driver that
     ends without taking the job, idle as it came, is replaced); raises ``RuntimeError`` (the step's ``dg.Failure``
     in ``ray_launch``) with the driver's account of a failed job, or with the driver's fate if it ended meanwhile."""
@@ -75,9 +78,10 @@ def run_through_driver(context: dg.AssetExecutionContext, ray, fs, base: str, pr
     job_id = spec["prefix"].rstrip("/").rsplit("/", 1)[-1]
     with dg.open_pipes_session(context=context, context_injector=dg.PipesEnvContextInjector(),
                                message_reader=reader) as session:
-        job = {**spec, "env": {**env, **session.get_bootstrap_env_vars()}}
+        job = {**spec, "env": {**runtime_env["env_vars"], **session.get_bootstrap_env_vars()}}
         for _ in range(HAND_OVER_TRIES):
-            driver = _current_driver(client, fs, prefix) or _submit_driver(client, fs, prefix, protocol, ray, env)
+            driver = (_current_driver(client, fs, prefix)
+                      or _submit_driver(client, fs, prefix, protocol, ray, runtime_env))
             result_path = fsutil.join(driver["results"], f"{job_id}.json")
             spec_path = fsutil.join(driver["inbox"], f"{job_id}.json")
             fsutil.atomic_write_bytes(fs, spec_path, json.dumps({**job, "result": protocol + result_path}).encode())
@@ -109,7 +113,7 @@ def _wait_for_result(client, fs, path: str, spec_path: str, submission_id: str, 
             pass
         if time.monotonic() - asked > STATUS_EVERY_S:
             asked = time.monotonic()
-            status = str(client.get_job_status(submission_id)).split(".")[-1]
+            status = _status(client, submission_id)
             if status not in LIVE and not _exists(fs, path):
                 if _exists(fs, spec_path):  # never claimed
                     fs.rm(spec_path)

@@ -287,7 +287,7 @@ def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the
         idling = _an_ending_driver_as_the_current_one(on_ray, resident.address)
         assert run_assets(on_driver, instance, ["rollouts"], RUN_CONFIG).success
         assert any("claimed job 'rollouts'" in log for log in _running_drivers(resident.address).values())
-        assert not on_ray_files(on_ray, idling["inbox"])  # nothing left behind in the ended driver's inbox
+        assert not _files_under(on_ray, idling["inbox"])  # nothing left behind in the ended driver's inbox
 
 
 def _an_ending_driver_as_the_current_one(on_ray: dict, address: str) -> dict:
@@ -310,7 +310,7 @@ def _an_ending_driver_as_the_current_one(on_ray: dict, address: str) -> dict:
     return current
 
 
-def on_ray_files(on_ray: dict, folder: str) -> list[str]:
+def _files_under(on_ray: dict, folder: str) -> list[str]:
     import s3fs
 
     fs = s3fs.S3FileSystem(**on_ray["options"])
