@@ -2,6 +2,7 @@
 the webserver's GraphQL API: shared by the UI tests (test_ui, test_ui_browser)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,12 +87,22 @@ def serve(tmp_path_factory, meanwhile=None, command=("dagster", "dev")):
                 time.sleep(1)
         yield port
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_server(proc)
         log.close()
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server alone: it stops its own webserver, daemon and code servers (~1 s). SIGTERM to its whole
+    group made the server restart a code server its children's signal had stopped, and it took 30 s to end; then the
+    group swept of anything left."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.fixture(scope="module")
