@@ -43,7 +43,7 @@ MODULE_SECONDS = {
     "test_pipeline_data.py": 25, "test_lineage_audit.py": 20, "test_sandbox.py": 20, "test_lora.py": 20,
     "test_agent_graph.py": 20, "test_off_policy.py": 55, "test_packing.py": 10,
     "test_sample_ahead.py": 30, "test_dg_cli.py": 70, "test_sandbox_escape.py": 35, "test_sandbox_session.py": 20,
-    "test_ray_cluster.py": 170,  # alone on the dev box, 2026-12-05: a two-node Ray cluster (issue 49)
+    "test_ray_cluster.py": 150,  # alone on the dev box, 2026-12-05: a two-node Ray cluster (issue 49)
     "test_worker_stream.py": 15,
 }
 

@@ -3,7 +3,8 @@ slot each) with storage on the moto S3 server: DPO and an RL iteration train dat
 each node (placement group STRICT_SPREAD, gloo rendezvous through Ray), and give the data versions of the local
 environment for the same seed (its trainers data-parallel too: 2 gloo ranks under torchrun); a node killed in the
 middle of the DPO job fails the step with a message naming the lost rank, publishes nothing, and the rerun
-completes; rollout replicas join their shards in a fixed order.
+completes; rollout replicas join their shards in a fixed order. The DPO path and the replicas run a Ray job per
+step (dagster-ray's client, the default); the RL iteration runs through a driver resident on the cluster.
 
 Everything runs in a network namespace whose only interface is loopback (``helpers_ray``): the outer test starts
 this module's `on_the_cluster` tests there and passes when they pass.
@@ -165,22 +166,6 @@ def cluster_case_the_dpo_rerun_completes_with_the_local_data_versions(cluster, o
             assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
 
 
-def cluster_case_an_rl_iteration_gives_the_local_data_versions(cluster, on_ray, local_versions, capsys):
-    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
-        started = time.perf_counter()
-        assert run_assets(on_ray["resources"], instance, RL_LOOP, RUN_CONFIG).success
-        took = time.perf_counter() - started
-        # the base model the DPO path's jobs fetched onto the nodes: read from their copies, not sent again
-        lines = re.findall(r"published inputs \(rank: from its node's cache, fetched\) (\{.*\})",
-                           capsys.readouterr().out)
-        reads = [ast.literal_eval(line) for line in lines]
-        assert reads and any(cached for read in reads for cached, _ in read.values()), lines
-        print(f"RL iteration on 2 nodes: {took:.1f} s; published inputs per job {reads}")
-        for asset in RL_LOOP:
-            assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
-        assert latest_metadata(instance, "policy_checkpoint")["global_step"] > 0
-
-
 def cluster_case_rollout_replicas_join_their_shards_in_order(cluster, on_ray):
     """2 replicas, one per node: shard r (a contiguous half of the prompts) sampled with seed s * 1000 + r, the
     shards joined in order with the prompt indices of the whole request: the table sampling each shard here gives."""
@@ -238,25 +223,31 @@ def _stop_the_driver_once_it_claimed(address: str, job: str, stopped: dict) -> N
         time.sleep(0.2)
 
 
-def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the_step(cluster, on_ray,
-                                                                                       local_versions, tmp_path,
-                                                                                       capsys):
-    """``resident_driver_idle_s``: the RL iteration's jobs handed to one driver that stays on the cluster, with the
-    data versions of the local environment; a job of the same shape as the one before runs on the ranks that job
-    left (same table); a driver stopped while it runs a job (here: waiting for a placement the cluster cannot give)
-    fails the step with its fate, and the next run submits a new driver and completes."""
+def cluster_case_an_rl_iteration_through_a_resident_driver_gives_the_local_data_versions(cluster, on_ray,
+                                                                                        local_versions, capsys):
+    """``resident_driver_idle_s``: the RL iteration's jobs (2 ranks for the update, one on each node) handed to one
+    driver that stays on the cluster, with the data versions of the local environment, the base model read from the
+    copies the DPO path's jobs left on the nodes; a job of the same shape as the one before runs on the ranks that
+    job left (same table); a driver stopped while it runs a job (here: waiting for a placement the cluster cannot
+    give) fails the step with its fate, and the next run submits a new driver and completes. (The per-step path's
+    jobs: the DPO path's and the rollout replicas'.)"""
     resident = on_ray["ray"].model_copy(update={"resident_driver_idle_s": 30.0})
     on_driver = {**on_ray["resources"], "trainer": TrainerLauncherResource(backend="ray", ray=resident)}
-    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:  # a first RL iteration again: a home of its own
+    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
         started = time.perf_counter()
-        result = run_assets(on_driver, instance, UPSTREAM + RL_LOOP, RUN_CONFIG)
-        assert result.success
-        print(f"RL iteration on 2 nodes through the resident driver: {time.perf_counter() - started:.1f} s")
+        assert run_assets(on_driver, instance, RL_LOOP, RUN_CONFIG).success
+        took = time.perf_counter() - started
+        lines = re.findall(r"published inputs \(rank: from its node's cache, fetched\) (\{.*\})",
+                           capsys.readouterr().out)
+        reads = [ast.literal_eval(line) for line in lines]
+        assert reads and any(cached for read in reads for cached, _ in read.values()), lines
+        print(f"RL iteration on 2 nodes through the resident driver: {took:.1f} s; published inputs per job {reads}")
         drivers = _running_drivers(resident.address)  # the rollouts and the update: one driver took both
         assert len(drivers) == 1 and all(f"claimed job {job!r}" in log for log in drivers.values()
                                          for job in ("rollouts", "train_policy")), drivers
         for asset in RL_LOOP:
             assert latest_metadata(instance, asset)["data_version"] == local_versions[asset], asset
+        assert latest_metadata(instance, "policy_checkpoint")["global_step"] > 0
         capsys.readouterr()
         versions = []
         for _ in range(2):  # after the update's 2-rank gang: a new 1-rank gang, then the same one kept
@@ -285,7 +276,11 @@ def cluster_case_a_resident_driver_takes_the_steps_jobs_and_a_lost_one_fails_the
         # a driver that ends as a job is handed to it (its idle time up) without taking it: the job is taken back
         # and handed to a new driver
         idling = _an_ending_driver_as_the_current_one(on_ray, resident.address)
-        assert run_assets(on_driver, instance, ["rollouts"], RUN_CONFIG).success
+        handed_back = run_assets(on_driver, instance, ["rollouts"], RUN_CONFIG)
+        assert handed_back.success
+        handed = [e.user_message for e in instance.all_logs(handed_back.run_id)
+                  if "handed to the resident Ray driver" in e.user_message]
+        assert len(handed) == 2 and idling["submission_id"] in handed[0], handed  # the ending one's, then a new one's
         assert any("claimed job 'rollouts'" in log for log in _running_drivers(resident.address).values())
         assert not _files_under(on_ray, idling["inbox"])  # nothing left behind in the ended driver's inbox
 
