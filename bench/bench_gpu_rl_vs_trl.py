@@ -31,7 +31,9 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   update before published with its checkpoint: one optimiser over the run, as TRL's; the answer to ``trl_reset``'s
   question from batchrl's side);
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
-  ``train()`` (the model already built), stopped at the first round boundary after M minutes;
+  ``train()`` (the model already built), stopped at the first round boundary after M minutes; ``setup_s``: its
+  model load and trainer construction (with vLLM: the engine's start), off the clock, as batchrl's
+  ``worker_start_s`` is (batchrl's model and engine builds are on its clock);
 - ``trl_vllm``: the same with TRL's generation on vLLM colocated in its process (``use_vllm=True``,
   ``vllm_mode="colocate"``, 35% of the GPU for vLLM; the vllm bundle: ``bench/vllm_device_wheels.txt``);
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
@@ -274,11 +276,13 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
         gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
         max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
         seed=seed, dataloader_num_workers=0, **vllm)
+    built = time.monotonic()  # TRL's model and (vllm) engine builds: off its clock, reported as setup_s
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[StopAfter()])
     clock["start"] = time.monotonic()
+    setup_s = clock["start"] - built
     trainer.train()
     wall = time.monotonic() - clock["start"] - clock["saves_s"]
     rounds = trainer.state.global_step // steps_per_round
@@ -286,7 +290,7 @@ def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = F
     trainer.save_model(folder)
     tokenizer.save_pretrained(folder)
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    return {"wall_s": round(wall, 1), "rounds": rounds, "base": base, "optimizer_steps": trainer.state.global_step,
+    return {"wall_s": round(wall, 1), "setup_s": round(setup_s, 1), "rounds": rounds, "base": base, "optimizer_steps": trainer.state.global_step,
             "samples": rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT,
             "samples_per_s": round(rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT / wall, 1),
             "mean_iteration_s": round(wall / max(rounds, 1), 2), "curve": curve,
