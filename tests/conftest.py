@@ -36,9 +36,9 @@ _share_the_cores_between_workers()
 # started test_real_profile (then ~600 s) last: ~10 min alone at the end.
 MODULE_SECONDS = {
     "test_pipeline_e2e.py": 270, "test_rl_choices.py": 140, "test_real_profile.py": 130, "test_job_worker.py": 90,
-    "test_ui.py": 75, "test_trainer_jobs_global_batch.py": 70, "test_trainer_jobs_data_parallel.py": 60,
+    "test_ui.py": 30, "test_trainer_jobs_global_batch.py": 70, "test_trainer_jobs_data_parallel.py": 60,
     "test_loop_kill.py": 80, "test_faults_pipeline.py": 60, "test_faults_rl.py": 45, "test_warm_server.py": 40,
-    "test_trainer_jobs.py": 40, "test_ui_browser.py": 40, "test_copied_root.py": 40, "test_tracking.py": 35,
+    "test_trainer_jobs.py": 40, "test_ui_browser.py": 35, "test_copied_root.py": 40, "test_tracking.py": 35,
     "test_resident_loop.py": 55, "test_lora_graph.py": 35, "test_mixed_sources.py": 30, "test_rl_metadata.py": 25,
     "test_pipeline_data.py": 25, "test_lineage_audit.py": 20, "test_sandbox.py": 20, "test_lora.py": 20,
     "test_agent_graph.py": 20, "test_off_policy.py": 55, "test_packing.py": 10,

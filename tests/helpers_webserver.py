@@ -1,5 +1,6 @@
-"""A real `dagster dev` (webserver + daemon) from the repo root on a fresh DAGSTER_HOME and storage root, and
-the webserver's GraphQL API: shared by the UI tests (test_ui, test_ui_browser)."""
+"""A real `dagster dev` (webserver + daemon; or the webserver and the daemon apart) from the repo root on a fresh
+DAGSTER_HOME and storage root, and the webserver's GraphQL API: shared by the UI tests (test_ui, test_ui_browser,
+test_dg_cli)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-
-import pytest
 
 from batchrl.cli.instance import write_instance_settings
 from batchrl.common.log_file import OUTPUT_ROUTED_ENV
@@ -52,10 +51,10 @@ def graphql(port: int, query: str, variables: dict | None = None) -> dict:
 
 
 def serve(tmp_path_factory, meanwhile=None, command=("dagster", "dev")):
-    """``dagster dev`` (or ``command``: ``("dg", "dev")``) on a fresh DAGSTER_HOME and storage root, yielding its
-    Port once it answers; stopped (its process group) after. ``meanwhile(port)`` runs while the webserver loads its
-    code location (~20 s of a loaded box's time that a `batchrl run` into the same instance can use instead of
-    waiting for it)."""
+    """``dagster dev`` (or ``command``: ``("dg", "dev")``, ``("dagster-webserver",)``) on a fresh DAGSTER_HOME and
+    storage root, yielding its Port once it answers; stopped after. ``meanwhile(port)`` runs while the webserver
+    loads its code location (~20 s of a loaded box's time that a `batchrl run` into the same instance can use
+    instead of waiting for it)."""
     home = tmp_path_factory.mktemp("home")
     write_instance_settings(str(home))
     port = Port(free_port(), str(home), str(tmp_path_factory.mktemp("storage")))
@@ -63,15 +62,9 @@ def serve(tmp_path_factory, meanwhile=None, command=("dagster", "dev")):
 
     with dg.DagsterInstance.from_config(str(home)) as instance:  # the instance's databases created once, before
         instance.get_runs(limit=1)  # two processes (webserver, meanwhile's) race to create them
-    # a user's shell, not this test process: an in-process `batchrl run` of an earlier test set
-    # BATCHRL_OUTPUT_ROUTED, which would keep the server's runs from writing their own log files
-    env = {**{k: v for k, v in os.environ.items() if k != OUTPUT_ROUTED_ENV},
-           "DAGSTER_HOME": port.home, "BATCHRL_STORAGE": port.storage}
-    executable = os.path.join(os.path.dirname(sys.executable), command[0])
     log = open(home / "dagster_dev.log", "w")
     # no -h: the default host is part of what is tested (test_webserver_listens_on_loopback_only)
-    proc = subprocess.Popen([executable, *command[1:], "-p", str(port)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = _start((*command, "-p", str(port)), port, log)
     try:
         if meanwhile is not None:
             meanwhile(port)
@@ -91,6 +84,31 @@ def serve(tmp_path_factory, meanwhile=None, command=("dagster", "dev")):
         log.close()
 
 
+def _start(command: tuple[str, ...], port: Port, log) -> subprocess.Popen:
+    """``command`` (a console script of this venv) from the repo root as a user's shell starts it, on the instance
+    and storage root of ``port``, in a process group of its own. A user's shell, not this test process: an
+    in-process `batchrl run` of an earlier test set BATCHRL_OUTPUT_ROUTED, which would keep the server's runs from
+    writing their own log files."""
+    env = {**{k: v for k, v in os.environ.items() if k != OUTPUT_ROUTED_ENV},
+           "DAGSTER_HOME": port.home, "BATCHRL_STORAGE": port.storage}
+    executable = os.path.join(os.path.dirname(sys.executable), command[0])
+    return subprocess.Popen([executable, *command[1:]], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@contextlib.contextmanager
+def daemon(port: Port):
+    """`dagster-daemon run` on the instance of a webserver served alone (``serve(command=("dagster-webserver",))``):
+    the two services a deployment runs apart. Started after the test queued its work, so that the daemon's first
+    iterations take it (the backfill daemon looks every 30 s)."""
+    with open(os.path.join(port.home, "dagster_daemon.log"), "w") as log:
+        proc = _start(("dagster-daemon", "run"), port, log)
+        try:
+            yield proc
+        finally:
+            stop_server(proc)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM to the server alone: it stops its own webserver, daemon and code servers (~1 s). SIGTERM to its whole
     group made the server restart a code server its children's signal had stopped, and it took 30 s to end; then the
@@ -105,6 +123,14 @@ def stop_server(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-@pytest.fixture(scope="module")
-def dagster_dev(tmp_path_factory):
-    yield from serve(tmp_path_factory)
+def listening(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A = LISTEN
+                    found.append(address)
+    return found

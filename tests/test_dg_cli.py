@@ -62,8 +62,8 @@ def test_dg_launch_materialises_an_asset_into_the_instance(fresh_home):
 
 def test_dagster_dev_still_reads_workspace_yaml():
     """`dagster dev` reads a pyproject [tool.dg]/[tool.dagster] block in place of workspace.yaml: dg's config
-    lives in dg.toml so that workspace.yaml stays what `dagster dev` loads (test_ui serves it), and both name the
-    same module and location."""
+    lives in dg.toml so that workspace.yaml stays what `dagster dev` loads (test_ui_browser serves it), and both
+    name the same module and location."""
     import yaml
 
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:

@@ -15,7 +15,7 @@ import time
 
 import dagster as dg
 import pytest
-from helpers_webserver import REPO, graphql, serve
+from helpers_webserver import REPO, graphql, listening, serve
 
 from batchrl.assets.charts import grouped_bars, png_size
 from batchrl.assets.curves import curve_metadata, step_series
@@ -76,6 +76,13 @@ def browser():
         launched = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         yield launched.new_page(viewport={"width": 1400, "height": 900})
         launched.close()
+
+
+def test_webserver_listens_on_loopback_only(dagster_dev):
+    """Started as the README says (`dagster dev`, no host given), the UI is reachable from this machine only."""
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 (kernel byte order)
+    addresses = listening(dagster_dev)
+    assert addresses and set(addresses) <= loopback, addresses
 
 
 def test_batchrl_runs_are_recorded_as_launched_from_the_code_location(dagster_dev, ingested):
