@@ -6,6 +6,7 @@ moto's bucket creation fails with it; the region comes from AWS_DEFAULT_REGION, 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 
 import pytest
@@ -46,6 +47,15 @@ MODULE_SECONDS = {
     "test_ray_cluster.py": 150,  # alone on the dev box, 2026-12-05: a two-node Ray cluster (issue 49)
     "test_worker_stream.py": 15,
 }
+
+
+def pytest_configure(config) -> None:
+    """SIGINT's default back where the suite was started as a shell's background job (`cmd &` leaves SIGINT
+    ignored, and every child inherits that): `dagster dev` gives SIGTERM SIGINT's disposition, so a server
+    started by a test ignored its stop and was killed 30 s later, and children stopped with SIGINT would not stop.
+    Set in each process (xdist's workers too); the children of a Python handler start with the default."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items) -> None:

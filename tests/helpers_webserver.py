@@ -110,9 +110,10 @@ def daemon(port: Port):
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server alone: it stops its own webserver, daemon and code servers (~1 s). SIGTERM to its whole
-    group made the server restart a code server its children's signal had stopped, and it took 30 s to end; then the
-    group swept of anything left."""
+    """SIGTERM to the server alone: it stops its own webserver, daemon and code servers (~1 s; SIGTERM to its whole
+    group made it restart a code server its children's signal had stopped, ~7 s, leaving that one behind); then
+    the group swept of anything left. (It took 30 s in a suite started as a background job, whose ignored SIGINT
+    the server inherited: conftest's pytest_configure.)"""
     proc.terminate()
     try:
         proc.wait(timeout=30)
