@@ -38,6 +38,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   ``vllm_mode="colocate"``, 35% of the GPU for vLLM; the vllm bundle: ``bench/vllm_device_wheels.txt``);
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
   starts each iteration with a fresh optimiser: a measured answer to whether that costs accuracy);
+- ``more:trl`` / ``more:trl_vllm`` / ``more:trl_reset``: that arm's run goes on from the checkpoint its last call
+  saved until ``--minutes`` of training in all (``bench/trl_arm.py``: an 8-minute TRL arm in two device calls);
 - ``eval``: the evaluation of base and every arm that finished and is not evaluated yet, and of each arm's
   policy every ``--curve-every`` iterations / rounds (held-out accuracy against samples: does more training on
   the 500 prompts keep helping?); every part writes ``$OUT/rl_vs_trl.json``.
@@ -59,6 +61,7 @@ import time
 from bench_disk import OptimizerStatePruner, prune_checkpoints  # noqa: E402  (bench/ is the script's folder)
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
 from rl_arms import ARM_CONFIGS  # noqa: E402
+from trl_arm import run_trl_arm  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RL_CHAIN = "rollouts,rewards,advantages,policy_checkpoint"
@@ -225,81 +228,6 @@ def prepare_base(state: str, out: str) -> str:
     return _arm_history(env)["uri"]["base_model"]
 
 
-def run_trl_arm(base: str, minutes: float, state: str, reset_optimizer: bool = False, curve_every: int = 0,
-                seed: int = 0, use_vllm: bool = False) -> dict:
-    """TRL's GRPOTrainer for ``minutes``; ``reset_optimizer``: AdamW's moments cleared at every round boundary,
-    as batchrl's policy_checkpoint starts each RL iteration with a fresh optimiser (the ``trl_reset`` arm: does
-    that reset explain a held-out accuracy gap?); ``use_vllm``: generation on vLLM in TRL's process
-    (``vllm_mode="colocate"``, TRL's fast path; the ``trl_vllm`` arm), TRL's other vLLM settings at their defaults."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from batchrl.training.rewards.registry import get_reward_function
-
-    state_dir = state
-    rows = task_prompts("train")
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
-                              for r in rows])
-    rule = get_reward_function(TASK["reward"])
-
-    def reward(completions, answer, **_):  # the same rule batchrl's rewards stage scores with
-        return [rule("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
-
-    steps_per_round = ROUND_PROMPTS * SAMPLES_PER_PROMPT // MICRO_BATCH
-    clock = {"saves_s": 0.0}
-    curve = {}
-    arm = "trl_reset" if reset_optimizer else "trl_vllm" if use_vllm else "trl"
-    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.35) if use_vllm else {}
-
-    class StopAfter(TrainerCallback):  # at the first round boundary after the budget
-        def on_step_end(self, args, state, control, **kwargs):
-            rounds = state.global_step // steps_per_round
-            if curve_every and state.global_step % steps_per_round == 0 and rounds % curve_every == 0:
-                saved = time.monotonic()  # a curve point, off the clock (batchrl publishes every policy anyway)
-                folder = os.path.join(state_dir, f"{arm}_curve", str(rounds))
-                kwargs["model"].save_pretrained(folder)
-                tokenizer.save_pretrained(folder)
-                curve[str(rounds)] = folder
-                clock["saves_s"] += time.monotonic() - saved
-            if state.global_step % steps_per_round == 0 and \
-                    time.monotonic() - clock["start"] - clock["saves_s"] > 60 * minutes:
-                control.should_training_stop = True
-            if reset_optimizer and state.global_step % steps_per_round == 0:
-                kwargs["optimizer"].state.clear()  # the next step starts AdamW afresh, as a new batchrl job does
-
-    config = GRPOConfig(
-        output_dir=os.path.join(state, "trl_out"), per_device_train_batch_size=MICRO_BATCH,
-        num_generations=SAMPLES_PER_PROMPT, steps_per_generation=steps_per_round, max_completion_length=NEW_TOKENS,
-        temperature=1.0, learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["beta"], bf16=not SMOKE,
-        gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
-        max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
-        seed=seed, dataloader_num_workers=0, **vllm)
-    built = time.monotonic()  # TRL's model and (vllm) engine builds: off its clock, reported as setup_s
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[StopAfter()])
-    clock["start"] = time.monotonic()
-    setup_s = clock["start"] - built
-    trainer.train()
-    wall = time.monotonic() - clock["start"] - clock["saves_s"]
-    rounds = trainer.state.global_step // steps_per_round
-    folder = os.path.join(state, f"{arm}_final")
-    trainer.save_model(folder)
-    tokenizer.save_pretrained(folder)
-    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    return {"wall_s": round(wall, 1), "setup_s": round(setup_s, 1), "rounds": rounds, "base": base, "optimizer_steps": trainer.state.global_step,
-            "samples": rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT,
-            "samples_per_s": round(rounds * ROUND_PROMPTS * SAMPLES_PER_PROMPT / wall, 1),
-            "mean_iteration_s": round(wall / max(rounds, 1), 2), "curve": curve,
-            "curve_saves_s": round(clock["saves_s"], 1), "train_reward_first_last":
-            [rewards[0], rewards[-1]] if rewards else None, "policy": folder,
-            "config": {"loss_type": config.loss_type, "scale_rewards": config.scale_rewards,
-                       "gradient_checkpointing": False, "generation_batch_size": config.generation_batch_size}}
-
-
 def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
     from batchrl.training.evaluation.evaluate import evaluate_models
 
@@ -352,20 +280,22 @@ def main() -> None:
     for part in args.parts.split(","):
         print(f"=== {part} ({time.strftime('%H:%M:%S')})", flush=True)
         for scores in (record.get("eval", {}), record.get("eval_curve", {})):
-            scores.pop(part, None)  # an arm run again: its new policies get evaluated, not its old scores kept
+            # an arm run again (or on): its new policies get evaluated, not its old scores kept
+            scores.pop(part.removeprefix("more:"), None)
         try:
             if part.startswith("prep:"):
                 record.setdefault("prepared", {})[part[5:]] = prepare_arm(args.state, part[5:], args.out)
             elif part == "full" or part in ARM_CONFIGS:
                 record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every,
                                                        args.seed)
-            elif part in ("trl", "trl_reset", "trl_vllm"):
+            elif part.removeprefix("more:") in ("trl", "trl_reset", "trl_vllm"):
+                arm = part.removeprefix("more:")  # more:ARM: the arm's run goes on to --minutes of training in all
                 known = [r.get("base") for r in [record["arms"].get("full", {}), *record["arms"].values(),
                                                  *record.get("prepared", {}).values()] if r.get("base")]
                 base = known[0] if known else prepare_base(args.state, args.out)  # the full arm's first, else any
-                record["arms"][part] = run_trl_arm(base, args.minutes, args.state, reset_optimizer=part == "trl_reset",
-                                                   curve_every=args.curve_every, seed=args.seed,
-                                                   use_vllm=part == "trl_vllm")
+                record["arms"][arm] = run_trl_arm(
+                    base, args.minutes, args.state, arm, (ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS),
+                    bf16=not SMOKE, resume=part.startswith("more:"), curve_every=args.curve_every, seed=args.seed)
             elif part == "eval":
                 bases = [r["base"] for r in [*record["arms"].values(), *record.get("prepared", {}).values()]
                          if r.get("base")]

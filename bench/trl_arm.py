@@ -1,0 +1,111 @@
+"""The TRL arms of bench_gpu_rl_vs_trl.py: TRL 1.16's GRPOTrainer at batchrl's settings, for a number of minutes of
+training, over one device call or several (``resume``: the run goes on from the checkpoint its last call saved, and
+only training time counts, as the issue asks of a longer run).
+
+A device call lasts at most 600 s: an 8-minute TRL arm with vLLM colocated (its engine's start ~55 s cold, the round
+in progress at the budget ~34 s) does not fit one with any margin, so it runs as ``--parts trl_vllm --minutes 4``
+then ``--parts more:trl_vllm --minutes 8``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from bench_tasks import TASK, task_prompts
+
+
+def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[int, int, int, int], *, bf16: bool,
+                resume: bool = False, curve_every: int = 0, seed: int = 0) -> dict:
+    """TRL's GRPOTrainer until ``minutes`` of training in all; ``sizes``: the round's prompts, samples per prompt,
+    micro-batch and new tokens. Arms: ``trl`` (plain HF ``generate``), ``trl_vllm`` (generation on vLLM in TRL's
+    process: ``vllm_mode="colocate"``, TRL's fast path, its other vLLM settings at their defaults), ``trl_reset``
+    (AdamW's moments cleared at every round boundary, as batchrl's policy_checkpoint starts each RL iteration with a
+    fresh optimiser: does that reset explain a held-out accuracy gap?)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from batchrl.training.rewards.registry import get_reward_function
+
+    round_prompts, samples_per_prompt, micro_batch, new_tokens = sizes
+    out_dir, progress_path = os.path.join(state, f"{arm}_out"), os.path.join(state, f"{arm}_progress.json")
+    if resume:
+        with open(progress_path) as f:
+            progress = json.load(f)
+    else:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        progress = {"wall_s": 0.0, "setup_s": 0.0, "calls": 0, "curve": {}, "checkpoint": None}
+    rows = task_prompts("train")
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
+                              for r in rows])
+    rule = get_reward_function(TASK["reward"])
+
+    def reward(completions, answer, **_):  # the same rule batchrl's rewards stage scores with
+        return [rule("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
+
+    steps_per_round = round_prompts * samples_per_prompt // micro_batch
+    clock = {"saves_s": 0.0}
+    curve = dict(progress["curve"])
+
+    def trained_s() -> float:  # this call's training time, curve saves off, plus the earlier calls'
+        return progress["wall_s"] + time.monotonic() - clock["start"] - clock["saves_s"]
+
+    class StopAfter(TrainerCallback):  # at the first round boundary after the budget
+        def on_step_end(self, args, state, control, **kwargs):
+            rounds = state.global_step // steps_per_round
+            if curve_every and state.global_step % steps_per_round == 0 and rounds % curve_every == 0:
+                saved = time.monotonic()  # a curve point, off the clock (batchrl publishes every policy anyway)
+                folder = os.path.join(state_dir, f"{arm}_curve", str(rounds))
+                kwargs["model"].save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+                curve[str(rounds)] = folder
+                clock["saves_s"] += time.monotonic() - saved
+            if state.global_step % steps_per_round == 0 and trained_s() > 60 * minutes:
+                clock["trained_s"] = trained_s()
+                control.should_training_stop = True
+                control.should_save = True  # off the clock: what a later call (more:ARM) goes on from
+            if reset_optimizer and state.global_step % steps_per_round == 0:
+                kwargs["optimizer"].state.clear()  # the next step starts AdamW afresh, as a new batchrl job does
+
+    state_dir, reset_optimizer = state, arm == "trl_reset"
+    vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.35) if arm == "trl_vllm" else {}
+    config = GRPOConfig(
+        output_dir=out_dir, per_device_train_batch_size=micro_batch,
+        num_generations=samples_per_prompt, steps_per_generation=steps_per_round, max_completion_length=new_tokens,
+        temperature=1.0, learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["beta"], bf16=bf16,
+        gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
+        max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
+        seed=seed, dataloader_num_workers=0, **vllm)
+    built = time.monotonic()  # TRL's model and (vllm) engine builds: off its clock, reported as setup_s
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[StopAfter()])
+    clock["start"] = time.monotonic()
+    setup_s = clock["start"] - built
+    trainer.train(resume_from_checkpoint=progress["checkpoint"])
+    wall = clock.get("trained_s", trained_s())
+    rounds = trainer.state.global_step // steps_per_round
+    folder = os.path.join(state, f"{arm}_final")
+    trainer.save_model(folder)
+    tokenizer.save_pretrained(folder)
+    checkpoints = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
+                         key=lambda d: int(d.split("-")[1])) if os.path.isdir(out_dir) else []
+    for older in checkpoints[:-1]:  # 6 GB each at 0.5B (weights and AdamW's moments in fp32): the last one is enough
+        shutil.rmtree(os.path.join(out_dir, older))
+    progress.update(wall_s=wall, setup_s=progress["setup_s"] + setup_s, calls=progress["calls"] + 1, curve=curve,
+                    checkpoint=os.path.join(out_dir, checkpoints[-1]) if checkpoints else None)
+    with open(progress_path, "w") as f:
+        json.dump(progress, f)
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    samples = rounds * round_prompts * samples_per_prompt
+    return {"wall_s": round(wall, 1), "setup_s": round(progress["setup_s"], 1), "calls": progress["calls"],
+            "rounds": rounds, "base": base, "optimizer_steps": trainer.state.global_step, "samples": samples,
+            "samples_per_s": round(samples / wall, 1), "mean_iteration_s": round(wall / max(rounds, 1), 2),
+            "curve": curve, "curve_saves_s": round(clock["saves_s"], 1),
+            "train_reward_first_last": [rewards[0], rewards[-1]] if rewards else None, "policy": folder,
+            "config": {"loss_type": config.loss_type, "scale_rewards": config.scale_rewards,
+                       "gradient_checkpointing": False, "generation_batch_size": config.generation_batch_size}}
