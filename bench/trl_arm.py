@@ -2,9 +2,11 @@
 training, over one device call or several (``resume``: the run goes on from the checkpoint its last call saved, and
 only training time counts, as the issue asks of a longer run).
 
-A device call lasts at most 600 s: an 8-minute TRL arm with vLLM colocated (its engine's start ~55 s cold, the round
-in progress at the budget ~34 s) does not fit one with any margin, so it runs as ``--parts trl_vllm --minutes 4``
-then ``--parts more:trl_vllm --minutes 8``.
+A device call lasts at most 600 s, and an 8-minute TRL arm with vLLM colocated (its engine's start, the round in
+progress at the budget, the saves: bench/RESULTS.md) has no margin in one, so it runs as ``--parts trl_vllm
+--minutes 4`` then ``--parts more:trl_vllm --minutes 8``. What the split costs TRL: the resumed call's first round
+carries its warm-up (first kernels, the engine's first weight sync) on TRL's clock, as batchrl's first iteration
+carries its builds on batchrl's; compare its rounds after the first of each call when that matters.
 """
 from __future__ import annotations
 
@@ -33,11 +35,15 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     round_prompts, samples_per_prompt, micro_batch, new_tokens = sizes
     out_dir, progress_path = os.path.join(state, f"{arm}_out"), os.path.join(state, f"{arm}_progress.json")
     if resume:
+        if not os.path.exists(progress_path):
+            raise SystemExit(f"more:{arm}: no earlier call of {arm} left its progress in {progress_path}")
         with open(progress_path) as f:
             progress = json.load(f)
+        if progress.get("seed", seed) != seed:
+            raise SystemExit(f"more:{arm}: its run so far has seed {progress['seed']}, not --seed {seed}")
     else:
         shutil.rmtree(out_dir, ignore_errors=True)
-        progress = {"wall_s": 0.0, "setup_s": 0.0, "calls": 0, "curve": {}, "checkpoint": None}
+        progress = {"wall_s": 0.0, "setup_s": 0.0, "calls": 0, "curve": {}, "checkpoint": None, "seed": seed}
     rows = task_prompts("train")
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": str(r["answer"])}
                               for r in rows])
@@ -47,6 +53,7 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
         return [rule("", c[0]["content"], {"answer": a}) for c, a in zip(completions, answer)]
 
     steps_per_round = round_prompts * samples_per_prompt // micro_batch
+    state_dir, reset_optimizer = state, arm == "trl_reset"  # the callback's own `state` is TRL's TrainerState
     clock = {"saves_s": 0.0}
     curve = dict(progress["curve"])
 
@@ -70,7 +77,6 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
             if reset_optimizer and state.global_step % steps_per_round == 0:
                 kwargs["optimizer"].state.clear()  # the next step starts AdamW afresh, as a new batchrl job does
 
-    state_dir, reset_optimizer = state, arm == "trl_reset"
     vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.35) if arm == "trl_vllm" else {}
     config = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=micro_batch,
@@ -94,7 +100,7 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     tokenizer.save_pretrained(folder)
     checkpoints = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
                          key=lambda d: int(d.split("-")[1])) if os.path.isdir(out_dir) else []
-    for older in checkpoints[:-1]:  # 6 GB each at 0.5B (weights and AdamW's moments in fp32): the last one is enough
+    for older in checkpoints[:-1]:  # weights and AdamW's moments in fp32, GBs each: the last one is enough
         shutil.rmtree(os.path.join(out_dir, older))
     progress.update(wall_s=wall, setup_s=progress["setup_s"] + setup_s, calls=progress["calls"] + 1, curve=curve,
                     checkpoint=os.path.join(out_dir, checkpoints[-1]) if checkpoints else None)

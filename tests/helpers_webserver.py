@@ -110,10 +110,9 @@ def daemon(port: Port):
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server alone: it stops its own webserver, daemon and code servers (~1 s; SIGTERM to its whole
-    group made it restart a code server its children's signal had stopped, ~7 s, leaving that one behind); then
-    the group swept of anything left. (It took 30 s in a suite started as a background job, whose ignored SIGINT
-    the server inherited: conftest's pytest_configure.)"""
+    """SIGTERM to the server alone, which stops its own webserver, daemon and code servers (signalled as a group,
+    it restarted a code server that then outlived it); then its group swept of anything left. A server that
+    inherited SIGINT ignored also ignores SIGTERM: conftest's pytest_configure."""
     proc.terminate()
     try:
         proc.wait(timeout=30)
