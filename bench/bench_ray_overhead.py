@@ -88,7 +88,7 @@ def gsm8k_profiles(folder: str, state: str) -> dict[str, str]:
     path = os.path.join(state, "gsm8k_ray.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(profile, f)
-    return {"one_machine": TASK["profile"], "ray_fresh": path, "ray_resident": path}
+    return {"one_machine": TASK["profile"], **{arm: path for arm in ARMS if arm != "one_machine"}}
 
 
 def run_arm(state: str, arm: str, args, dashboard: int) -> dict:
@@ -129,6 +129,7 @@ def inside(args) -> int:
         record["device"] = torch.cuda.get_device_name()
     os.makedirs(args.state, exist_ok=True)
     args.profiles = gsm8k_profiles(args.gsm8k, args.state) if args.gsm8k else {}
+    record["profiles"] = {arm: args.profiles.get(arm, args.profile) for arm in args.arms.split(",")}
     # every core a slot; the node's processes as this one's (no thread caps: one machine's arm has none)
     start_node(head=True, num_cpus=os.cpu_count(), env={**os.environ, "PATH": os.environ["PATH"]})
     wait_for_nodes(1)
