@@ -109,7 +109,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutConfig, prompts: 
         samples, stats = rollout_engine.sample(context, trainer, model_path=policy.path, prompts=request.prompts,
                                                n=request.n, seed=request.seed, workdir=workdir,
                                                cache_dir=storage.cache_dir, messages=messages, agent=request.agent,
-                                               prefetched=prefetched_folder(storage, rollout_engine, request))
+                                               prefetched=prefetched_folder(storage, rollout_engine, trainer, request))
         ahead = {}
         if rl_recipe.off_policy_steps:  # the next iteration's, from `promoted`, with the seed the run announced
             next_seed = announced_next_seed(context.run.tags)

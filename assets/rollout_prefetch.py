@@ -32,8 +32,9 @@ PROMPTS_FILE = "prompts.parquet"  # the prompts asset's table
 NEXT_ROLLOUTS_SEED_TAG = "batchrl/next_rollouts_seed"
 # why nothing was sampled ahead (rollouts' `prefetch`, the policy update's `sample_ahead` metadata)
 NO_NEXT_ITERATION = "off: no next RL iteration announced in this run (batchrl run --rl-iterations N announces them)"
-NO_PREFETCH_WORKER = ("off: sampling ahead needs the rollouts in the job worker (trainer.backend worker, "
-                      "rollout_engine.in_subprocess, an engine other than vLLM)")
+NO_PREFETCH_WORKER = ("off: sampling ahead needs the rollouts in the job worker (trainer.backend worker, or ray "
+                      "with resident node workers, one rank and one rollout replica; rollout_engine.in_subprocess, "
+                      "an engine other than vLLM)")
 STALE_S = 3600.0  # a prefetch nobody took within an hour is removed when the next one starts
 
 
@@ -60,8 +61,8 @@ def prompt_subset(table: pd.DataFrame, max_prompts: int | None, seed: int) -> pd
     return table
 
 
-def _folder(storage: StorageResource, engine: RolloutEngineResource, request: SamplingRequest) -> str:
-    return request_folder(os.path.join(storage.cache_dir, FOLDER), request_parts(
+def _folder(root: str, engine: RolloutEngineResource, request: SamplingRequest) -> str:
+    return request_folder(root, request_parts(
         request.policy.asset, request.policy.data_version, request.prompts, request.messages, request.n,
         request.seed, request.agent, engine.model_dump()))
 
@@ -75,17 +76,23 @@ def remove_stale(storage: StorageResource) -> None:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def prefetched_folder(storage: StorageResource, engine: RolloutEngineResource, request: SamplingRequest) -> str | None:
-    """The folder a prefetch of exactly this request was handed (finished or still sampling), else None."""
-    folder = _folder(storage, engine, request)
-    return folder if os.path.isdir(folder) else None
+def prefetched_folder(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
+                      request: SamplingRequest) -> str | None:
+    """The folder a prefetch or a sampling ahead of exactly this request was handed (finished or still sampling),
+    else None. Where the update samples ahead into the cache of a Ray node (not a path here), the place it would
+    be on the node that takes the job: the job takes the samples if its node has them, else samples itself."""
+    folder = _folder(os.path.join(storage.cache_dir, FOLDER), engine, request)
+    if os.path.isdir(folder):
+        return folder
+    root = launcher.ahead_root(storage.cache_dir)
+    return _folder(root, engine, request) if root is not None and not os.path.isabs(root) else None
 
 
 def start_prefetch(storage: StorageResource, engine: RolloutEngineResource, launcher: TrainerLauncherResource,
                    request: SamplingRequest) -> int:
     """Hand ``request`` to the rollouts worker, which samples it while the run goes on; returns the worker's pid."""
     remove_stale(storage)
-    folder = _folder(storage, engine, request)
+    folder = _folder(os.path.join(storage.cache_dir, FOLDER), engine, request)
     shutil.rmtree(folder, ignore_errors=True)
     return engine.prefetch(launcher, model_path=request.policy.path, prompts=request.prompts, n=request.n,
                            seed=request.seed, folder=folder, cache_dir=storage.cache_dir, messages=request.messages,
@@ -103,7 +110,8 @@ def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource
     if not recipe.sample_ahead:
         return None, "off"
     config = rollouts.lineage.get("config", {})
-    if not engine.can_prefetch(launcher):
+    root = launcher.ahead_root(storage.cache_dir) if engine.samples_in_job_worker() else None
+    if root is None:
         return None, NO_PREFETCH_WORKER
     seed = announced_next_seed(tags)
     if seed is None:
@@ -115,5 +123,5 @@ def sample_ahead_request(storage: StorageResource, engine: RolloutEngineResource
     remove_stale(storage)
     return {"engine": engine.engine_options(parent.path, storage.cache_dir), "prompts": prompts,
             "messages": messages, "n": n, "seed": seed, "agent": agent,
-            "root": os.path.join(storage.cache_dir, FOLDER),
+            "root": root,
             "key_parts": request_parts(asset, None, prompts, messages, n, seed, agent, engine.model_dump())}, "started"

@@ -95,6 +95,21 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         """Whether jobs can be handed to a named worker of their own and left running (backend worker)."""
         return self.backend == "worker"
 
+    def ahead_root(self, cache_dir: str) -> str | None:
+        """Where an update's job leaves the next iteration's samples it drew ahead, for the next rollouts job to
+        take: the storage cache (the warm worker shares this host's disk), the node's own cache under ``ray``
+        (``ray_staging.node_cache``: the job that samples ahead and the job that takes the samples run in the
+        node's resident job worker, one rank and one rollout replica each), else None: nothing is sampled ahead."""
+        from batchrl.common.prefetch_key import FOLDER
+        from batchrl.resources import ray_staging
+
+        if self.backend == "worker":
+            return os.path.join(cache_dir, FOLDER)
+        if self.backend == "ray" and self.ray.resident_worker_idle_s > 0 and self.ray.world_size == 1 \
+                and self.ray.rollout_replicas == 1:
+            return ray_staging.node_cache(FOLDER)
+        return None
+
     def start_detached(self, job: str, config: dict[str, Any], workdir: str, worker: str) -> int:
         """Hand ``job`` to the named worker ``worker`` and return at once (its pid): it runs while the run goes
         on, without Pipes (its outputs are its files); a later ``run_job(..., worker=worker)`` waits behind it."""

@@ -21,6 +21,10 @@ from batchrl.common import fsutil
 from batchrl.common.environment_variables import read
 from batchrl.common.storage_layout import artifact_path
 
+# under the input cache, what jobs on this node leave for later jobs on it (``ray_staging.node_cache``); no asset name
+# starts with a dot
+NODE_OWN = ".node"
+NODE_OWN_STALE_S = 3600.0
 LINEAGE_FILE = "lineage.json"  # resources/storage.py: written last, so its presence marks a complete artifact
 
 
@@ -52,6 +56,17 @@ class NodeInputCache:
         self.entries = entries or read("BATCHRL_RAY_INPUT_CACHE_ENTRIES")
         self.fetched = self.reused = 0
 
+    def node_folder(self) -> str:
+        """Where ``ray_staging.node_cache`` values point on this node; what lies there an hour untouched goes."""
+        folder = os.path.join(self.folder, NODE_OWN)
+        os.makedirs(folder, exist_ok=True)
+        for kind in os.listdir(folder):  # <kind>/<entry>: e.g. rollout_prefetch/<request>
+            for entry in os.listdir(os.path.join(folder, kind)) if os.path.isdir(os.path.join(folder, kind)) else ():
+                path = os.path.join(folder, kind, entry)
+                if time.time() - os.path.getmtime(path) > NODE_OWN_STALE_S:
+                    shutil.rmtree(path, ignore_errors=True)
+        return folder
+
     def local(self, fs, remote: str) -> str:
         """The local folder of the artifact at ``remote`` (downloaded unless this node has it), marked as used."""
         asset, version = remote.rstrip("/").split("/")[-2:]
@@ -71,6 +86,8 @@ class NodeInputCache:
     def _evict(self, keep: str) -> None:
         entries = []
         for asset in os.listdir(self.folder):
+            if asset == NODE_OWN:
+                continue
             folder = os.path.join(self.folder, asset)
             entries += [os.path.join(folder, v) for v in os.listdir(folder) if ".tmp-" not in v]
         entries.sort(key=lambda p: os.stat(p).st_mtime if os.path.exists(p) else time.time(), reverse=True)

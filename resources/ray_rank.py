@@ -144,6 +144,7 @@ class JobRank:
                 os.makedirs(os.path.dirname(self.local[root]), exist_ok=True)  # a file the job writes
         self.found = ray_staging.snapshot(self._written_roots())
         config = ray_staging.rewrite_paths(self.spec["configs"][self.rank % len(self.spec["configs"])], self.local)
+        config = ray_staging.resolve_node_cache(config, self.inputs.node_folder())
         path = os.path.join(self.scratch, f"{self.spec['job']}.json")
         with open(path, "w") as f:
             json.dump(config, f)

@@ -20,6 +20,8 @@ from batchrl.common import fsutil
 
 # config keys naming a node's own cache (compile caches): never shipped, each node keeps its own
 NODE_LOCAL_KEYS = frozenset({"compile_cache_dir"})
+# a config string naming a place in the cache of whichever node runs the job (``node_cache``): made a path there
+NODE_CACHE_PREFIX = "ray-node-cache:"
 TRANSFER_THREADS = 8
 
 
@@ -58,6 +60,23 @@ def rewrite_paths(value: Any, mapping: dict[str, str]) -> Any:
         for old, new in mapping.items():
             if path == old or path.startswith(old.rstrip("/") + "/"):
                 return new + path[len(old):]
+    return value
+
+
+def node_cache(relative: str) -> str:
+    """A config value that becomes ``<the node's cache>/<relative>`` on the node that runs the job: a place that
+    never travels (the samples an update draws ahead for the next rollouts job on its node)."""
+    return NODE_CACHE_PREFIX + relative
+
+
+def resolve_node_cache(value: Any, folder: str) -> Any:
+    """``value`` with every ``node_cache`` string made a path under this node's cache ``folder``."""
+    if isinstance(value, dict):
+        return {k: resolve_node_cache(v, folder) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_node_cache(v, folder) for v in value]
+    if isinstance(value, str) and value.startswith(NODE_CACHE_PREFIX):
+        return os.path.join(folder, value[len(NODE_CACHE_PREFIX):])
     return value
 
 

@@ -86,9 +86,14 @@ class RolloutEngineResource(dg.ConfigurableResource):
             release_accelerator_memory(self.device)
         return pd.read_parquet(out), stats
 
+    def samples_in_job_worker(self) -> bool:
+        """Whether this engine samples in a kept job worker's process (not vLLM's processes), where an update's
+        job can leave samples drawn ahead for the next rollouts job."""
+        return self.in_subprocess and self.kind != "vllm"
+
     def can_prefetch(self, launcher) -> bool:
         """Whether ``prefetch`` can sample while the run goes on: job-worker sampling (not vLLM's processes)."""
-        return self.in_subprocess and self.kind != "vllm" and launcher.detached_worker()
+        return self.samples_in_job_worker() and launcher.detached_worker()
 
     def prefetch(self, launcher, *, model_path: str, prompts: list[str], n: int, seed: int, folder: str,
                  cache_dir: str, messages: list | None = None, agent: dict | None = None) -> int:

@@ -27,8 +27,9 @@ from helpers_ray import (
     DASHBOARD_PORT, GCS_PORT, bring_loopback_up, job_processes, kill_node, listening_addresses, namespaces_command,
     only_loopback, start_node, wait_for_nodes,
 )
-from pipeline_helpers import RL_LOOP, SMALL, UPSTREAM, latest_metadata, run_assets
+from pipeline_helpers import RL_LOOP, SMALL, UPSTREAM, latest_metadata, recipe, run_assets
 
+from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG
 from batchrl.resources import (
     CatalogResource, ComputeResource, LandingResource, RolloutEngineResource, StorageResource,
     TrainerLauncherResource,
@@ -283,6 +284,27 @@ def cluster_case_an_rl_iteration_through_a_resident_driver_gives_the_local_data_
         assert len(handed) == 2 and idling["submission_id"] in handed[0], handed  # the ending one's, then a new one's
         assert any("claimed job 'rollouts'" in log for log in _running_drivers(resident.address).values())
         assert not _files_under(on_ray, idling["inbox"])  # nothing left behind in the ended driver's inbox
+
+
+def cluster_case_an_update_on_one_rank_samples_the_next_rollouts_ahead_on_its_node(cluster, on_ray):
+    """With one rank and the nodes' resident workers, the policy update samples the next iteration's rollouts from
+    its new weights on its node while it exports them (as the gpu environment's warm worker does); the next rollouts
+    job, on the gang the update left, takes them from that node's cache: the samples it would have drawn itself
+    (the same data version as a rerun that samples)."""
+    one_rank = on_ray["ray"].model_copy(update={"world_size": 1, "resident_driver_idle_s": 30.0})
+    on_one_rank = {**on_ray["resources"], "trainer": TrainerLauncherResource(backend="ray", ray=one_rank)}
+    ahead = {**RUN_CONFIG, "resources": recipe(samples_per_prompt=2, sample_ahead=True)}
+    next_rollouts = {**ahead, "ops": {**ahead["ops"], "rollouts": {"config": {"max_prompts": 8, "seed": 7}}}}
+    with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
+        assert run_assets(on_one_rank, instance, ["policy_checkpoint"], ahead, tags={NEXT_ROLLOUTS_SEED_TAG: "7"}
+                          ).success
+        assert latest_metadata(instance, "policy_checkpoint")["sample_ahead_seed"] == "7"
+        taken = []
+        for _ in range(2):  # the first takes what the update drew ahead; the second samples the same request
+            assert run_assets(on_one_rank, instance, ["rollouts"], next_rollouts).success
+            taken.append(latest_metadata(instance, "rollouts"))
+        assert [(m["prefetched"], m["sampled_ahead"]) for m in taken] == [(True, True), (False, False)], taken
+        assert taken[0]["data_version"] == taken[1]["data_version"]
 
 
 def _an_ending_driver_as_the_current_one(on_ray: dict, address: str) -> dict:

@@ -75,3 +75,21 @@ def test_a_node_fetches_from_a_local_storage_root_too(tmp_path):
                                                                               os.path.basename(folder)))
     assert open(os.path.join(copy, "weights", "model.bin")).read() == "local weights"
     assert sorted(os.listdir(copy)) == sorted(os.listdir(folder))
+
+
+def test_what_jobs_leave_on_a_node_is_no_cached_artifact_and_goes_after_an_hour(tmp_path):
+    """The node's own folder (``ray_staging.node_cache``: samples an update drew ahead) sits beside the artifact
+    copies without counting as one of them; an entry an hour untouched is removed when a job next stages there."""
+    storage = StorageResource(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "c"))
+    fs, base = fsutil.filesystem_for(str(tmp_path / "root"))
+    cache = NodeInputCache(folder=str(tmp_path / "node"), entries=1)
+    own = cache.node_folder()
+    fresh, stale = (os.path.join(own, "rollout_prefetch", name) for name in ("fresh", "stale"))
+    for folder in (fresh, stale):
+        os.makedirs(folder)
+    os.utime(stale, (1, 1))
+    for text in ("a", "b"):  # past the one entry kept: eviction runs, and leaves the node's folder alone
+        folder = _published(storage, tmp_path, "base_model", text)
+        cache.local(fs, fsutil.join(base, "base_model", os.path.basename(folder)))
+    assert os.path.isdir(fresh) and os.path.isdir(stale)
+    assert cache.node_folder() == own and os.path.isdir(fresh) and not os.path.exists(stale)

@@ -14,10 +14,13 @@ import pandas as pd
 import pytest
 from pipeline_helpers import recipe, seeded_rl_iterations, stop_workers
 
-from batchrl.assets.rollout_prefetch import NEXT_ROLLOUTS_SEED_TAG, prompt_subset, sample_ahead_request
-from batchrl.common.prefetch_key import AHEAD_MARK, FOLDER, STATS_FILE
+from batchrl.assets.rollout_prefetch import (
+    NEXT_ROLLOUTS_SEED_TAG, PROMPTS_FILE, SamplingRequest, prefetched_folder, prompt_subset, sample_ahead_request,
+)
+from batchrl.common.prefetch_key import AHEAD_MARK, FOLDER, STATS_FILE, request_folder
 from batchrl.common.storage_layout import cache_dir_of
-from batchrl.resources import RolloutEngineResource, TrainerLauncherResource
+from batchrl.resources import RolloutEngineResource, StorageResource, TrainerLauncherResource, ray_staging
+from batchrl.resources.ray_launch import RayJobs
 from batchrl.resources.artifacts import Artifact
 from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.training.rollout.sampling_job import sample_to_parquet
@@ -111,6 +114,39 @@ def test_sample_ahead_is_off_where_the_rollouts_are_not_in_the_job_worker():
     assert request is None and why.startswith("off: sampling ahead needs the rollouts in the job worker")
     assert sample_ahead_request(None, RolloutEngineResource(in_subprocess=True), TrainerLauncherResource(
         backend="worker"), rollouts, rollouts, "policy", following, RLRecipe()) == (None, "off")  # the recipe's
+
+
+def test_under_ray_the_samples_drawn_ahead_wait_in_the_nodes_cache_where_the_next_rollouts_job_looks(tmp_path):
+    """One rank, one rollout replica, resident node workers: the update's request names the cache of the node it
+    runs on, and the next rollouts step names the same folder there (the rank resolves both on its node); with
+    several ranks or replicas, or a fresh process per job, nothing is sampled ahead and nothing is looked for."""
+    storage = StorageResource(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "cache"))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    frame = pd.DataFrame({"prompt": [f"What is {i} + 2?" for i in range(6)]})
+    frame.to_parquet(staging / PROMPTS_FILE)
+    prompts = storage.publish(str(staging), "prompts", {"config": {}})
+    rollouts = Artifact("rollouts", "file:///r", "0" * 16, lineage={"config": {"max_prompts": 4},
+                                                                     "inputs": {"prompts": prompts.to_dict()}})
+    engine, ray = RolloutEngineResource(in_subprocess=True), RayJobs(world_size=1)
+    launcher = TrainerLauncherResource(backend="ray", ray=ray)
+    announced, wanted = {NEXT_ROLLOUTS_SEED_TAG: "3"}, RLRecipe(samples_per_prompt=2, sample_ahead=True)
+    request, why = sample_ahead_request(storage, engine, launcher, rollouts, rollouts, "policy_checkpoint",
+                                        announced, wanted)
+    assert why == "started" and not os.path.isabs(request["root"])
+    node = str(tmp_path / "node")
+    on_node = ray_staging.resolve_node_cache(request, node)  # the update's config as its rank writes it
+    policy = Artifact("policy_checkpoint", "file:///p", "ab" * 8, lineage={})  # its export, hashed and published
+    drawn_into = request_folder(on_node["root"], on_node["key_parts"], policy.data_version)  # ahead.settle's
+    table = prompt_subset(frame, 4, 3)
+    asked = SamplingRequest(policy, list(table["prompt"]), prompt_messages(table.to_dict("records")), 2, 3, None)
+    looked_for = prefetched_folder(storage, engine, launcher, asked)
+    assert drawn_into.startswith(node + os.sep) and ray_staging.resolve_node_cache(looked_for, node) == drawn_into
+    for update in ({"world_size": 2}, {"rollout_replicas": 2}, {"resident_worker_idle_s": 0}):
+        other = TrainerLauncherResource(backend="ray", ray=ray.model_copy(update=update))
+        off = sample_ahead_request(storage, engine, other, rollouts, rollouts, "policy_checkpoint", announced, wanted)
+        assert off[0] is None and off[1].startswith("off: sampling ahead needs"), update
+        assert prefetched_folder(storage, engine, other, asked) is None
 
 
 def test_batchrl_run_announces_each_next_iteration_and_its_seed(tmp_path):
