@@ -110,8 +110,15 @@ def run_arm(state: str, arm: str, args, dashboard: int) -> dict:
     for stage in CHAIN.split(","):
         walls = [s for r in steady for k, s in r["steps"].items() if k.startswith(stage)]
         steps[stage] = round(sum(walls) / max(len(walls), 1), 2)
+    # the Ray path's parts of each job step (ray_launch.run_on_ray's ray_s/*) and the job's own wall, same iterations
+    parts = {}
+    for stage in ("rollouts", "policy_checkpoint"):
+        records = history["meta"].get(stage, [])[-args.iterations:][1:]
+        keys = sorted({k for m in records for k in m if k.startswith("ray_s/") or k in ("wall_s", "job_s")})
+        parts[stage] = {k: round(sum(m.get(k, 0) for m in records) / max(len(records), 1), 3) for k in keys}
     return {"prep_s": round(prep_s, 1), "wall_s": round(wall, 1), "steps_s": steps,
-            "iteration_s": round(sum(r["end"] - r["start"] for r in steady) / len(steady), 2)}
+            "iteration_s": round(sum(r["end"] - r["start"] for r in steady) / len(steady), 2),
+            "job_parts_s": parts}
 
 
 def inside(args) -> int:

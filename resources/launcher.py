@@ -51,6 +51,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         libraries hold processes or memory beyond its end); ``worker`` (backend worker): in the named worker of
         its own (``detached_worker``), after the jobs handed to it before."""
         config_path = self._config_file(job, config, workdir)
+        own: dict[str, float] = {}  # the launcher's numbers beside the job's
         if worker is not None and self.detached_worker():
             from batchrl.resources.job_worker import named_worker_path, run_in_worker
 
@@ -60,7 +61,7 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         elif self.backend == "ray":
             from batchrl.resources.ray_launch import run_on_ray
 
-            invocation = run_on_ray(context, self.ray, job, config, workdir, self.env)
+            invocation, own = run_on_ray(context, self.ray, job, config, workdir, self.env)
         elif self.backend == "k8s":
             from batchrl.resources.scaleout import k8s_client
 
@@ -79,10 +80,15 @@ class TrainerLauncherResource(dg.ConfigurableResource):
         else:
             invocation = self._run_in_subprocesses(context, job, config_path, workdir)
         try:  # every job reports one materialisation with its numbers: without it the step must not publish
-            return invocation.get_materialize_result(implicit_materialization=False)
+            result = invocation.get_materialize_result(implicit_materialization=False)
         except DagsterPipesError as error:
             raise dg.Failure(f"job {job!r} ended without its materialisation report ({error}); its numbers would "
                              f"be missing from the asset's metadata, so nothing is published (work dir {workdir})")
+        if not own:
+            return result
+        return dg.MaterializeResult(asset_key=result.asset_key, metadata={**(result.metadata or {}), **own},
+                                    check_results=result.check_results, data_version=result.data_version,
+                                    tags=result.tags)
 
     @staticmethod
     def _config_file(job: str, config: dict[str, Any], workdir: str) -> str:

@@ -162,10 +162,14 @@ def messages_uri(prefix: str) -> str:
 
 
 def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config: dict, workdir: str,
-               env: dict[str, str]) -> dg.PipesClientCompletedInvocation:
+               env: dict[str, str]) -> tuple[dg.PipesClientCompletedInvocation, dict[str, float]]:
     """Stage, submit and wait for ``job`` on the cluster; its outputs back in place. A failed Ray job raises
-    ``dg.Failure`` with the driver's account of each rank, before anything comes back."""
+    ``dg.Failure`` with the driver's account of each rank, before anything comes back. Also returns where the
+    step's wall went (``ray_s/*``: the inputs up, the job from its hand-over to its end, the outputs down), which
+    the job's own numbers beside it turn into the Ray path's cost."""
     from dagster_ray import PipesRayJobClient
+
+    started = time.perf_counter()
 
     if not ray.storage_root:
         raise dg.Failure("TrainerLauncherResource backend 'ray' needs ray.storage_root: the cluster's nodes share "
@@ -183,6 +187,7 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
     spec = job_spec(job, configs, roots, protocol + prefix, ray, artifacts)
     reader = StorageMessageReader(messages_uri(protocol + prefix), ray.storage_options)
     runtime_env = {"env_vars": {**env, "BATCHRL_RAY_STORAGE_OPTIONS": json.dumps(ray.storage_options)}}
+    handed = time.perf_counter()
     try:
         if ray.resident_driver_idle_s > 0:
             from batchrl.resources.ray_resident_driver import run_through_driver
@@ -204,10 +209,12 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
     finally:  # the inputs were the job's only: gone whatever it ended with
         if fs.exists(fsutil.join(prefix, "in")):
             fs.rm(fsutil.join(prefix, "in"), recursive=True)
+    ended = time.perf_counter()
     for i, root in enumerate(roots):
         if i not in artifacts:  # a published artifact is an input: jobs never write into one
             ray_staging.download(fs, fsutil.join(prefix, "out", str(i)), root)
     fs.rm(prefix, recursive=True)
     if sharded:
         join_shards(configs, config["out_parquet"])
-    return invocation
+    return invocation, {"ray_s/stage_in": round(handed - started, 3), "ray_s/job": round(ended - handed, 3),
+                        "ray_s/stage_out": round(time.perf_counter() - ended, 3)}

@@ -298,7 +298,10 @@ def cluster_case_an_update_on_one_rank_samples_the_next_rollouts_ahead_on_its_no
     with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
         assert run_assets(on_one_rank, instance, ["policy_checkpoint"], ahead, tags={NEXT_ROLLOUTS_SEED_TAG: "7"}
                           ).success
-        assert latest_metadata(instance, "policy_checkpoint")["sample_ahead_seed"] == "7"
+        update = latest_metadata(instance, "policy_checkpoint")
+        assert update["sample_ahead_seed"] == "7"
+        # where the step's wall went on the Ray path: the job's own wall lies within its hand-over to its end
+        assert 0 < update["wall_s"] < update["ray_s/job"] and update["ray_s/stage_in"] >= 0 <= update["ray_s/stage_out"]
         taken = []
         for _ in range(2):  # the first takes what the update drew ahead; the second samples the same request
             assert run_assets(on_one_rank, instance, ["rollouts"], next_rollouts).success
