@@ -102,7 +102,8 @@ _TABLE = (
        minimum=0),
     _v("RAY_INPUT_CACHE_ENTRIES", "int", 8, (JOB,), "published artifacts (models, tables) a Ray node keeps for later "
        "jobs, the least recently used dropped first", minimum=1),
-    _v("RAY_INPUT_CACHE_DIR", "path", None, (JOB,), "where a Ray node keeps published artifacts for later jobs",
+    _v("RAY_INPUT_CACHE_DIR", "path", None, (JOB,), "where a Ray node keeps published artifacts for later jobs "
+       "(and in .node/ the samples an update drew ahead for the next rollouts job there)",
        unset="<temp dir>/batchrl-ray-inputs"),
     # inside the job processes
     _v("WEIGHT_CACHE_GB", "float", None, (JOB,), "decimal GB of model weights the job worker keeps (0: off)",
