@@ -76,7 +76,8 @@ class StorageMessageReader(dg.PipesMessageReader):
             thread.join()
 
     def _follow(self, handler, ended: threading.Event) -> None:
-        while not handler.received_closed_message:
+        # not until the job's closing message: the driver's own lines (where the job ran, what it read) come after
+        while True:
             last_pass = ended.is_set()  # set before this read: every chunk is written by now
             text = self._chunk(self.chunks_read + 1)
             if text is not None:

@@ -148,7 +148,8 @@ class _Handler:
 def test_the_drivers_message_chunks_reach_the_reader_in_order_as_they_come(tmp_path, capsys):
     """The Ray job's Pipes messages through the storage root: the driver's lines in numbered chunks, handled in
     order by the step's reader while the job runs (within a fraction of a second of their chunk); lines that are not
-    Pipes messages go to the step's stdout; the reader ends at the job's closed message."""
+    Pipes messages go to the step's stdout, the driver's lines after the job's closed message too (where the job
+    ran, what it read): the reader ends once the Ray job has, having read every chunk."""
     from batchrl.resources import ray_messages
     from batchrl.resources.ray_launch import StorageMessageReader
 
@@ -166,9 +167,15 @@ def test_the_drivers_message_chunks_reach_the_reader_in_order_as_they_come(tmp_p
         assert handler.at[0] - written < ray_messages.CHUNK_INTERVAL_S + 3 * ray_messages.POLL_S + 0.3
         writer.emit("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']")
         writer.emit('{"__dagster_pipes_version": "0.1", "method": "closed", "params": {}}')
+        deadline = time.monotonic() + 5
+        while len(handler.messages) < 2 and time.monotonic() < deadline:  # the closed message read, in its chunk
+            time.sleep(0.01)
+        writer.emit("batchrl job 'rollouts': published inputs {0: (1, 0, 0)}")  # the driver's, after the job
         writer.close()
-    assert [m["method"] for m in handler.messages] == ["opened", "closed"] and reader.chunks_read == 2
-    assert capsys.readouterr().out.endswith("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']\n")
+    assert [m["method"] for m in handler.messages] == ["opened", "closed"] and reader.chunks_read == 3
+    out = capsys.readouterr().out  # each line once as the driver writes it, and the non-Pipes ones as read
+    assert out.count("batchrl job 'rollouts': 1 rank(s) on ['127.0.0.1']\n") == 2
+    assert out.count("batchrl job 'rollouts': published inputs {0: (1, 0, 0)}\n") == 2
 
 
 def test_a_job_that_ended_without_closing_leaves_the_reader_at_once(tmp_path):
