@@ -139,6 +139,8 @@ _TABLE = (
        internal=True),
     _v("RAY_STORAGE_OPTIONS", "json", {}, (JOB,), "the storage options of a Ray job's files (the Ray driver)",
        internal=True),
+    _v("OUTPUT_RECORD", "path", None, (JOB,), "where a job writes its output folder and content hash (a Ray rank "
+       "keeps that output on its node for the later jobs there that read it once published)", internal=True),
 )
 VARIABLES: dict[str, Variable] = {variable.name: variable for variable in _TABLE}
 

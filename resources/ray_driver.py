@@ -155,8 +155,9 @@ def run(spec: dict, storage_options: dict, emit, error=_to_stderr, cancelled=lam
             return 1
         reads = dict(enumerate(ray.get([rank.inputs_read.remote() for rank in ranks])))
         if any(sum(read.values()) for read in reads.values()):
-            emit(f"batchrl job {spec['job']!r}: published inputs (rank: from its node's cache, fetched) "
-                 f"{ {r: (read['cached'], read['fetched']) for r, read in reads.items()} }")
+            emit(f"batchrl job {spec['job']!r}: published inputs (rank: from its node's cache, built from a job's "
+                 f"output on its node, fetched) "
+                 f"{ {r: (read['cached'], read['produced'], read['fetched']) for r, read in reads.items()} }")
         resident = {r: o["worker_pid"] for r, o in outcomes.ended.items() if o.get("worker_pid")}
         if resident:
             emit(f"batchrl job {spec['job']!r}: ran in the nodes' resident job workers (rank: pid) {resident}")

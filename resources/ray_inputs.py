@@ -25,6 +25,11 @@ from batchrl.common.storage_layout import artifact_path
 # starts with a dot
 NODE_OWN = ".node"
 NODE_OWN_STALE_S = 3600.0
+# <node own>/produced/<data version>: hard links to an output a job on this node hashed, for the later jobs here that
+# read it once it is published (the update's new policy: the next rollouts and update); the newest few are kept
+PRODUCED = "produced"
+PRODUCED_KEPT = 2
+PRODUCED_MIN_BYTES = 1 << 20  # smaller files (records, configs, the reports publication adds) are downloaded
 LINEAGE_FILE = "lineage.json"  # resources/storage.py: written last, so its presence marks a complete artifact
 
 
@@ -54,7 +59,7 @@ class NodeInputCache:
         self.folder = folder or read("BATCHRL_RAY_INPUT_CACHE_DIR") or \
             os.path.join(tempfile.gettempdir(), "batchrl-ray-inputs")
         self.entries = entries or read("BATCHRL_RAY_INPUT_CACHE_ENTRIES")
-        self.fetched = self.reused = 0
+        self.fetched = self.reused = self.produced = 0
 
     def node_folder(self) -> str:
         """Where ``ray_staging.node_cache`` values point on this node; what lies there an hour untouched goes."""
@@ -72,8 +77,14 @@ class NodeInputCache:
         asset, version = remote.rstrip("/").split("/")[-2:]
         path = os.path.join(self.folder, fsutil.safe_name(asset, "asset name"),
                             fsutil.safe_name(version, "data version"))
+        produced = os.path.join(self.folder, NODE_OWN, PRODUCED, os.path.basename(path))
         if os.path.isdir(path):
             self.reused += 1
+        elif os.path.isdir(produced):  # written here: its big files linked, the rest downloaded
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fsutil.move_into_place(lambda tmp: _assemble(fs, remote, produced, tmp), path)
+            shutil.rmtree(produced, ignore_errors=True)  # its files live on in the copy
+            self.produced += 1
         else:
             # as the storage localizes an artifact: a temp folder, one rename (two ranks of a node: the first wins)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -82,6 +93,33 @@ class NodeInputCache:
         os.utime(path)  # the least recently used go first
         self._evict(keep=path)
         return path
+
+    def keep_produced(self, folder: str, content_hash: str) -> None:
+        """Hard links to ``folder``, the output a job on this node just wrote and hashed (``content_hash``): once
+        it is published as ``<asset>/<content_hash[:16]>``, a later job here that reads it builds its copy from
+        them. Where no hard link can be made (another file system) nothing is kept: the later job downloads."""
+        store = os.path.join(self.node_folder(), PRODUCED)
+        target = os.path.join(store, fsutil.safe_name(content_hash[:16], "data version"))
+        if os.path.isdir(target) or not os.path.isdir(folder):
+            return
+
+        def link(tmp: str) -> None:
+            for root, _, names in os.walk(folder):
+                for name in names:
+                    source = os.path.join(root, name)
+                    copy = os.path.join(tmp, os.path.relpath(source, folder))
+                    os.makedirs(os.path.dirname(copy), exist_ok=True)
+                    os.link(source, copy)
+        try:
+            os.makedirs(store, exist_ok=True)
+            fsutil.move_into_place(link, target)
+        except OSError:
+            shutil.rmtree(target, ignore_errors=True)
+            return
+        kept = sorted((os.path.join(store, v) for v in os.listdir(store) if ".tmp-" not in v),
+                      key=os.path.getmtime, reverse=True)
+        for old in kept[PRODUCED_KEPT:]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def _evict(self, keep: str) -> None:
         entries = []
@@ -94,3 +132,19 @@ class NodeInputCache:
         for stale in entries[self.entries:]:
             if stale != keep:
                 shutil.rmtree(stale, ignore_errors=True)
+
+
+def _assemble(fs, remote: str, produced: str, tmp: str) -> None:
+    """The published artifact at ``remote`` in ``tmp``: each big file linked from ``produced`` where that holds it
+    (same relative path and size: the data version is the hash of the files the job wrote, so their content is
+    the same), every other file (``lineage.json``, the reports publication adds) downloaded."""
+    base = remote.rstrip("/")
+    for name, info in fs.find(base, detail=True).items():
+        relative = name[len(base):].lstrip("/")
+        local, copy = os.path.join(produced, relative), os.path.join(tmp, relative)
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        size = info.get("size") or 0
+        if size >= PRODUCED_MIN_BYTES and os.path.isfile(local) and os.path.getsize(local) == size:
+            os.link(local, copy)
+        else:
+            fs.get(name, copy)

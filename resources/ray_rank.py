@@ -26,6 +26,7 @@ from batchrl.common import fsutil
 from batchrl.resources import ray_inputs, ray_staging
 
 STDERR_TAIL_LINES = 40
+OUTPUT_RECORD = "output.json"  # in the scratch: the job's hashed output (BATCHRL_OUTPUT_RECORD, training/jobs/_runtime)
 PIPES_ENV_PREFIX = "DAGSTER_PIPES_"  # a job's own Pipes session: never a resident worker's for good
 # the job's process: SIGKILLed when the actor's process ends (PR_SET_PDEATHSIG = 1; set by the child itself, as a
 # preexec_fn would run Python between fork and exec in a process full of Ray's threads), gone at once if the actor
@@ -78,6 +79,7 @@ class JobRank:
         A one-process job (no ``WORLD_SIZE``: one rank, or a replica) runs in its node's resident job worker when
         the spec keeps one (``resident_idle_s``); a data-parallel rank always in a process of its own."""
         config_path = self._stage()
+        env = {**env, "BATCHRL_OUTPUT_RECORD": os.path.join(self.scratch, OUTPUT_RECORD)}
         if self.spec.get("resident_idle_s", 0) > 0 and not env.get("WORLD_SIZE"):
             yield from self._run_resident(config_path, _with(os.environ, env))
             return
@@ -159,6 +161,12 @@ class JobRank:
             changed = ray_staging.changed_files(self.local[root], self.found)
             ray_staging.upload(self.fs, fsutil.join(self.prefix, "out", str(i)), changed)
             count += len(changed)
+        try:  # the output the job hashed: kept on this node for the later jobs here that read it once published
+            with open(os.path.join(self.scratch, OUTPUT_RECORD)) as f:
+                output = json.load(f)
+            self.inputs.keep_produced(output["dir"], output["content_hash"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
         return count
 
     def _written_roots(self) -> list[str]:
@@ -166,8 +174,9 @@ class JobRank:
         return [self.local[root] for i, root in enumerate(self.spec["roots"]) if i not in self.artifacts]
 
     def inputs_read(self) -> dict[str, int]:
-        """Published artifacts this rank read: from its node's cache, or fetched into it."""
-        return {"cached": self.inputs.reused, "fetched": self.inputs.fetched}
+        """Published artifacts this rank read: from its node's cache, built from an output a job on this node
+        wrote, or fetched into it."""
+        return {"cached": self.inputs.reused, "produced": self.inputs.produced, "fetched": self.inputs.fetched}
 
     def close(self) -> None:
         shutil.rmtree(self.scratch, ignore_errors=True)

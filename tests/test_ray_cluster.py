@@ -238,10 +238,9 @@ def cluster_case_an_rl_iteration_through_a_resident_driver_gives_the_local_data_
         started = time.perf_counter()
         assert run_assets(on_driver, instance, RL_LOOP, RUN_CONFIG).success
         took = time.perf_counter() - started
-        lines = re.findall(r"published inputs \(rank: from its node's cache, fetched\) (\{.*\})",
-                           capsys.readouterr().out)
-        reads = [ast.literal_eval(line) for line in lines]
-        assert reads and any(cached for read in reads for cached, _ in read.values()), lines
+        out = capsys.readouterr().out
+        reads = _published_input_reads(out)
+        assert reads and any(cached for read in reads for cached, _, _ in read.values()), out[-6000:]
         print(f"RL iteration on 2 nodes through the resident driver: {took:.1f} s; published inputs per job {reads}")
         drivers = _running_drivers(resident.address)  # the rollouts and the update: one driver took both
         assert len(drivers) == 1 and all(f"claimed job {job!r}" in log for log in drivers.values()
@@ -286,14 +285,24 @@ def cluster_case_an_rl_iteration_through_a_resident_driver_gives_the_local_data_
         assert not _files_under(on_ray, idling["inbox"])  # nothing left behind in the ended driver's inbox
 
 
-def cluster_case_an_update_on_one_rank_samples_the_next_rollouts_ahead_on_its_node(cluster, on_ray):
+def _published_input_reads(out: str, job: str = r"\w+") -> list[dict]:
+    """Each ``job``'s ``{rank: (from its node's cache, built from a job's output on its node, fetched)}``."""
+    lines = re.findall(rf"batchrl job '{job}': published inputs \(rank: from its node's cache, built from a job's "
+                       r"output on its node, fetched\) (\{.*\})", out)
+    return [ast.literal_eval(line) for line in lines]
+
+
+def cluster_case_an_update_on_one_rank_samples_the_next_rollouts_ahead_on_its_node(cluster, on_ray, capsys):
     """With one rank and the nodes' resident workers, the policy update samples the next iteration's rollouts from
     its new weights on its node while it exports them (as the gpu environment's warm worker does); the next rollouts
     job, on the gang the update left, takes them from that node's cache: the samples it would have drawn itself
-    (the same data version as a rerun that samples)."""
+    (the same data version as a rerun that samples). That job's node builds its copy of the new policy from the
+    update's output it kept (its weights linked, not downloaded)."""
     one_rank = on_ray["ray"].model_copy(update={"world_size": 1, "resident_driver_idle_s": 30.0})
     on_one_rank = {**on_ray["resources"], "trainer": TrainerLauncherResource(backend="ray", ray=one_rank)}
-    ahead = {**RUN_CONFIG, "resources": recipe(samples_per_prompt=2, sample_ahead=True)}
+    # another lr than the RL iteration's update: a policy no node has read yet
+    ahead = {**RUN_CONFIG, "resources": recipe(samples_per_prompt=2, sample_ahead=True),
+             "ops": {**RUN_CONFIG["ops"], "policy_checkpoint": {"config": {"micro_batch_size": 4, "lr": 3.0e-4}}}}
     next_rollouts = {**ahead, "ops": {**ahead["ops"], "rollouts": {"config": {"max_prompts": 8, "seed": 7}}}}
     with dg.DagsterInstance.local_temp(on_ray["home"]) as instance:
         assert run_assets(on_one_rank, instance, ["policy_checkpoint"], ahead, tags={NEXT_ROLLOUTS_SEED_TAG: "7"}
@@ -302,10 +311,14 @@ def cluster_case_an_update_on_one_rank_samples_the_next_rollouts_ahead_on_its_no
         assert update["sample_ahead_seed"] == "7"
         # where the step's wall went on the Ray path: the job's own wall lies within its hand-over to its end
         assert 0 < update["wall_s"] < update["ray_s/job"] and update["ray_s/stage_in"] >= 0 <= update["ray_s/stage_out"]
+        capsys.readouterr()
         taken = []
         for _ in range(2):  # the first takes what the update drew ahead; the second samples the same request
             assert run_assets(on_one_rank, instance, ["rollouts"], next_rollouts).success
             taken.append(latest_metadata(instance, "rollouts"))
+        out = capsys.readouterr().out
+        (first, *_) = _published_input_reads(out, "rollouts")
+        assert first[0][1] == 1, (taken, out[-8000:])  # the new policy: built from the update's output there
         assert [(m["prefetched"], m["sampled_ahead"]) for m in taken] == [(True, True), (False, False)], taken
         assert taken[0]["data_version"] == taken[1]["data_version"]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 from batchrl.common import fsutil
 from batchrl.resources import StorageResource
-from batchrl.resources.ray_inputs import NodeInputCache, artifact_sources
+from batchrl.resources.ray_inputs import PRODUCED_MIN_BYTES, NodeInputCache, artifact_sources
 
 
 def _published(storage: StorageResource, tmp_path, name: str, text: str) -> str:
@@ -93,3 +94,35 @@ def test_what_jobs_leave_on_a_node_is_no_cached_artifact_and_goes_after_an_hour(
         cache.local(fs, fsutil.join(base, "base_model", os.path.basename(folder)))
     assert os.path.isdir(fresh) and os.path.isdir(stale)
     assert cache.node_folder() == own and os.path.isdir(fresh) and not os.path.exists(stale)
+
+
+def test_an_output_a_job_wrote_on_the_node_is_linked_not_downloaded_once_published(tmp_path):
+    """The update's new policy, read by the next jobs on the node that wrote it: its big files come from the
+    links the rank kept (here told apart by content, which a real publication never changes), every other file
+    from the storage root; the kept links are used once, and only the newest few are kept."""
+    storage = StorageResource(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "c"))
+    fs, base = fsutil.filesystem_for(str(tmp_path / "root"))
+    size = PRODUCED_MIN_BYTES + 1
+    written, staging = tmp_path / "scratch" / "model", tmp_path / "staging"
+    for folder, byte, config in ((written, b"x", '{"job": 1}'), (staging, b"w", '{"published": 1}')):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(byte * size)
+        (folder / "config.json").write_text(config)
+    version = "f" * 64  # the job's hash of what it wrote
+    ref = storage.publish(str(staging), "policy_checkpoint", {"inputs": {}}, content_hash=version)
+    cache = NodeInputCache(folder=str(tmp_path / "node"))
+    cache.keep_produced(str(written), version)
+    shutil.rmtree(tmp_path / "scratch")  # the rank's scratch goes; the links it kept stay
+    copy = cache.local(fs, fsutil.join(base, "policy_checkpoint", ref.data_version))
+    assert (cache.produced, cache.fetched) == (1, 0)
+    assert open(os.path.join(copy, "model.safetensors"), "rb").read(1) == b"x"  # linked
+    assert open(os.path.join(copy, "config.json")).read() == '{"published": 1}'  # small: downloaded
+    assert os.path.isfile(os.path.join(copy, "lineage.json"))
+    assert not os.listdir(os.path.join(cache.node_folder(), "produced"))  # used once
+    for i in range(3):  # outputs no later job here read: the newest two are kept
+        (tmp_path / f"out{i}").mkdir()
+        (tmp_path / f"out{i}" / "w.bin").write_bytes(b"y")
+        cache.keep_produced(str(tmp_path / f"out{i}"), f"{i}" * 64)
+        made = time.time() - 60 + i  # in order, within the hour
+        os.utime(os.path.join(cache.node_folder(), "produced", f"{i}" * 16), (made, made))
+    assert sorted(os.listdir(os.path.join(cache.node_folder(), "produced"))) == ["1" * 16, "2" * 16]
