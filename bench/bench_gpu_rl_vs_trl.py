@@ -29,7 +29,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   (``rollout_engine.vllm_resident``: asleep between steps, each new checkpoint copied in); no sampling ahead;
 - ``carry``: the same with ``policy_checkpoint.carry_optimizer_state`` (each update takes up the AdamW state the
   update before published with its checkpoint: one optimiser over the run, as TRL's; the answer to ``trl_reset``'s
-  question from batchrl's side);
+  question from batchrl's side); ``carry_lr4``: ``carry`` at lr 4e-6 (between the profile's 2e-6 and the 1e-5 of
+  ``hi_lr``/``dapo``);
 - ``trl``: TRL 1.16 ``GRPOTrainer`` (plain HF ``generate``; no vLLM) on the ``full`` arm's base folder, wall =
   ``train()`` (the model already built), stopped at the first round boundary after M minutes; ``setup_s``: its
   model load and trainer construction (with vLLM: the engine's start), off the clock, as batchrl's

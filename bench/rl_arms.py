@@ -24,4 +24,8 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                    "rollout_engine": {"kind": "vllm", "vllm_resident": True, "gpu_memory_utilization": 0.35},
                    "rl_recipe": {"sample_ahead": False}}},
                # one AdamW over the iterations, as TRL's (its moments published with each checkpoint)
-               "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}}}
+               "carry": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True}}}},
+               # between the profile's stable 2e-6 and the lr 1e-5 that collapsed the dapo arm (RESULTS, 2026-12-06),
+               # with the carried AdamW (a new one's first steps are ~1.5x larger)
+               "carry_lr4": {"ops": {"policy_checkpoint": {"config": {"carry_optimizer_state": True,
+                                                                       "lr": 4.0e-6}}}}}
