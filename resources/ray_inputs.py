@@ -75,9 +75,9 @@ class NodeInputCache:
     def local(self, fs, remote: str) -> str:
         """The local folder of the artifact at ``remote`` (downloaded unless this node has it), marked as used."""
         asset, version = remote.rstrip("/").split("/")[-2:]
-        path = os.path.join(self.folder, fsutil.safe_name(asset, "asset name"),
-                            fsutil.safe_name(version, "data version"))
-        produced = os.path.join(self.folder, NODE_OWN, PRODUCED, os.path.basename(path))
+        version = fsutil.safe_name(version, "data version")
+        path = os.path.join(self.folder, fsutil.safe_name(asset, "asset name"), version)
+        produced = os.path.join(self.folder, NODE_OWN, PRODUCED, version)
         if os.path.isdir(path):
             self.reused += 1
         elif os.path.isdir(produced):  # written here: its big files linked, the rest downloaded

@@ -161,12 +161,11 @@ class JobRank:
             changed = ray_staging.changed_files(self.local[root], self.found)
             ray_staging.upload(self.fs, fsutil.join(self.prefix, "out", str(i)), changed)
             count += len(changed)
-        try:  # the output the job hashed: kept on this node for the later jobs here that read it once published
-            with open(os.path.join(self.scratch, OUTPUT_RECORD)) as f:
+        record = os.path.join(self.scratch, OUTPUT_RECORD)
+        if os.path.exists(record):  # the output the job hashed: kept here for the later jobs that read it published
+            with open(record) as f:
                 output = json.load(f)
             self.inputs.keep_produced(output["dir"], output["content_hash"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
         return count
 
     def _written_roots(self) -> list[str]:

@@ -49,18 +49,25 @@ def path_roots(*configs: dict) -> list[str]:
     return roots
 
 
+def _map_strings(value: Any, change) -> Any:
+    """``value`` with ``change`` applied to each of its strings (those under ``NODE_LOCAL_KEYS`` left as they are)."""
+    if isinstance(value, dict):
+        return {k: v if k in NODE_LOCAL_KEYS else _map_strings(v, change) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, change) for v in value]
+    return change(value) if isinstance(value, str) else value
+
+
 def rewrite_paths(value: Any, mapping: dict[str, str]) -> Any:
     """``value`` with every string under a root of ``mapping`` moved under that root's new place."""
-    if isinstance(value, dict):
-        return {k: v if k in NODE_LOCAL_KEYS else rewrite_paths(v, mapping) for k, v in value.items()}
-    if isinstance(value, list):
-        return [rewrite_paths(v, mapping) for v in value]
-    if isinstance(value, str) and os.path.isabs(value):
-        path = os.path.normpath(value)
-        for old, new in mapping.items():
-            if path == old or path.startswith(old.rstrip("/") + "/"):
-                return new + path[len(old):]
-    return value
+    def moved(text: str) -> str:
+        if os.path.isabs(text):
+            path = os.path.normpath(text)
+            for old, new in mapping.items():
+                if path == old or path.startswith(old.rstrip("/") + "/"):
+                    return new + path[len(old):]
+        return text
+    return _map_strings(value, moved)
 
 
 def node_cache(relative: str) -> str:
@@ -71,13 +78,8 @@ def node_cache(relative: str) -> str:
 
 def resolve_node_cache(value: Any, folder: str) -> Any:
     """``value`` with every ``node_cache`` string made a path under this node's cache ``folder``."""
-    if isinstance(value, dict):
-        return {k: resolve_node_cache(v, folder) for k, v in value.items()}
-    if isinstance(value, list):
-        return [resolve_node_cache(v, folder) for v in value]
-    if isinstance(value, str) and value.startswith(NODE_CACHE_PREFIX):
-        return os.path.join(folder, value[len(NODE_CACHE_PREFIX):])
-    return value
+    return _map_strings(value, lambda text: os.path.join(folder, text.removeprefix(NODE_CACHE_PREFIX))
+                        if text.startswith(NODE_CACHE_PREFIX) else text)
 
 
 def local_files(path: str) -> dict[str, str]:

@@ -165,8 +165,9 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
         version = tree_hash(output) if output and os.path.exists(output) and is_rank0() else None
         if version:
             meta.update(content_hash=version, hash_s=round(time.perf_counter() - started, 3))
-            if read("BATCHRL_OUTPUT_RECORD"):  # for whoever ran the job (a Ray rank: resources/ray_rank.py)
-                with open(read("BATCHRL_OUTPUT_RECORD"), "w") as f:
+            record = read("BATCHRL_OUTPUT_RECORD")  # for whoever ran the job (a Ray rank: resources/ray_rank.py)
+            if record:
+                with open(record, "w") as f:
                     json.dump({"content_hash": version, "dir": os.path.abspath(output)}, f)
         # the trainer's exported weights stay in the worker under the content they are published as
         meta["resident_weights"] = resident_weights.settle(output, version)
