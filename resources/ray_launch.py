@@ -213,7 +213,7 @@ def run_on_ray(context: dg.AssetExecutionContext, ray: RayJobs, job: str, config
     ended = time.perf_counter()
     for i, root in enumerate(roots):
         if i not in artifacts:  # a published artifact is an input: jobs never write into one
-            ray_staging.download(fs, fsutil.join(prefix, "out", str(i)), root)
+            ray_staging.download(fs, fsutil.join(prefix, "out", str(i)), root, link=True)
     fs.rm(prefix, recursive=True)
     if sharded:
         join_shards(configs, config["out_parquet"])

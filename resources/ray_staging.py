@@ -5,7 +5,8 @@ path that exists under ``<prefix>/in/<i>/``; each rank downloads them into a scr
 runs the job on the config with those paths rewritten; afterwards every rank uploads the files its job created
 or changed under ``<prefix>/out/<i>/`` (the others first, rank 0 last, so rank 0's copy of a shared name wins),
 and the Dagster side downloads them back into the original paths, each file by temp file + rename. A failed job
-uploads nothing, so the Dagster side never sees half a result.
+uploads nothing, so the Dagster side never sees half a result. A local storage root (a one-host cluster) moves the
+files as hard links where it can, except into a job's scratch, which the job may change in place.
 
 Under ``<prefix>/{in,out}/<i>/``: ``file`` for a root that is a file, ``tree/<relative path>`` for a folder.
 """
@@ -94,29 +95,49 @@ def local_files(path: str) -> dict[str, str]:
     return files
 
 
+def _link_into_place(source: str, dest: str) -> bool:
+    """``dest`` made a hard link to ``source`` (temp name + rename: never written in place), or False where no link
+    can be made (another file system) and the caller copies."""
+    tmp = f"{dest}.tmp-{uuid.uuid4().hex}"
+    try:
+        os.link(source, tmp)
+    except OSError:
+        return False
+    os.replace(tmp, dest)
+    return True
+
+
 def upload(fs, prefix: str, files: dict[str, str]) -> None:
-    """Each local file of ``files`` to ``<prefix>/<name>`` (one PUT each: atomic on object stores)."""
+    """Each local file of ``files`` to ``<prefix>/<name>`` (one PUT each: atomic on object stores). A local storage
+    root (one host) gets hard links where it can: a checkpoint's gigabytes are not copied. The caller never writes
+    into these files afterwards (a job's inputs before it runs, its outputs once it has ended)."""
     def put(item):
         name, local = item
         remote = fsutil.join(prefix, name)
-        if fsutil.is_local(fs):  # a local storage root (one machine): folders first; object stores need none
+        if fsutil.is_local(fs):  # folders first; object stores need none
             fs.makedirs(remote.rsplit("/", 1)[0], exist_ok=True)
+            if _link_into_place(local, remote):
+                return
         fs.put_file(local, remote)
     with ThreadPoolExecutor(TRANSFER_THREADS) as pool:
         list(pool.map(put, files.items()))
 
 
-def download(fs, prefix: str, dest: str) -> int:
+def download(fs, prefix: str, dest: str, link: bool = False) -> int:
     """What ``upload`` put under ``prefix`` into the root ``dest`` (a file or a folder, merged into what is there),
-    each file by temp file + rename; the number of files."""
+    each file by temp file + rename; the number of files. ``link``: hard links from a local storage root where it
+    can, for files nobody writes into again (a finished job's outputs; never a job's inputs, which it may change)."""
     try:
         names = [p[len(prefix.rstrip("/")) + 1:] for p in fs.find(prefix)]
     except FileNotFoundError:
         names = []
+    link = link and fsutil.is_local(fs)
 
     def get(name: str) -> None:
         local = dest if name == "file" else os.path.join(dest, name[len("tree/"):])
         os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
+        if link and _link_into_place(fsutil.join(prefix, name), local):
+            return
         tmp = f"{local}.tmp-{uuid.uuid4().hex}"
         fs.get_file(fsutil.join(prefix, name), tmp)
         os.replace(tmp, local)

@@ -42,9 +42,33 @@ def test_what_a_job_wrote_comes_back_and_nothing_else(tmp_path):
     changed = ray_staging.changed_files(str(node), found)
     assert changed == {"tree/model/weights.bin": str(node / "model" / "weights.bin")}
     ray_staging.upload(fs, f"{prefix}/out/0", changed)
-    ray_staging.download(fs, f"{prefix}/out/0", str(work))
+    ray_staging.download(fs, f"{prefix}/out/0", str(work), link=True)
     assert (work / "model" / "weights.bin").read_text() == "new" and (work / "checkpoints" / "old.pt").exists()
     assert not [f for f in os.listdir(work / "model") if ".tmp-" in f]
+    # a local storage root (one host): a finished job's outputs travel as hard links, its inputs as copies it may
+    # change without touching the Dagster side's
+    inode = os.stat(node / "model" / "weights.bin").st_ino
+    assert os.stat(work / "model" / "weights.bin").st_ino == inode
+    assert os.stat(f"{prefix}/in/0/tree/checkpoints/old.pt").st_ino == os.stat(work / "checkpoints" / "old.pt").st_ino
+    assert os.stat(node / "checkpoints" / "old.pt").st_ino != os.stat(work / "checkpoints" / "old.pt").st_ino
+    (tmp_path / "next.bin").write_text("next")  # a name uploaded again is replaced, never written in place
+    ray_staging.upload(fs, f"{prefix}/out/0", {"tree/model/weights.bin": str(tmp_path / "next.bin")})
+    assert (work / "model" / "weights.bin").read_text() == "new"
+    assert open(f"{prefix}/out/0/tree/model/weights.bin").read() == "next"
+
+
+def test_where_no_link_can_be_made_the_files_are_copied(tmp_path, monkeypatch):
+    fs, prefix = fsutil.filesystem_for(str(tmp_path / "storage"))
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "weights.bin").write_text("w")
+
+    def cross_device(source, dest):
+        raise OSError(18, "Invalid cross-device link")
+    monkeypatch.setattr(os, "link", cross_device)
+    ray_staging.upload(fs, f"{prefix}/out/0", ray_staging.local_files(str(tmp_path / "job")))
+    assert ray_staging.download(fs, f"{prefix}/out/0", str(tmp_path / "back"), link=True) == 1
+    assert (tmp_path / "back" / "weights.bin").read_text() == "w"
+    assert not [f for f in os.listdir(f"{prefix}/out/0/tree") if ".tmp-" in f]
 
 
 def test_a_single_file_root_round_trips(tmp_path):
