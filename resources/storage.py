@@ -104,7 +104,20 @@ class StorageResource(dg.ConfigurableResource):
                     if name != LINEAGE_FILE:
                         fs.put(os.path.join(local_dir, name), fsutil.join(dest, name), recursive=True)
                 fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
+                self._keep_as_cached(local_dir, asset, data_version)
         return ArtifactRef(asset=asset, uri=uri, data_version=data_version)
+
+    def _cached_path(self, asset: str, data_version: str) -> str:
+        return os.path.abspath(os.path.join(self.cache_dir, asset, data_version))
+
+    def _keep_as_cached(self, local_dir: str, asset: str, data_version: str) -> None:
+        """What was just uploaded, as this host's cached copy (one rename): the asset that reads it next (the next
+        RL step reads each new checkpoint) does not download it again. Only an upload of ours: where the same
+        content was published before, its ``lineage.json`` is the first publisher's, and a download gets that."""
+        local = self._cached_path(asset, data_version)
+        if not os.path.exists(local):
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            fsutil.move_into_place(lambda tmp: _take(local_dir, tmp), local)
 
     def locate(self, ref: ArtifactRef | dict) -> ArtifactRef:
         """``ref`` with its uri under this root (``lineage.rooted_uri``: a copied root reads its own copy)."""
@@ -115,11 +128,12 @@ class StorageResource(dg.ConfigurableResource):
                            ref.data_version)
 
     def localize(self, ref: ArtifactRef | dict) -> str:
-        """A local folder holding the artifact (downloaded once into the cache for S3 roots)."""
+        """A local folder holding the artifact (for S3 roots: downloaded once into the cache, or the copy this host
+        uploaded)."""
         ref = self.locate(ref)
         if self.is_local():
             return self._inside_root(ref.uri)
-        local = os.path.abspath(os.path.join(self.cache_dir, ref.asset, ref.data_version))
+        local = self._cached_path(ref.asset, ref.data_version)
         if not os.path.exists(local):
             fs, _ = self._fs()
             fsutil.move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)

@@ -63,6 +63,34 @@ def test_assets_receive_local_artifacts_with_lineage_from_an_s3_root(s3_options,
     assert os.path.isdir(tmp_path / "cache" / "merged")  # downloaded once into the cache, then handed over
 
 
+def test_what_a_host_uploaded_is_its_cached_copy_and_is_not_downloaded_again(s3_options, tmp_path):
+    import shutil
+
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options)
+    if not fs.exists("flow-uploads"):
+        fs.mkdir("flow-uploads")
+    storage = StorageResource(root="s3://flow-uploads/root", storage_options=s3_options,
+                              cache_dir=str(tmp_path / "cache"))
+
+    def publish_rows(run: str):
+        with storage.staging_dir("drops") as staging:
+            pd.DataFrame({"x": [1, 2]}).to_parquet(os.path.join(staging, "rows.parquet"))
+            return storage.publish(staging, "drops", {"run": run})
+    ref = publish_rows("first")
+    cached = tmp_path / "cache" / "drops" / ref.data_version
+    assert sorted(os.listdir(cached)) == ["lineage.json", "rows.parquet"]
+    remote = ref.uri.split("://", 1)[1]
+    assert fs.cat_file(f"{remote}/lineage.json") == (cached / "lineage.json").read_bytes()
+    fs.rm(f"{remote}/rows.parquet")  # gone from the root: only the copy kept at upload can answer now
+    assert storage.localize(ref) == str(cached) and len(pd.read_parquet(cached / "rows.parquet")) == 2
+    # the same content published again uploads nothing and keeps the first publisher's lineage, also in the cache
+    shutil.rmtree(cached)
+    assert publish_rows("second") == ref and not cached.exists()
+    assert storage.read_lineage(ref)["run"] == "first"
+
+
 def test_an_input_never_materialised_fails_naming_it(tmp_path):
     storage = StorageResource(root=str(tmp_path / "root"), cache_dir=str(tmp_path / "cache"))
     resources = {"storage": storage, "catalog": CatalogResource(path=str(tmp_path / "catalog.duckdb")),

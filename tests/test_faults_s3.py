@@ -55,19 +55,22 @@ def test_publish_retries_and_an_outage_leaves_no_complete_artifact(s3_server, tm
     fs.mkdir("flaky-artifacts")
     staging = tmp_path / "staging"
     staging.mkdir()
-    for i in range(3):
-        (staging / f"part-{i}.bin").write_bytes(os.urandom(64 << 10))
+    parts = {f"part-{i}.bin": os.urandom(64 << 10) for i in range(3)}
+    for name, data in parts.items():
+        (staging / name).write_bytes(data)
     with FlakyS3Proxy(s3_server, fail_every=4) as proxy:
         s3fs.S3FileSystem.clear_instance_cache()
         storage = StorageResource(root="s3://flaky-artifacts/a", storage_options=_options(proxy.url),
                                   cache_dir=str(tmp_path / "cache"))
         ref = storage.publish(str(staging), "thing", {"k": 1})
         assert proxy.failed >= 2
-    for i in range(3):
-        assert fs.cat(f"flaky-artifacts/a/thing/{ref.data_version}/part-{i}.bin") == \
-            (staging / f"part-{i}.bin").read_bytes()
-    # an outage after a few requests: publish fails, lineage.json (written last) is absent
-    (staging / "part-0.bin").write_bytes(b"new content")
+    for name, data in parts.items():
+        assert fs.cat(f"flaky-artifacts/a/thing/{ref.data_version}/{name}") == data
+    # an outage after a few requests: publish fails, lineage.json (written last) is absent; a publish takes its
+    # staging folder (here: into the host's cache), so the next one builds another
+    staging.mkdir()
+    for name, data in {**parts, "part-0.bin": b"new content"}.items():
+        (staging / name).write_bytes(data)
     with FlakyS3Proxy(s3_server, fail_after=3) as proxy:
         s3fs.S3FileSystem.clear_instance_cache()
         broken = StorageResource(root="s3://flaky-artifacts/a", storage_options=_options(
