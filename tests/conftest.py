@@ -148,15 +148,25 @@ def _upstream_template(tmp_path_factory) -> tuple[str, str]:
     return str(root), str(home)
 
 
+def _copy_upstream(template: tuple[str, str], folder) -> tuple[str, str]:
+    import shutil
+
+    root, home = os.path.join(folder, "storage"), os.path.join(folder, "home")
+    shutil.copytree(template[0], root)
+    shutil.copytree(template[1], home)
+    return root, home
+
+
 @pytest.fixture
 def upstream_copy(_upstream_template):
     """``copy(folder) -> (root, home)``: a storage root and Dagster home of their own holding the upstream assets
     (copies of the session's: a copied root with its home is a root of its own), for RL iterations on top."""
-    import shutil
+    return lambda folder: _copy_upstream(_upstream_template, folder)
 
-    def copy(folder) -> tuple[str, str]:
-        root, home = os.path.join(folder, "storage"), os.path.join(folder, "home")
-        shutil.copytree(_upstream_template[0], root)
-        shutil.copytree(_upstream_template[1], home)
-        return root, home
-    return copy
+
+@pytest.fixture(scope="module")
+def module_upstream(_upstream_template, tmp_path_factory) -> tuple[str, str]:
+    """(root, home): a copy of the session's upstream assets for a module's own fixture to build on (the data
+    stages and the tiny base model are not trained again per module). The copied home's materialisations name
+    the template's folders (``uri``): a test comparing a path in the copy with one must build its own upstream."""
+    return _copy_upstream(_upstream_template, tmp_path_factory.mktemp("upstream_copy"))

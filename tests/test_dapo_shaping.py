@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, recipe, run_assets
+from pipeline_helpers import RL_LOOP, TINY_BASE, UPSTREAM, latest_metadata, local_resources, recipe, run_assets
 from pydantic import ValidationError
 
 from batchrl.resources import StorageResource
@@ -127,10 +127,12 @@ RECIPE = recipe(samples_per_prompt=3)
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("dapo_storage"))
-    with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp("dapo_home"))) as instance:
-        assert run_assets(local_resources(root), instance, UPSTREAM, {"ops": TINY}).success
+def upstream(module_upstream):
+    """UPSTREAM with ``TINY``'s base model: the session's, copied."""
+    assert TINY["base_model"] == TINY_BASE["ops"]["base_model"]
+    root, home = module_upstream
+    with dg.DagsterInstance.local_temp(home) as instance:
+        assert all(instance.get_latest_materialization_event(dg.AssetKey(a)) for a in UPSTREAM)
         yield instance, root
 
 

@@ -14,7 +14,8 @@ import sys
 import threading
 
 import dagster as dg
-from pipeline_helpers import local_resources, run_assets
+from pipeline_helpers import TINY_BASE, local_resources, run_assets
+from pipeline_helpers import UPSTREAM as PIPELINE_UPSTREAM
 
 from batchrl.common import fsutil
 from batchrl.resources import CatalogResource
@@ -89,12 +90,13 @@ def _complete_versions(root: str, asset: str, scratch: str) -> list[str]:
     return versions
 
 
-def test_sigkill_in_rl_and_dpo_stages_then_rerun(tmp_path):
-    root, home = str(tmp_path / "root"), str(tmp_path / "home")
-    os.makedirs(home)
+def test_sigkill_in_rl_and_dpo_stages_then_rerun(tmp_path, upstream_copy):
+    assert SMALL["ops"]["base_model"] == TINY_BASE["ops"]["base_model"]  # the copied upstream's base model
+    root, home = upstream_copy(tmp_path)  # the session's data stages and base model; the scored path trained here
     resources = local_resources(root)  # inputs load through ArtifactIOManager: the instance names the versions
     with dg.DagsterInstance.local_temp(home) as instance:
-        assert run_assets(resources, instance, selection=UPSTREAM, run_config=SMALL).success
+        scored = [a for a in UPSTREAM if a not in PIPELINE_UPSTREAM]
+        assert run_assets(resources, instance, selection=scored, run_config=SMALL).success
     catalog = CatalogResource(path=os.path.join(root, "catalog.duckdb"))
     scratch = str(tmp_path / "hashcheck")
     for stage, kill in STAGES:

@@ -59,16 +59,13 @@ def test_max_rows_trains_on_a_seeded_sample_and_needs_two_rows(arith_model, feed
         KTOConfig(max_rows=1)
 
 
-def test_kto_checkpoint_through_dagster_on_the_shipped_feedback_logs(tmp_path):
+def test_kto_checkpoint_through_dagster_on_the_shipped_feedback_logs(tmp_path, upstream_copy):
     from pipeline_helpers import latest_metadata, local_resources, run_assets
 
-    data = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_window", "prompts", "base_model",
-            "feedback_logs", "kto_checkpoint"]
-    ops = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-           "kto_checkpoint": {"config": {"epochs": 1}}}
-    (tmp_path / "home").mkdir()
-    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
-        result = run_assets(local_resources(str(tmp_path / "storage")), instance, data, {"ops": ops})
+    root, home = upstream_copy(tmp_path)  # the session's data stages and tiny base model, copied
+    ops = {"kto_checkpoint": {"config": {"epochs": 1}}}
+    with dg.DagsterInstance.local_temp(home) as instance:
+        result = run_assets(local_resources(root), instance, ["feedback_logs", "kto_checkpoint"], {"ops": ops})
         assert result.success
         meta = latest_metadata(instance, "kto_checkpoint")
         assert meta["num_examples"] == latest_metadata(instance, "feedback_logs")["valid"] and meta["num_desirable"] > 0

@@ -8,7 +8,8 @@ import dagster as dg
 import numpy as np
 import pandas as pd
 import pytest
-from pipeline_helpers import latest_metadata, local_resources, recipe, run_assets
+from pipeline_helpers import TINY_BASE, latest_metadata, local_resources, recipe, run_assets
+from pipeline_helpers import UPSTREAM as PIPELINE_UPSTREAM
 
 from batchrl.assets.run_rules import check_run_config
 from batchrl.common.run_config_error import RunConfigError
@@ -19,16 +20,20 @@ UPSTREAM = ["raw_logs", "cleaned_logs", "validated_preferences", "preference_win
             "prompts", "base_model", "reward_model"]
 RL = ["rollouts", "rewards", "advantages", "policy_checkpoint"]
 BASE = {"base_model": {"config": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 1}},
-        "reward_model": {"config": {"epochs": 1}}}
+        "reward_model": {"config": {"epochs": 1, "max_pairs": 32}}}  # the RM-initialised critic needs a trained head
 SMALL_ROLLOUTS = {"max_prompts": 6}
 SMALL_RECIPE = {"samples_per_prompt": 3}
 
 
 @pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("storage"))
-    with dg.DagsterInstance.local_temp(str(tmp_path_factory.mktemp("home"))) as instance:
-        result = run_assets(local_resources(root), instance, UPSTREAM, {"ops": BASE})
+def upstream(module_upstream):
+    """UPSTREAM: the session's data stages and tiny base model (``BASE``'s, copied), the scored data and the
+    reward model trained here."""
+    assert BASE["base_model"] == TINY_BASE["ops"]["base_model"]  # the copied upstream's base model
+    root, home = module_upstream
+    with dg.DagsterInstance.local_temp(home) as instance:
+        result = run_assets(local_resources(root), instance, [a for a in UPSTREAM if a not in PIPELINE_UPSTREAM],
+                            {"ops": BASE})
         assert result.success
         yield instance, root
 
@@ -444,15 +449,15 @@ with dg.DagsterInstance.ephemeral() as instance:
     assert out.stdout.split("\n")[-4:] == ["[]", "True []", "True []", ""], out.stdout[-2000:]
 
 
-def test_rewards_at_reward_model_weight_zero_need_no_reward_model(tmp_path):
-    """A fresh root without a reward model: the RL loop runs when the mix gives the RM weight 0 (it is neither
-    required nor loaded, nor named in the lineage); a non-zero weight fails the rewards step saying what to do."""
-    root = str(tmp_path / "storage")
-    data = [a for a in UPSTREAM if a not in ("scored_logs", "scored_pairs", "reward_model")]
-    (tmp_path / "home").mkdir()
-    with dg.DagsterInstance.local_temp(str(tmp_path / "home")) as instance:
-        ops = {"base_model": BASE["base_model"], "rollouts": {"config": SMALL_ROLLOUTS}}
-        result = run_assets(local_resources(root), instance, data + ["rollouts", "rewards"],
+def test_rewards_at_reward_model_weight_zero_need_no_reward_model(upstream_copy, tmp_path):
+    """A root of its own without a reward model (the session's data stages and base model, copied): the RL loop
+    runs when the mix gives the RM weight 0 (it is neither required nor loaded, nor named in the lineage); a
+    non-zero weight fails the rewards step saying what to do."""
+    root, home = upstream_copy(tmp_path)
+    with dg.DagsterInstance.local_temp(home) as instance:
+        assert instance.get_latest_materialization_event(dg.AssetKey("base_model")) is not None
+        ops = {"rollouts": {"config": SMALL_ROLLOUTS}}
+        result = run_assets(local_resources(root), instance, ["rollouts", "rewards"],
                             {"ops": ops, "resources": recipe(**SMALL_RECIPE)})
         assert result.success
         assert instance.get_latest_materialization_event(dg.AssetKey("reward_model")) is None

@@ -8,7 +8,7 @@ import base64
 
 import dagster as dg
 import pytest
-from pipeline_helpers import RL_LOOP, UPSTREAM, latest_metadata, local_resources, run_assets
+from pipeline_helpers import RL_LOOP, TINY_BASE, UPSTREAM, latest_metadata, local_resources, run_assets
 
 from batchrl.resources.rl_recipe import RLRecipe
 
@@ -18,12 +18,14 @@ NUMBER = (int, float)
 
 
 @pytest.fixture(scope="module")
-def two_iterations(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rl_metadata")
-    (root / "home").mkdir()
-    with dg.DagsterInstance.local_temp(str(root / "home")) as instance:
-        resources = local_resources(str(root / "storage"), rl_recipe=RLRecipe(samples_per_prompt=2))
-        assert run_assets(resources, instance, UPSTREAM + RL_LOOP, {"ops": TINY}).success
+def two_iterations(module_upstream):
+    """Two RL iterations on the session's UPSTREAM (``TINY``'s base model), copied."""
+    assert TINY["base_model"] == TINY_BASE["ops"]["base_model"]
+    root, home = module_upstream
+    with dg.DagsterInstance.local_temp(home) as instance:
+        resources = local_resources(root, rl_recipe=RLRecipe(samples_per_prompt=2))
+        assert all(instance.get_latest_materialization_event(dg.AssetKey(a)) for a in UPSTREAM)
+        assert run_assets(resources, instance, RL_LOOP, {"ops": TINY}).success
         first = {asset: latest_metadata(instance, asset) for asset in [*RL_LOOP, "promoted_policy"]}
         second_config = {"rollouts": {"config": {**TINY["rollouts"]["config"], "seed": 1}}}
         assert run_assets(resources, instance, RL_LOOP, {"ops": second_config}).success
