@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from batchrl.cli.disk_room import IterationRoom
 from batchrl.cli.instance import ensure_dagster_home, latest_uri, open_instance
 from batchrl.common.environment_variables import EnvironmentVariableError, read
 
@@ -248,14 +249,20 @@ def _run(args: argparse.Namespace) -> int:
             steps = sum(counts)
             out.write(f"batchrl run: {steps} asset steps; details in {'this console' if args.verbose else log_path}\n")
             budget_spent = evaluated_since = False  # evaluated_since: no RL iteration ran since the last evaluation
+            root, cache = (getattr(defs.resources.get("storage"), field, "") for field in ("root", "cache_dir"))
+            room = IterationRoom([root, cache, home], cache, read("BATCHRL_MIN_FREE_GB"), frozenset(RL_LOOP))
             for position, (title, selection, config) in enumerate(plan):
+                stop = room.stop(title)
+                if stop is not None:  # said once; the RL iterations left are skipped, the evaluation still runs
+                    out.write(stop)
+                    continue
                 if title.startswith("RL iteration") and args.max_minutes and (
                         budget_spent or time.monotonic() - started > 60 * args.max_minutes):
                     if not budget_spent:  # said once; the RL iterations left are skipped, the evaluation still runs
                         out.write(f"=== time budget of {args.max_minutes} min reached: no further RL iteration\n")
                     budget_spent = True
                     continue
-                if evaluation_skipped(title, evaluated_since, budget_spent):
+                if evaluation_skipped(title, evaluated_since, budget_spent or room.short is not None):
                     continue
                 evaluated_since = title.startswith("evaluation")
                 if title:
@@ -268,12 +275,16 @@ def _run(args: argparse.Namespace) -> int:
                                             tags={**tags, **announced_next(plan, position)},
                                             on_run=progress.follow, concurrent_steps=args.concurrent_steps)
                 done += progress.done
+                room.record(progress.done)
                 if not result.success:
                     break
         latest = functools.lru_cache(maxsize=None)(lambda asset: latest_uri(instance, asset))  # asked twice each
         print_run_summary(done, result.success, time.monotonic() - started, None if args.verbose else log_path, latest,
                           dagster_home=home)
-    return 0 if result.success else 1
+    if room.short is not None:  # what was asked for did not all run: not a success for a schedule or a script
+        print(f"batchrl run: stopped before all RL iterations: {room.short} (free space, or a smaller model)",
+              file=sys.stderr)
+    return 0 if result.success and room.short is None else 1
 
 
 # assets whose model-free work (rule rewards, advantages) runs in this process with torch (on the GPU host too): the

@@ -127,6 +127,9 @@ _TABLE = (
     # the command line
     _v("CONCURRENT_STEPS", "int", None, (CLI,), "`batchrl run --concurrent-steps`' default", minimum=1,
        unset="the environment's: gpu 3, else 1"),
+    _v("MIN_FREE_GB", "float", 0.5, (CLI,), "room `batchrl run` keeps free on the storage root's and the cache's "
+       "file systems: no further RL iteration starts where less than this plus what the last one published is free",
+       minimum=0),
     _v("SERVER", "flag", True, (CLI,), "whether `batchrl` runs its command in a warm `batchrl serve` (off: never)"),
     # set by batchrl for its own child processes
     _v("OUTPUT_ROUTED", "flag", False, (DAGSTER,), "`batchrl run` already sends its runs' output where it wants: "

@@ -104,3 +104,12 @@ def test_sigkill_mid_iteration_keeps_every_published_checkpoint_and_the_rerun_co
     assert boxed.stdout.count("time budget of 0.0001 min reached") == 1, boxed.stdout[-3000:]
     assert "=== RL iteration" not in boxed.stdout, boxed.stdout[-3000:]
     assert len(_promoted_chain(env)) == len(chain) + 1
+
+    # too little room for what an iteration publishes: the loop stops at the next iteration's boundary (after the
+    # first execution's), says why, and exits 1 (every published checkpoint stays)
+    cramped = subprocess.run([BATCHRL, "run", "--select", RL_LOOP, "--rl-iterations", "3", "-c", str(config)],
+                             env={**env, "BATCHRL_MIN_FREE_GB": "1000000"}, capture_output=True, text=True, timeout=600)
+    assert cramped.returncode == 1, cramped.stdout[-3000:] + cramped.stderr[-3000:]
+    assert cramped.stdout.count("=== disk: ") == 1 and "no further RL iteration" in cramped.stdout, cramped.stdout
+    assert "=== RL iteration" not in cramped.stdout and "stopped before all RL iterations" in cramped.stderr
+    assert len(_promoted_chain(env)) == len(chain) + 2
