@@ -120,11 +120,12 @@ def tree_hash(file_sha256: dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def link_tree(src: str, dst: str) -> bool:
+def link_tree(src: str, dst: str, copy: bool = True) -> bool:
     """Put every file of the local folder ``src`` into ``dst`` as a hard link (no bytes copied: a trained
-    model's export is gigabytes), copying only where linking fails (another filesystem). For our own
-    write-once files only: both names then point at the same bytes, so neither may be written in place.
-    Returns whether every file was linked (``dst`` then holds the very bytes ``src`` does)."""
+    model's export is gigabytes), copying only where linking fails (another filesystem; ``copy=False``: the
+    OSError is raised instead). For our own write-once files only: both names then point at the same bytes, so
+    neither may be written in place. Returns whether every file was linked (``dst`` then holds the very bytes
+    ``src`` does)."""
     linked = True
     for folder, _, files in os.walk(src):
         target = os.path.join(dst, os.path.relpath(folder, src))
@@ -133,6 +134,8 @@ def link_tree(src: str, dst: str) -> bool:
             try:
                 os.link(os.path.join(folder, name), os.path.join(target, name))
             except OSError:
+                if not copy:
+                    raise
                 shutil.copy2(os.path.join(folder, name), os.path.join(target, name))
                 linked = False
     return linked

@@ -102,17 +102,9 @@ class NodeInputCache:
         target = os.path.join(store, fsutil.safe_name(content_hash[:16], "data version"))
         if os.path.isdir(target) or not os.path.isdir(folder):
             return
-
-        def link(tmp: str) -> None:
-            for root, _, names in os.walk(folder):
-                for name in names:
-                    source = os.path.join(root, name)
-                    copy = os.path.join(tmp, os.path.relpath(source, folder))
-                    os.makedirs(os.path.dirname(copy), exist_ok=True)
-                    os.link(source, copy)
         try:
             os.makedirs(store, exist_ok=True)
-            fsutil.move_into_place(link, target)
+            fsutil.move_into_place(lambda tmp: fsutil.link_tree(folder, tmp, copy=False), target)
         except OSError:
             shutil.rmtree(target, ignore_errors=True)
             return

@@ -39,15 +39,20 @@ def merged_rows(merged: Artifact) -> int:
     return len(merged.read_table())
 
 
-def test_assets_receive_local_artifacts_with_lineage_from_an_s3_root(s3_options, tmp_path):
-    """~5 s."""
+def _s3_storage(s3_options, bucket: str, tmp_path):
+    """(the bucket's filesystem, a storage rooted in it with its cache under ``tmp_path``)."""
     import s3fs
 
     fs = s3fs.S3FileSystem(**s3_options)
-    if not fs.exists("flow-artifacts"):
-        fs.mkdir("flow-artifacts")
-    storage = StorageResource(root="s3://flow-artifacts/root", storage_options=s3_options,
-                              cache_dir=str(tmp_path / "cache"))
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    return fs, StorageResource(root=f"s3://{bucket}/root", storage_options=s3_options,
+                               cache_dir=str(tmp_path / "cache"))
+
+
+def test_assets_receive_local_artifacts_with_lineage_from_an_s3_root(s3_options, tmp_path):
+    """~5 s."""
+    _, storage = _s3_storage(s3_options, "flow-artifacts", tmp_path)
     resources = {"storage": storage, "catalog": CatalogResource(path=str(tmp_path / "catalog.duckdb")),
                  "io_manager": ArtifactIOManager(storage=storage)}
     (tmp_path / "home").mkdir()
@@ -60,19 +65,13 @@ def test_assets_receive_local_artifacts_with_lineage_from_an_s3_root(s3_options,
         merged_uri = instance.get_latest_materialization_event(dg.AssetKey("merged")).asset_materialization \
             .metadata["uri"].value
     assert merged_uri.startswith("s3://flow-artifacts/root/merged/")
-    assert os.path.isdir(tmp_path / "cache" / "merged")  # downloaded once into the cache, then handed over
+    assert os.path.isdir(tmp_path / "cache" / "merged")  # local through the cache (kept there when uploaded)
 
 
 def test_what_a_host_uploaded_is_its_cached_copy_and_is_not_downloaded_again(s3_options, tmp_path):
     import shutil
 
-    import s3fs
-
-    fs = s3fs.S3FileSystem(**s3_options)
-    if not fs.exists("flow-uploads"):
-        fs.mkdir("flow-uploads")
-    storage = StorageResource(root="s3://flow-uploads/root", storage_options=s3_options,
-                              cache_dir=str(tmp_path / "cache"))
+    fs, storage = _s3_storage(s3_options, "flow-uploads", tmp_path)
 
     def publish_rows(run: str):
         with storage.staging_dir("drops") as staging:

@@ -1,6 +1,5 @@
 """Room on disk for the next RL iteration (cli/disk_room.py): what an iteration published, measured on this host's
 real folders, and the check `batchrl run` makes at each iteration's boundary (its run: tests/test_loop_kill.py)."""
-import os
 import shutil
 
 from batchrl.cli.disk_room import GB, IterationRoom, published_bytes, shortfall
@@ -24,8 +23,8 @@ def test_what_an_iteration_published_is_its_artifacts_here_or_their_cached_copie
 
 def test_the_check_says_where_the_next_iteration_would_not_fit(tmp_path):
     free = shutil.disk_usage(tmp_path).free
-    assert shortfall([str(tmp_path / "not" / "yet")], 0, 0) is None  # the nearest existing folder's file system
-    line = shortfall([str(tmp_path)], free + GB, 0)
+    assert shortfall([str(tmp_path)], 1000, 0) is None
+    line = shortfall([str(tmp_path / "not" / "yet")], free + GB, 0)  # the nearest existing folder's file system
     assert line.startswith(f"{tmp_path} has ") and f"published {(free + GB) / GB:.2f} GB" in line
     assert shortfall([str(tmp_path)], 1000, free / GB + 1) is not None  # the room kept free counts too
 
@@ -46,4 +45,3 @@ def test_the_check_says_where_the_next_iteration_would_not_fit(tmp_path):
     said = room.stop("RL iteration 2 of 3")
     assert said.startswith("=== disk: ") and said.endswith("no further RL iteration\n")
     assert room.stop("RL iteration 3 of 3") == ""  # skipped too, said once
-    assert os.path.isdir(folder)  # nothing is deleted: the run stops, the user frees room

@@ -34,3 +34,12 @@ def test_another_filesystem_is_copied(tmp_path):
         assert os.stat(copied).st_ino != os.stat(tmp_path / "src" / "model.safetensors").st_ino
         assert open(copied, "rb").read() == (tmp_path / "src" / "model.safetensors").read_bytes()
         assert open(os.path.join(other, "dst", "sub", "tokenizer.json")).read() == "{}"
+
+
+def test_without_copies_another_filesystem_raises(tmp_path):
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem (/dev/shm) on this machine")
+    _tree(tmp_path / "src")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as other:
+        with pytest.raises(OSError):
+            link_tree(str(tmp_path / "src"), os.path.join(other, "dst"), copy=False)
