@@ -26,6 +26,11 @@ CREATE TABLE IF NOT EXISTS artifact_inputs (
 );
 CREATE TABLE IF NOT EXISTS artifact_files (
     asset VARCHAR, data_version VARCHAR, uri VARCHAR, sha256 VARCHAR
+);
+-- retention (runs/retention.py): one row per expiry; part 'all' (every data file) or 'optimizer' (the carried AdamW
+-- state); an expiry older than the artifact's latest materialisation no longer holds (a re-publication restored it)
+CREATE TABLE IF NOT EXISTS artifact_expiries (
+    asset VARCHAR, data_version VARCHAR, part VARCHAR, expired_at TIMESTAMP, bytes_freed BIGINT, reason VARCHAR
 )"""
 
 
@@ -75,6 +80,12 @@ class CatalogResource(dg.ConfigurableResource):
                      for f in lineage.get("input_files", []) if f["uri"] not in known]
             if files:
                 con.executemany("INSERT INTO artifact_files VALUES (?, ?, ?, ?)", files)
+
+    def record_expiry(self, *, asset: str, data_version: str, part: str, expired_at: datetime, bytes_freed: int,
+                      reason: str) -> None:
+        with self._connect() as con:
+            con.execute("INSERT INTO artifact_expiries VALUES (?, ?, ?, ?, ?, ?)",
+                        [asset, data_version, part, expired_at.replace(tzinfo=None), bytes_freed, reason])
 
     def query(self, sql: str, params: list | None = None) -> list[tuple]:
         with self._connect() as con:

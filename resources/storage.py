@@ -19,6 +19,7 @@ from pydantic import Field
 
 from batchrl.common import fsutil
 from batchrl.common.storage_layout import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
+from batchrl.resources.retention import MARKER, raise_if_expired, read_marker
 
 LINEAGE_FILE = "lineage.json"
 
@@ -93,28 +94,40 @@ class StorageResource(dg.ConfigurableResource):
         fs, _ = self._fs()
         uri = artifact_uri(self.root_uri(), asset, data_version)
         dest = uri.split("://", 1)[1] if "://" in uri else uri
+        # an expired version (retention deleted its data files, resources.retention) published again is restored
         if self.is_local():
+            if read_marker(fs, dest) is not None:  # the remnant (records, marker) makes way for the whole folder
+                trash = f"{dest}.expired-{os.getpid()}"
+                os.rename(dest, trash)
+                shutil.rmtree(trash)
             if not os.path.exists(dest):  # same content already published: keep the first copy
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 fsutil.move_into_place(lambda tmp: _take(local_dir, tmp), dest)
-        else:
-            if not fs.exists(fsutil.join(dest, LINEAGE_FILE)):
-                # lineage.json is uploaded last: its presence marks a complete artifact
-                for name in sorted(os.listdir(local_dir)):
-                    if name != LINEAGE_FILE:
-                        fs.put(os.path.join(local_dir, name), fsutil.join(dest, name), recursive=True)
-                fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
-                self._keep_as_cached(local_dir, asset, data_version)
+            return ArtifactRef(asset=asset, uri=uri, data_version=data_version)
+        complete = fs.exists(fsutil.join(dest, LINEAGE_FILE))
+        expired = complete and read_marker(fs, dest) is not None
+        if expired or not complete:
+            # lineage.json is uploaded last: its presence marks a complete artifact (a restored one: the marker's
+            # removal, after it)
+            for name in sorted(os.listdir(local_dir)):
+                if name != LINEAGE_FILE:
+                    fs.put(os.path.join(local_dir, name), fsutil.join(dest, name), recursive=True)
+            fs.put(os.path.join(local_dir, LINEAGE_FILE), fsutil.join(dest, LINEAGE_FILE))
+            if expired:
+                fs.rm(fsutil.join(dest, MARKER))
+                shutil.rmtree(self.cached_path(asset, data_version), ignore_errors=True)  # a remnant's copy
+            self._keep_as_cached(local_dir, asset, data_version)
         return ArtifactRef(asset=asset, uri=uri, data_version=data_version)
 
-    def _cached_path(self, asset: str, data_version: str) -> str:
+    def cached_path(self, asset: str, data_version: str) -> str:
+        """This host's copy of an artifact of an s3:// root (there or not)."""
         return os.path.abspath(os.path.join(self.cache_dir, asset, data_version))
 
     def _keep_as_cached(self, local_dir: str, asset: str, data_version: str) -> None:
         """What was just uploaded, as this host's cached copy (one rename): the asset that reads it next (the next
         RL step reads each new checkpoint) does not download it again. Only an upload of ours: where the same
         content was published before, its ``lineage.json`` is the first publisher's, and a download gets that."""
-        local = self._cached_path(asset, data_version)
+        local = self.cached_path(asset, data_version)
         if not os.path.exists(local):
             os.makedirs(os.path.dirname(local), exist_ok=True)
             fsutil.move_into_place(lambda tmp: _take(local_dir, tmp), local)
@@ -127,17 +140,31 @@ class StorageResource(dg.ConfigurableResource):
         return ArtifactRef(ref.asset, rooted_uri(ref.uri, ref.asset, ref.data_version, self.root_uri()),
                            ref.data_version)
 
-    def localize(self, ref: ArtifactRef | dict) -> str:
+    def localize(self, ref: ArtifactRef | dict, expired_ok: bool = False) -> str:
         """A local folder holding the artifact (for S3 roots: downloaded once into the cache, or the copy this host
-        uploaded)."""
+        uploaded). An expired artifact (``resources.retention``) is refused, naming it, unless ``expired_ok`` (its
+        records are read: lineage, audit)."""
         ref = self.locate(ref)
         if self.is_local():
-            return self._inside_root(ref.uri)
-        local = self._cached_path(ref.asset, ref.data_version)
+            path = self._inside_root(ref.uri)
+            if not expired_ok:
+                raise_if_expired(fsutil.filesystem_for(path)[0], path, ref.asset, ref.data_version)
+            return path
+        local = self.cached_path(ref.asset, ref.data_version)
         if not os.path.exists(local):
-            fs, _ = self._fs()
-            fsutil.move_into_place(lambda tmp: fs.get(ref.uri.split("://", 1)[1], tmp, recursive=True), local)
+            fs, remote = self._fs()[0], ref.uri.split("://", 1)[1]
+            if not expired_ok:  # asked before the download: an expired one is not fetched
+                raise_if_expired(fs, remote, ref.asset, ref.data_version)
+            fsutil.move_into_place(lambda tmp: fs.get(remote, tmp, recursive=True), local)
+        elif not expired_ok:  # a copy downloaded after the expiry holds the marker (one expired here was deleted)
+            raise_if_expired(fsutil.filesystem_for(local)[0], local, ref.asset, ref.data_version)
         return local
+
+    def artifact_location(self, ref: ArtifactRef | dict) -> tuple[Any, str]:
+        """``(file system, path)`` of ``ref``'s folder under this root: a local folder, or the bucket path of an
+        s3:// root (what retention deletes from)."""
+        uri = self.locate(ref).uri
+        return self._fs()[0], uri.split("://", 1)[1] if "://" in uri else self._inside_root(uri)
 
     def root_uri(self) -> str:
         """The root as artifact uris start: an absolute folder, or ``s3://bucket/prefix``."""
@@ -152,7 +179,7 @@ class StorageResource(dg.ConfigurableResource):
 
     def read_lineage(self, ref: ArtifactRef | dict) -> dict[str, Any]:
         """``lineage.json`` of ``ref`` with its input uris absolute under this root (stored relative to it)."""
-        with open(os.path.join(self.localize(ref), LINEAGE_FILE)) as f:
+        with open(os.path.join(self.localize(ref, expired_ok=True), LINEAGE_FILE)) as f:
             lineage = json.load(f)
         for entry in lineage.get("inputs", {}).values():
             entry["uri"] = self.locate(entry).uri
