@@ -22,6 +22,7 @@ from batchrl.lineage.record import lineage_record
 from batchrl.lineage.redact import redact
 from batchrl.resources import ArtifactRef, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
 from batchrl.resources.artifacts import FILES_KEY, Artifact
+from batchrl.resources.retention import WORK_DIR_KEY
 
 
 def as_ref(value: ArtifactRef | dict) -> ArtifactRef:
@@ -162,11 +163,13 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
     ui = curves.metadata(series)  # the per-step curves: a chart and a table
     config = {k: v for k, v in job_config.items() if k != "out_dir"}  # the job's config, as the lineage records it
     published = {}
+    # the work dir each artifact's files are linked from, for retention (runs/retention.py) to free with it
+    work = os.path.relpath(workdir, os.path.abspath(storage.cache_dir))
     for name, (subdir, companion_inputs) in (companions or {}).items():
         with storage.staging_dir(name) as staging:
             fsutil.link_tree(os.path.join(workdir, subdir), staging)
             ref = publish(context, storage, catalog, staging, asset=name, seed=seed, inputs=companion_inputs,
-                          config=config).value
+                          config=config, metadata={WORK_DIR_KEY: os.path.join(work, subdir)}).value
         published[name] = ref
         metrics.update({f"{name}_uri": ref["uri"], f"{name}_data_version": ref["data_version"]})
     with storage.staging_dir(context.asset_key.to_user_string()) as staging:
@@ -180,7 +183,7 @@ def train_and_publish(context, job: str, job_config: dict, inputs: dict, seed: i
             with open(record) as f:
                 sidecars[TRAIN_RECORD] = json.load(f)
         output = publish(context, storage, catalog, staging, seed=seed, inputs=inputs, config=config,
-                         metadata={**metrics, **(metadata or {}), **ui}, sidecars=sidecars,
+                         metadata={**metrics, **(metadata or {}), **ui, WORK_DIR_KEY: work}, sidecars=sidecars,
                          content_hash=metrics.get("content_hash") if linked else None)
     if tracking is not None and tracking.enabled:
         numbers = {**metrics, **(metadata or {})}

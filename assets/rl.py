@@ -31,6 +31,7 @@ from batchrl.resources import (
 )
 from batchrl.resources.artifacts import OPTIONAL_KEY
 from batchrl.resources.landing import landing_input
+from batchrl.resources.retention import carried_state_problem
 from batchrl.resources.rl_recipe import RLRecipe
 from batchrl.training.rl.advantages import ALL_GROUPS_KEPT_NOTE
 from batchrl.training.data.prompt_shapes import PromptQuarantine
@@ -255,6 +256,10 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: PolicyRunConfig
     update = policy_config(config, rl_recipe)
     problem = materialised_advantages_problem(advantages.lineage.get("config", {}), rl_recipe)
     if problem:  # the advantages may come from an earlier run with another recipe, which no up-front check saw
+        raise dg.Failure(problem)
+    # a parent whose carried state retention removed: said before the job, not trained with a new AdamW unasked
+    problem = update.carry_optimizer_state and carried_state_problem(parent.path, parent.asset, parent.data_version)
+    if problem:
         raise dg.Failure(problem)
     critic_config, companions = critic_job_inputs(storage, advantages, update.critic)
     job_config = {

@@ -83,7 +83,7 @@ def _stored_artifact(target: str) -> str | None:
     storage = environment_resources()["storage"]
     ref = {"asset": parts[0], "data_version": parts[1], "uri": f"{storage.root_uri()}/{parts[0]}/{parts[1]}"}
     try:
-        folder = storage.localize(ref)
+        folder = storage.localize(ref, expired_ok=True)  # audit and reproduce read an expired one's lineage
     except (ValueError, OSError, FileNotFoundError):  # not a safe name, or no such artifact there
         return None
     return folder if os.path.isdir(folder) else None

@@ -10,12 +10,19 @@ from typing import Any
 
 from batchrl.common import fsutil
 from batchrl.common.storage_layout import input_uri
+from batchrl.resources.retention import read_marker, size_text
 
 
 def read_lineage(uri: str, storage_options: dict | None = None) -> dict[str, Any]:
     fs, path = fsutil.filesystem_for(uri, storage_options)
     with fs.open(fsutil.join(path, "lineage.json"), "r") as f:
         return json.load(f)
+
+
+def read_expiries(uri: str, storage_options: dict | None = None) -> list[dict[str, Any]]:
+    """What retention removed from the artifact at ``uri`` (its ``EXPIRED.json`` entries; none: whole)."""
+    fs, path = fsutil.filesystem_for(uri, storage_options)
+    return (read_marker(fs, path) or {}).get("expiries", [])
 
 
 def _file_status(entry: dict, storage_options: dict | None) -> str:
@@ -39,6 +46,7 @@ def lineage_tree(uri: str, storage_options: dict | None = None, _seen: dict | No
         "code_version": lineage.get("code_version"), "seed": lineage.get("seed"),
         "config": lineage.get("config", {}), "dagster_run_id": lineage.get("dagster_run_id"),
         "input_files": [{**f, "status": _file_status(f, storage_options)} for f in lineage.get("input_files", [])],
+        "expired": read_expiries(uri, storage_options),
     }
     seen[uri] = f"{node['asset']}@{node['data_version']}"
     node["inputs"] = {name: lineage_tree(input_uri(ref, uri), storage_options, seen)
@@ -53,6 +61,10 @@ def format_tree(node: dict[str, Any], name: str = "", indent: int = 0) -> str:
         return f"{pad}{label}{node['ref']} (see above)\n"
     out = [f"{pad}{label}{node['asset']}@{node['data_version']}  code={node['code_version']}"
            f"  seed={node['seed']}  run={node['dagster_run_id']}\n", f"{pad}  uri: {node['uri']}\n"]
+    for entry in node.get("expired", []):  # the lineage stays; these files do not
+        what = "EXPIRED" if entry["part"] == "all" else f"EXPIRED {entry['part']} state"
+        out.append(f"{pad}  {what} {entry['expired_at'][:19]} by {entry.get('by')}: {entry['reason']} "
+                   f"({size_text(entry['bytes_freed'])} freed; batchrl reproduce rebuilds it)\n")
     if node["config"]:
         out.append(f"{pad}  config: {json.dumps(node['config'], sort_keys=True)}\n")
     for f in node["input_files"]:
@@ -88,7 +100,8 @@ def policy_chain(node: dict[str, Any]) -> list[str]:
         if "ref" in current:
             current = seen.get(current["ref"])
             continue
-        chain.append(f"{current['asset']}@{current['data_version']}")
+        expired = any(entry["part"] == "all" for entry in current.get("expired", []))
+        chain.append(f"{current['asset']}@{current['data_version']}" + (" [expired]" if expired else ""))
         parent = current.get("inputs", {}).get("policy")
         if parent is None and current["asset"] == "policy_checkpoint":
             parent = current["inputs"].get("rollouts", {}).get("inputs", {}).get("policy")
