@@ -1,14 +1,16 @@
 """Room on disk for the next RL iteration: `batchrl run` stops its loop at an iteration's boundary, saying why,
 before a checkpoint fills the file system mid-write (a full disk fails deep inside a step: Dagster's SQLite,
 a half-written export). Each iteration publishes a new policy checkpoint (with ``carry_optimizer_state`` also
-AdamW's moments: 8 bytes per parameter) and nothing expires old ones, so the next iteration needs about what the
-last one published."""
+AdamW's moments: 8 bytes per parameter), and old ones stay unless a retention policy expires them (`batchrl prune`,
+a profile's ``retention:``, ``runs/retention.py``), so the next iteration needs about what the last one published."""
 from __future__ import annotations
 
 import os
 import shutil
 
 GB = 1 << 30
+RETENTION_HINT = ("old checkpoints and carried optimizer states expire with a retention policy: --keep-last N "
+                  "--optimizer-states K, a profile's retention:, or `batchrl prune`")
 
 
 def folder_bytes(path: str) -> int:
@@ -69,7 +71,7 @@ class IterationRoom:
             return ""
         if self.last_bytes:
             self.short = shortfall(self.paths, self.last_bytes, self.keep_free_gb)
-        return None if self.short is None else f"=== disk: {self.short}: no further RL iteration\n"
+        return None if self.short is None else f"=== disk: {self.short}: no further RL iteration ({RETENTION_HINT})\n"
 
     def record(self, done: list[dict]) -> None:
         steps = [step for step in done if step.get("asset") in self.loop_assets]

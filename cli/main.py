@@ -1,7 +1,7 @@
 """batchrl's command line: `run` materialises the asset graph (one line per asset; Dagster's events in the
 instance and a log file), `audit` shows an artifact's lineage or queries the catalog (which checkpoints used a
 file, what changed between two), `stale` lists what a code or data change made stale, `reproduce` re-materialises
-an artifact's lineage and compares data versions."""
+an artifact's lineage and compares data versions, `prune` expires old checkpoints (retention)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ import os
 import sys
 
 # stdlib only, or light: the thin client's path stays light (the commands import what they need when they run)
-from batchrl.cli import lineage_commands, run_command, warm_client, warm_server
+from batchrl.cli import lineage_commands, prune_command, run_command, warm_client, warm_server
 from batchrl.cli.instance import target_uri
 from batchrl.common.environment_variables import EnvironmentVariableError
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except EnvironmentVariableError as error:  # BATCHRL_CONCURRENT_STEPS (the message names it)
         parser.error(str(error))
     lineage_commands.add_commands(sub)
+    prune_command.add_command(sub)
     warm_server.add_command(sub, run_command=main)  # a served command runs this same `main`
     from batchrl.training.jobs import export  # `batchrl export`: its logic lives there (torch only when it runs)
 

@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from batchrl.cli.disk_room import IterationRoom
+from batchrl.cli.disk_room import RETENTION_HINT, IterationRoom
+from batchrl.cli.prune_command import add_retention_arguments, prune_after_iteration, run_retention
 from batchrl.cli.instance import ensure_dagster_home, latest_uri, open_instance
 from batchrl.common.environment_variables import EnvironmentVariableError, read
 
@@ -35,6 +36,7 @@ def add_command(sub) -> None:
                      "executor, as from the UI): independent branches, e.g. DPO beside RL, overlap; 1: one at a "
                      "time in this process. Default: BATCHRL_CONCURRENT_STEPS, else the environment's (gpu 3, "
                      "local and s3 1)")
+    add_retention_arguments(run, "after each RL iteration (over the profile's retention:)")
     run.add_argument("-v", "--verbose", action="store_true",
                      help="stream Dagster's events and the libraries' output here (default: a log file under "
                           "DAGSTER_HOME/logs; one line per asset here)")
@@ -187,6 +189,7 @@ def _run(args: argparse.Namespace) -> int:
     home = ensure_dagster_home()
     try:
         run_config, iterations = _run_config(args)
+        retention = run_retention(args)
     except RunConfigError as error:  # a profile or -c file that cannot be read
         return _refused(error)
     from batchrl.cli.console import RunProgress, print_run_summary, quiet_libraries, run_log_path
@@ -207,6 +210,7 @@ def _run(args: argparse.Namespace) -> int:
     from batchrl.resources.landing import check_landing_inputs
     from batchrl.runs.execute import execute_assets, selected_job
     from batchrl.runs.log_drops import drops_to_ingest
+    from batchrl.runs.retention import RETAINED_ASSETS
     from batchrl.runs.run_config import config_file_tags, validate_plan
 
     try:  # the code location builds its resources on import: the profile's and -c files' overrides (ProfileError)
@@ -278,12 +282,14 @@ def _run(args: argparse.Namespace) -> int:
                 room.record(progress.done)
                 if not result.success:
                     break
+                if retention is not None and assets & set(RETAINED_ASSETS):  # before the next iteration's room check
+                    out.write(prune_after_iteration(defs, instance, retention, args.keep))
         latest = functools.lru_cache(maxsize=None)(lambda asset: latest_uri(instance, asset))  # asked twice each
         print_run_summary(done, result.success, time.monotonic() - started, None if args.verbose else log_path, latest,
                           dagster_home=home)
     if room.short is not None:  # what was asked for did not all run: not a success for a schedule or a script
-        print(f"batchrl run: stopped before all RL iterations: {room.short} (free space, or a smaller model)",
-              file=sys.stderr)
+        print(f"batchrl run: stopped before all RL iterations: {room.short} (free space: {RETENTION_HINT}; or a "
+              "smaller model)", file=sys.stderr)
     return 0 if result.success and room.short is None else 1
 
 

@@ -31,8 +31,9 @@ class ProfileError(RunConfigError):
     (the message names the file, and each field on a line of its own)."""
 
 
-PROFILE_KEYS = {"description", "rl_iterations", "resources", "ops", "environments"}  # + extends: a parent profile
-RUN_FILE_KEYS = {"resources", "ops", "environments"}  # a ``-c`` file: what a profile overrides, no defaults of its own
+# + extends: a parent profile; retention: resources.retention.RetentionPolicy's fields (`batchrl run` prunes with it)
+PROFILE_KEYS = {"description", "rl_iterations", "resources", "ops", "environments", "retention"}
+RUN_FILE_KEYS = {"resources", "ops", "environments", "retention"}  # a ``-c`` file: what a profile overrides
 # `batchrl run -c` files' resource overrides, for the code location the command (and its step processes) builds:
 # JSON [[file, {resource: {field: value}}], ...], in the order given
 CONFIG_RESOURCES_ENV = "BATCHRL_CONFIG_RESOURCES"
@@ -110,12 +111,29 @@ def _for_env(raw: dict, path: str, allowed: set[str], env: str | None) -> dict:
 
 
 def load_profile(name: str, env: str | None = None) -> dict[str, Any]:
-    """``{"resources": {...}, "ops": {...}, "rl_iterations": int, "description": str}`` of a profile."""
+    """``{"resources": {...}, "ops": {...}, "rl_iterations": int, "description": str, "retention": {...}}`` of a
+    profile."""
     path = _profile_path(name)
     merged = _for_env(_profile_raw(path), path, PROFILE_KEYS, env)
     return {"description": merged.get("description", ""), "rl_iterations": int(merged.get("rl_iterations", 1)),
             "resources": _plain_resources(_expand(merged.get("resources") or {})),
-            "ops": _expand(merged.get("ops") or {})}
+            "ops": _expand(merged.get("ops") or {}), "retention": _retention(merged.get("retention"), path)}
+
+
+def _retention(block: Any, path: str) -> dict:
+    """A profile's or ``-c`` file's ``retention:`` as written (its fields merge over an earlier file's), checked
+    against ``RetentionPolicy``: ProfileError with a line per problem."""
+    from batchrl.resources.retention import RetentionPolicy
+
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise ProfileError(problem_line(f"{path}: retention", "a mapping of RetentionPolicy fields expected", block))
+    try:
+        RetentionPolicy(**block)
+    except pydantic.ValidationError as error:
+        raise ProfileError(joined(path, pydantic_problems(error, "retention"))) from None
+    return dict(block)
 
 
 def _profile_path(name: str) -> str:
@@ -142,14 +160,16 @@ def _profile_raw(path: str, chain: tuple[str, ...] = ()) -> dict:
 
 
 def load_run_file(path: str, env: str | None = None) -> dict[str, Any]:
-    """``{"ops": {...}, "resources": {...}}`` of a ``batchrl run -c`` file: ``ops`` and ``resources`` as in a
-    profile (and ``environments.<BATCHRL_ENV>`` merged over them); a file of neither key is a mapping of ops, as
+    """``{"ops": {...}, "resources": {...}, "retention": {...}}`` of a ``batchrl run -c`` file: as in a profile (and
+    ``environments.<BATCHRL_ENV>`` merged over them); a file of none of these keys is a mapping of ops, as
     ``dagster asset materialize -c`` takes after ``ops:``."""
     raw = _read_yaml(path)
     if not set(raw) & RUN_FILE_KEYS:
         raw = {"ops": raw}
     merged = _for_env(raw, path, RUN_FILE_KEYS, env)
-    return {"ops": _expand(merged.get("ops") or {}), "resources": _plain_resources(_expand(merged.get("resources") or {}))}
+    return {"ops": _expand(merged.get("ops") or {}),
+            "resources": _plain_resources(_expand(merged.get("resources") or {})),
+            "retention": _retention(merged.get("retention"), path)}
 
 
 def _plain_resources(block: dict) -> dict:
