@@ -46,6 +46,7 @@ MODULE_SECONDS = {
     "test_sample_ahead.py": 30, "test_dg_cli.py": 70, "test_sandbox_escape.py": 35, "test_sandbox_session.py": 20,
     "test_ray_cluster.py": 150,  # alone on the dev box, 2026-12-05: a two-node Ray cluster (issue 49)
     "test_worker_stream.py": 15,
+    "test_retention_loop.py": 35,  # alone on the dev box, 2026-12-06: three RL iterations through `batchrl run`
 }
 
 

@@ -2,7 +2,7 @@
 real folders, and the check `batchrl run` makes at each iteration's boundary (its run: tests/test_loop_kill.py)."""
 import shutil
 
-from batchrl.cli.disk_room import GB, IterationRoom, published_bytes, shortfall
+from batchrl.cli.disk_room import GB, RETENTION_HINT, IterationRoom, published_bytes, shortfall
 
 
 def test_what_an_iteration_published_is_its_artifacts_here_or_their_cached_copies(tmp_path):
@@ -43,5 +43,6 @@ def test_the_check_says_where_the_next_iteration_would_not_fit(tmp_path):
     room.record([{"asset": "evaluation", "ok": True, "metadata": {"uri": str(base), "data_version": "v0"}}])
     assert room.last_bytes == 100 and room.stop("evaluation") is None
     said = room.stop("RL iteration 2 of 3")
-    assert said.startswith("=== disk: ") and said.endswith("no further RL iteration\n")
+    assert said.startswith("=== disk: ") and said.endswith(f"no further RL iteration ({RETENTION_HINT})\n")
+    assert "--keep-last N --optimizer-states K" in said  # what frees the room: retention
     assert room.stop("RL iteration 3 of 3") == ""  # skipped too, said once

@@ -230,7 +230,7 @@ def test_run_prints_one_line_per_asset_and_echoes_config_files(tmp_path):
 def test_help_names_only_commands_that_exist():
     out = subprocess.run([sys.executable, "-m", "batchrl.cli", "--help"], capture_output=True, text=True, timeout=60)
     commands = set(re.search(r"\{([a-z,]+)\}", out.stdout).group(1).split(","))
-    assert commands == {"run", "audit", "stale", "reproduce", "serve", "export"}
+    assert commands == {"run", "audit", "stale", "reproduce", "serve", "export", "prune"}
     with open(os.path.join(REPO, "README.md")) as f:
         mentioned = set(re.findall(r"(?:bin/|`)batchrl (\w+)", f.read())) | set(re.findall(r"`(\w+)`", out.stdout))
     assert mentioned - commands == set(), mentioned
