@@ -1,4 +1,5 @@
-"""Disk hygiene for the device benches (``bench_gpu_rl_vs_trl.py``): what a bench will not read again, removed."""
+"""Hygiene for the device benches (``bench_gpu_rl_vs_trl.py``): what a bench will not read again, removed, and an
+arm's job workers stopped before the next arm needs the GPU."""
 from __future__ import annotations
 
 import contextlib
@@ -58,3 +59,37 @@ class OptimizerStatePruner:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
+
+
+def stop_job_workers(storage: str, wait_s: float = 15.0) -> int:
+    """The job workers of the arm whose storage root is ``storage`` stopped: a warm worker keeps the GPU memory of
+    its last job for ``worker_idle_s``, and the next arm (TRL's trainer and vLLM in one process) needs it on an
+    80 GB card (the first ``trl_vllm`` try after ``full`` died of CUDA OOM on the H100, 2026-12-06). A worker is
+    known by its module in its command line and the arm's root in its environment. Returns how many were stopped."""
+    import signal
+    import time
+
+    mark = f"BATCHRL_STORAGE={storage}".encode()
+    stopped = []
+    for pid in (name for name in os.listdir("/proc") if name.isdigit()):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            if b"batchrl.training.jobs.worker" in argv and mark in environ:
+                os.kill(int(pid), signal.SIGTERM)
+                stopped.append(int(pid))
+
+    def running(pid: int) -> bool:  # a zombie (a child of this process, not reaped) has exited
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return False
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(running(pid) for pid in stopped):
+        time.sleep(0.2)
+    for pid in stopped:  # one that outlived SIGTERM
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return len(stopped)

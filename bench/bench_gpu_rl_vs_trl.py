@@ -59,7 +59,7 @@ import subprocess
 import sys
 import time
 
-from bench_disk import OptimizerStatePruner, prune_checkpoints  # noqa: E402  (bench/ is the script's folder)
+from bench_disk import OptimizerStatePruner, prune_checkpoints, stop_job_workers  # noqa: E402  (bench/ on sys.path)
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
 from rl_arms import ARM_CONFIGS  # noqa: E402
 from trl_arm import run_trl_arm  # noqa: E402
@@ -165,6 +165,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     with OptimizerStatePruner(env["BATCHRL_STORAGE"]):  # the carry arm's 1.1 GB a checkpoint would fill the disk
         code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
                                     *extra], log)
+    workers_stopped = stop_job_workers(env["BATCHRL_STORAGE"])  # the next arm needs their GPU memory
     history = _arm_history(env)
     rl_runs = [r for r in history["runs"] if any(s.startswith("policy_checkpoint") for s in r["steps"])]
     iterations = len(history["meta"]["policy_checkpoint"])
@@ -191,7 +192,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     curve = {str(k): uri for k, uri in enumerate(history["uris"]["policy_checkpoint"], 1)
              if curve_every and k % curve_every == 0}
     freed = prune_checkpoints(env["BATCHRL_STORAGE"], keep={history["uri"].get("policy_checkpoint"), *curve.values()})
-    return {"disk_freed_gb": freed, "exit_code": code, "prep_s": round(prep_s, 1), "worker_start_s": round(worker_s, 1),
+    return {"disk_freed_gb": freed, "workers_stopped": workers_stopped, "exit_code": code, "prep_s": round(prep_s, 1), "worker_start_s": round(worker_s, 1),
             "wall_s": round(wall, 1), "loop_wall_s": round(loop, 1),
             "iterations": iterations, "samples": samples, "samples_per_s": round(samples / wall, 1),
             "samples_per_s_loop": round(samples / loop, 1) if loop else None, "mean_iteration_s":
