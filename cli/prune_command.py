@@ -71,7 +71,7 @@ def _what(entry: dict) -> str:
 
 
 def report_lines(report: dict) -> list[str]:
-    from batchrl.resources.retention import size_text  # here: the command line's own imports stay light
+    from batchrl.common.expired import size_text  # here: the command line's own imports stay light
 
     verb = "would expire" if report["dry_run"] else "expired"
     lines = []
@@ -90,7 +90,7 @@ def report_lines(report: dict) -> list[str]:
 
 def loop_line(report: dict) -> str:
     """The line `batchrl run` says after an RL iteration's prune."""
-    from batchrl.resources.retention import size_text
+    from batchrl.common.expired import size_text
 
     policy = ", ".join(f"{k} {v}" for k, v in report["policy"].items() if v is not None)
     done = ", ".join(_what(entry) for entry in report["expiries"]) or "nothing to expire"

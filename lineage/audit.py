@@ -10,7 +10,7 @@ from typing import Any
 
 from batchrl.common import fsutil
 from batchrl.common.storage_layout import input_uri
-from batchrl.resources.retention import read_marker, size_text
+from batchrl.common.expired import read_marker, size_text
 
 
 def read_lineage(uri: str, storage_options: dict | None = None) -> dict[str, Any]:

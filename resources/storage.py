@@ -19,7 +19,8 @@ from pydantic import Field
 
 from batchrl.common import fsutil
 from batchrl.common.storage_layout import DEFAULT_ROOT, artifact_uri, cache_dir_of, rooted_uri
-from batchrl.resources.retention import MARKER, raise_if_expired, read_marker
+from batchrl.common.expired import MARKER, read_marker
+from batchrl.resources.retention import raise_if_expired
 
 LINEAGE_FILE = "lineage.json"
 
@@ -148,16 +149,16 @@ class StorageResource(dg.ConfigurableResource):
         if self.is_local():
             path = self._inside_root(ref.uri)
             if not expired_ok:
-                raise_if_expired(fsutil.filesystem_for(path)[0], path, ref.asset, ref.data_version)
+                raise_if_expired(self._fs()[0], path)
             return path
         local = self.cached_path(ref.asset, ref.data_version)
         if not os.path.exists(local):
             fs, remote = self._fs()[0], ref.uri.split("://", 1)[1]
             if not expired_ok:  # asked before the download: an expired one is not fetched
-                raise_if_expired(fs, remote, ref.asset, ref.data_version)
+                raise_if_expired(fs, remote)
             fsutil.move_into_place(lambda tmp: fs.get(remote, tmp, recursive=True), local)
         elif not expired_ok:  # a copy downloaded after the expiry holds the marker (one expired here was deleted)
-            raise_if_expired(fsutil.filesystem_for(local)[0], local, ref.asset, ref.data_version)
+            raise_if_expired(fsutil.filesystem_for(local)[0], local)
         return local
 
     def artifact_location(self, ref: ArtifactRef | dict) -> tuple[Any, str]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from batchrl.common import fsutil
-from batchrl.resources.retention import ALL, KEPT_FILES, OPTIMIZER_FOLDER, add_entry
+from batchrl.common.expired import ALL, add_entry
+from batchrl.resources.retention import KEPT_FILES, OPTIMIZER_FOLDER
 from batchrl.runs.retention import Expiry
 
 

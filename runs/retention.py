@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Iterable
 
-from batchrl.resources.retention import ALL, OPTIMIZER, OPTIMIZER_FOLDER, WORK_DIR_KEY, RetentionPolicy
+from batchrl.common.expired import ALL, OPTIMIZER
+from batchrl.resources.retention import OPTIMIZER_FOLDER, WORK_DIR_KEY, RetentionPolicy
 from batchrl.resources.storage import ArtifactRef
 
 # the assets a trainer job publishes (assets.common.train_and_publish; critic_checkpoint beside the policy): the

@@ -18,7 +18,8 @@ from batchrl.lineage.audit import format_tree, lineage_tree
 from batchrl.resources import CatalogResource, StorageResource
 from batchrl.resources.artifacts import make_local
 from batchrl.resources.profiles import ProfileError, load_profile
-from batchrl.resources.retention import MARKER, ArtifactExpiredError, RetentionPolicy, carried_state_problem
+from batchrl.common.expired import MARKER
+from batchrl.resources.retention import ArtifactExpiredError, RetentionPolicy, carried_state_problem
 from batchrl.runs.expire import _work_dir
 from batchrl.runs.retention import plan
 

@@ -16,7 +16,7 @@ from pipeline_helpers import RL_LOOP, SMALL, local_resources, run_assets
 
 from batchrl.cli.main import main
 from batchrl.resources import CatalogResource
-from batchrl.resources.retention import MARKER
+from batchrl.common.expired import MARKER
 
 CARRY = copy.deepcopy(SMALL)  # the tiny base model of the upstream copy; each update carries its AdamW state
 CARRY["ops"]["policy_checkpoint"]["config"]["carry_optimizer_state"] = True
@@ -90,6 +90,12 @@ def test_the_loop_prunes_between_iterations_and_expired_artifacts_fail_at_the_bo
     assert "  EXPIRED " in audit and "keep_last_checkpoints 2" in audit
     assert main(["audit", f"policy_checkpoint/{v1['data_version']}"]) == 0  # as the expiry message names it
     assert capsys.readouterr().out.startswith(f"policy_checkpoint@{v1['data_version']}")
+    out = tmp_path / "exported"  # `batchrl export` refuses an expired checkpoint; one without its state exports
+    assert main(["export", f"policy_checkpoint/{v1['data_version']}", "--to", str(out / "v1")]) == 2
+    assert f"policy_checkpoint {v1['data_version']} has expired" in capsys.readouterr().err
+    assert main(["export", f"policy_checkpoint/{v2['data_version']}", "--to", str(out / "v2")]) == 0
+    assert weights in os.listdir(out / "v2") and not {MARKER, "optimizer"} & set(os.listdir(out / "v2"))
+    capsys.readouterr()
     assert main(["prune", "--keep-last", "1", "--dry-run", "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)  # v2: the latest rollouts sampled from it (off-policy reads it again)
     assert dry["expiries"] == [] and dry["kept"] == [{"asset": "policy_checkpoint", "data_version": v2["data_version"],

@@ -69,13 +69,14 @@ def _load_merged(checkpoint: str):
 def export_merged(checkpoint: str, to: str, *, dtype: str | None = None) -> dict[str, Any]:
     """A merged HF folder at ``to`` from a full or LoRA checkpoint folder; ``dtype`` casts the weights."""
     from batchrl.common import fsutil
+    from batchrl.common.expired import MARKER
     from batchrl.training.models import lora
 
     to = _fresh_target(to)
     if not lora.is_adapter_folder(checkpoint) and dtype is None:  # a full checkpoint: its files as they are
         def copy(tmp: str) -> None:
             for name in sorted(os.listdir(checkpoint)):
-                if name not in fsutil.RECORD_FILES and os.path.isfile(os.path.join(checkpoint, name)):
+                if name not in fsutil.RECORD_FILES | {MARKER} and os.path.isfile(os.path.join(checkpoint, name)):
                     shutil.copyfile(os.path.join(checkpoint, name), os.path.join(tmp, name))
 
         _into_place(copy, to)
@@ -131,6 +132,12 @@ def export_checkpoint(checkpoint: str, to: str, *, adapter: bool = False, base_n
         raise ExportError(f"{checkpoint}: export reads a local folder; localise the artifact first")
     if not os.path.isdir(checkpoint):
         raise ExportError(f"{checkpoint}: no such checkpoint folder")
+    from batchrl.common import fsutil
+    from batchrl.common.expired import expired_refusal
+
+    refusal = expired_refusal(fsutil.filesystem_for(checkpoint)[0], checkpoint)
+    if refusal is not None:  # retention deleted its weights: said, not an export of its records alone
+        raise ExportError(refusal)
     if adapter:
         if dtype is not None:
             raise ExportError("--dtype applies to a merged export; an adapter keeps the dtype it was trained in")
