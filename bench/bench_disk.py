@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 
-# The device has 64 GiB of disk: a six-minute arm publishes ~47 checkpoints (0.54 GB each at 135M in fp32, 1.6 GB with
-# the carried optimiser state). The bench, not batchrl, removes what it will not read again: every published file
-# stays linked from the arm's work dirs until then, so these deletions free the space (both links go).
+# The device has 64 GiB of disk: a six-minute arm publishes ~47 checkpoints (0.54 GB each at 135M in fp32), an
+# eight-minute GSM8K arm ~19 of 2 GB (0.5B). An arm keeps every checkpoint (its curve points are picked after it) and
+# batchrl's retention expires the carried optimiser states as it runs; after the arm the bench removes the checkpoints
+# it will not read again: every published file stays linked from the arm's work dirs until then, so these deletions
+# free the space (both links go).
 
 def prune_checkpoints(storage: str, keep: set) -> float:
     """After an arm: the policy checkpoints other than ``keep`` (the final policy, the curve points) deleted with
@@ -22,43 +24,6 @@ def prune_checkpoints(storage: str, keep: set) -> float:
         if name not in kept:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return round((shutil.disk_usage(storage).free - before) / 1e9, 1)
-
-
-class OptimizerStatePruner:
-    """While an arm runs: the carried optimiser states of all but the newest ``KEEP`` checkpoints deleted (each is
-    read once, by the next update), every ``EVERY_S`` seconds. Those checkpoints' files then differ from their data
-    version: the bench never audits them."""
-    KEEP, EVERY_S = 2, 5.0
-
-    def __init__(self, storage: str):
-        import threading
-
-        self.storage, self.stop = storage, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import glob
-
-        while not self.stop.wait(self.EVERY_S):
-            states = {}  # a checkpoint's state folders (its storage link, its work dir's), by the first shard's inode
-            for folder in glob.glob(os.path.join(self.storage, "**", "optimizer"), recursive=True):
-                shards = sorted(glob.glob(os.path.join(folder, "state-*.safetensors")))
-                with contextlib.suppress(FileNotFoundError):
-                    if shards:
-                        states.setdefault(os.stat(shards[0]).st_ino, []).append((os.path.getmtime(shards[0]), shards))
-            by_age = sorted(states.values(), key=lambda links: max(mtime for mtime, _ in links))
-            for links in by_age[:-self.KEEP]:
-                for path in (path for _, shards in links for path in shards):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(path)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def stop_job_workers(storage: str, wait_s: float = 15.0) -> int:

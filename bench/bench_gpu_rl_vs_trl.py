@@ -59,7 +59,7 @@ import subprocess
 import sys
 import time
 
-from bench_disk import OptimizerStatePruner, prune_checkpoints, stop_job_workers  # noqa: E402  (bench/ on sys.path)
+from bench_disk import prune_checkpoints, stop_job_workers  # noqa: E402  (bench/ on sys.path)
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
 from rl_arms import ARM_CONFIGS  # noqa: E402
 from trl_arm import run_trl_arm  # noqa: E402
@@ -144,27 +144,27 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
         shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
     env = _arm_env(state, arm)
     log = os.path.join(out, f"{arm}_run.log")
-    extra = []
-    overrides = ARM_CONFIGS.get(arm, {"ops": {}})
+    # batchrl's retention, not the profile's: every checkpoint kept until the arm ends (the curve points are picked
+    # after it, then prune_checkpoints), the carried AdamW state on the newest only (~5 GB a checkpoint at 0.5B)
+    overrides = {**ARM_CONFIGS.get(arm, {"ops": {}}), "retention": {"keep_last_checkpoints": None,
+                                                                   "keep_optimizer_states": 1}}
     if seed:  # a replicate: iteration i samples with seed + i, the update's data order from seed
         from batchrl.resources.profiles import deep_merge
 
         overrides = deep_merge(overrides, {"ops": {"rollouts": {"config": {"seed": seed}},
                                                    "policy_checkpoint": {"config": {"seed": seed}}}})
-    if overrides["ops"] or overrides.get("resources"):
-        import yaml
+    import yaml
 
-        config = os.path.join(state, f"{arm}.yaml")  # not JSON: YAML reads JSON's 1e-05 as a string
-        with open(config, "w") as f:
-            yaml.safe_dump(overrides, f)
-        extra = ["-c", config]
+    config = os.path.join(state, f"{arm}.yaml")  # not JSON: YAML reads JSON's 1e-05 as a string
+    with open(config, "w") as f:
+        yaml.safe_dump(overrides, f)
+    extra = ["-c", config]
     code, prep_s = (0, 0.0) if prepared else _batchrl(env, ["--select", PREP, "--rl-iterations", "1", *extra], log)
     if code:
         raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code}); see {log}")
     worker_s = _warm_worker(env)
-    with OptimizerStatePruner(env["BATCHRL_STORAGE"]):  # the carry arm's 1.1 GB a checkpoint would fill the disk
-        code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
-                                    *extra], log)
+    code, wall = _batchrl(env, ["--select", RL_CHAIN, "--rl-iterations", "1000", "--max-minutes", str(minutes),
+                                *extra], log)
     workers_stopped = stop_job_workers(env["BATCHRL_STORAGE"])  # the next arm needs their GPU memory
     history = _arm_history(env)
     rl_runs = [r for r in history["runs"] if any(s.startswith("policy_checkpoint") for s in r["steps"])]
