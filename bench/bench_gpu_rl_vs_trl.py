@@ -192,7 +192,8 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     curve = {str(k): uri for k, uri in enumerate(history["uris"]["policy_checkpoint"], 1)
              if curve_every and k % curve_every == 0}
     freed = prune_checkpoints(env["BATCHRL_STORAGE"], keep={history["uri"].get("policy_checkpoint"), *curve.values()})
-    return {"disk_freed_gb": freed, "workers_stopped": workers_stopped, "exit_code": code, "prep_s": round(prep_s, 1), "worker_start_s": round(worker_s, 1),
+    return {"disk_freed_gb": freed, "workers_stopped": workers_stopped, "exit_code": code, "prep_s": round(prep_s, 1),
+            "worker_start_s": round(worker_s, 1),
             "wall_s": round(wall, 1), "loop_wall_s": round(loop, 1),
             "iterations": iterations, "samples": samples, "samples_per_s": round(samples / wall, 1),
             "samples_per_s_loop": round(samples / loop, 1) if loop else None, "mean_iteration_s":
@@ -266,12 +267,14 @@ def main() -> None:
     parser.add_argument("--task", choices=("real", "gsm8k"), default="real")
     parser.add_argument("--gsm8k", default=os.path.join(REPO, "..", "shared", "data", "gsm8k"),
                         help="the GSM8K release's folder (train.jsonl.gz, test.jsonl.gz) for --task gsm8k")
+    parser.add_argument("--gsm8k-profile", default="gsm8k", choices=("gsm8k", "gsm8k-1.5b", "gsm8k-1.5b-lora"),
+                        help="the profile of --task gsm8k's batchrl arms (and the base model TRL's arms start from)")
     parser.add_argument("--state", default="/tmp/rl_vs_trl")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = parser.parse_args()
     os.makedirs(args.state, exist_ok=True)
     if args.task == "gsm8k":
-        sizes = use_gsm8k(args.gsm8k, args.state, SMOKE)
+        sizes = use_gsm8k(args.gsm8k, args.state, SMOKE, args.gsm8k_profile)
         if sizes:
             global ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS
             ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS = sizes

@@ -15,22 +15,24 @@ TASK = {"name": "real", "profile": "real", "reward": "final_answer", "eval_token
 GSM8K_TASK = {"name": "gsm8k", "profile": "gsm8k", "reward": "gsm8k", "lr": 2e-6, "beta": 0.001}
 
 
-def use_gsm8k(folder: str, state: str, smoke: bool) -> tuple | None:
-    """The gsm8k task: profiles/gsm8k.yaml with its landing pointed at the release in ``folder`` (a profile file
-    in ``state``: the arms run it by path), the eval set and rewards switched. Returns the round's sizes (prompts,
-    samples per prompt, micro-batch, new tokens) of the profile's gpu size, None at smoke size."""
+def use_gsm8k(folder: str, state: str, smoke: bool, profile_name: str = "gsm8k") -> tuple | None:
+    """The gsm8k task: ``profile_name`` (gsm8k: the 0.5B; gsm8k-1.5b, gsm8k-1.5b-lora) extended by a profile file in
+    ``state`` (the arms run it by path) whose landing is the release in ``folder``; the eval set and rewards
+    switched. Returns the round's sizes (prompts, samples per prompt, micro-batch, new tokens) of the profile's gpu
+    size, None at smoke size."""
     import yaml
 
-    with open(os.path.join(REPO, "profiles", "gsm8k.yaml")) as f:
-        profile = yaml.safe_load(f)
+    from batchrl.resources.profiles import load_profile
+
+    landing = load_profile(profile_name)["resources"]["landing"]
     if not smoke:
-        profile["resources"]["landing"] = {"prompts": os.path.join(os.path.abspath(folder), "train.jsonl.gz"),
-                                           "eval_prompts": os.path.join(os.path.abspath(folder), "test.jsonl.gz")}
+        landing = {"prompts": os.path.join(os.path.abspath(folder), "train.jsonl.gz"),
+                   "eval_prompts": os.path.join(os.path.abspath(folder), "test.jsonl.gz")}
     path = os.path.join(state, "gsm8k_bench.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(profile, f)
-    TASK.update(GSM8K_TASK, profile=path, landing=profile["resources"]["landing"],
-                eval_tokens=16 if smoke else 512)
+        yaml.safe_dump({"extends": os.path.join(REPO, "profiles", f"{profile_name}.yaml"),
+                        "resources": {"landing": landing}}, f)
+    TASK.update(GSM8K_TASK, profile=path, landing=landing, eval_tokens=16 if smoke else 512)
     return None if smoke else (128, 8, 32, 512)
 
 

@@ -6,20 +6,24 @@
 #   bash bench/gsm8k_device.sh graph K                 # carry: [".carry/graph/part-00K"]
 #   bash bench/gsm8k_device.sh qwen K                  # carry: [".carry/qwen05/part-00K"]
 #   bash bench/gsm8k_device.sh vllm K                  # carry: [".carry/vllm/part-00K"]: for the vllm_* and trl_vllm arms
+#   bash bench/gsm8k_device.sh qwen15 K                # carry: [".carry/qwen15/part-NNN"]: the 1.5B, for
+#                                                      #   BENCH_ARGS="--gsm8k-profile gsm8k-1.5b" (or gsm8k-1.5b-lora)
 #   bash bench/gsm8k_device.sh bench PARTS [MIN] [K]   # carry: [".carry/src", ".carry/gsm8k_data"]; PARTS as the bench's
 set -uo pipefail
 step=$1; shift
 case $step in
   graph) bash bench/carry_assemble.sh graph ".carry/graph/part-$(printf %03d "$1")" ;;
   qwen) bash bench/carry_assemble.sh qwen05 ".carry/qwen05/part-$(printf %03d "$1")" ;;
+  qwen15) bash bench/carry_assemble.sh qwen15 ".carry/qwen15/part-$(printf %03d "$1")" ;;
   vllm) bash bench/carry_assemble.sh vllm ".carry/vllm/part-$(printf %03d "$1")" ;;
   bench)
     mkdir -p /tmp/pkgroot "${OUT:=/tmp/out}" && ln -sfn "$PWD/.carry/src" /tmp/pkgroot/batchrl
-    export PYTHONPATH=/tmp/pkgroot:/tmp/carry/graph/site:/tmp/carry/qwen05/site PATH=/tmp/carry/graph/site/bin:$PATH
+    export PYTHONPATH=/tmp/pkgroot:/tmp/carry/graph/site:/tmp/carry/qwen05/site:/tmp/carry/qwen15/site
+    export PATH=/tmp/carry/graph/site/bin:$PATH
     [[ -d /tmp/carry/vllm/site ]] && export PYTHONPATH=$PYTHONPATH:/tmp/carry/vllm/site  # after graph: its pins win
     export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     cd .carry/src && python3 bench/bench_gpu_rl_vs_trl.py --task gsm8k --gsm8k ../gsm8k_data --parts "$1" \
-      --minutes "${2:-8}" --curve-every "${3:-4}" --state /tmp/gsm8k_state --out "$OUT" ;;
-  *) echo "usage: $0 graph K | qwen K | vllm K | bench PARTS [MINUTES] [CURVE_EVERY]" >&2; exit 2 ;;
+      --minutes "${2:-8}" --curve-every "${3:-4}" --state /tmp/gsm8k_state --out "$OUT" ${BENCH_ARGS:-} ;;
+  *) echo "usage: $0 graph K | qwen K | qwen15 K | vllm K | bench PARTS [MINUTES] [CURVE_EVERY]" >&2; exit 2 ;;
 esac
