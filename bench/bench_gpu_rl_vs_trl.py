@@ -144,10 +144,13 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
         shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
     env = _arm_env(state, arm)
     log = os.path.join(out, f"{arm}_run.log")
-    # batchrl's retention, not the profile's: every checkpoint kept until the arm ends (the curve points are picked
-    # after it, then prune_checkpoints), the carried AdamW state on the newest only (~5 GB a checkpoint at 0.5B)
-    overrides = {**ARM_CONFIGS.get(arm, {"ops": {}}), "retention": {"keep_last_checkpoints": None,
-                                                                   "keep_optimizer_states": 1}}
+    # not the profile's retention: every checkpoint kept until the arm ends (the curve points are picked after it,
+    # then prune_checkpoints); an arm that carries AdamW's state keeps it on the newest only (~5 GB a checkpoint at
+    # 0.5B), the others run no prune (its ~0.2 s an iteration off their clocks)
+    overrides = ARM_CONFIGS.get(arm, {"ops": {}})
+    carries = overrides["ops"].get("policy_checkpoint", {}).get("config", {}).get("carry_optimizer_state", False)
+    overrides = {**overrides, "retention": {"keep_last_checkpoints": None, "keep_optimizer_states": 1 if carries
+                                            else None}}
     if seed:  # a replicate: iteration i samples with seed + i, the update's data order from seed
         from batchrl.resources.profiles import deep_merge
 
