@@ -468,11 +468,8 @@ def test_an_exported_policy_answers_as_its_evaluation_did_in_plain_transformers(
     asked the held-out prompts one at a time as a user would (chat template, greedy, no padding), gives the very
     answers and numbers the evaluation asset reported for that policy; the evaluation names the policy's chain and
     iteration and draws the chain's iteration chart with its held-out numbers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from batchrl.cli.main import main
-    from batchrl.training.data.prompts import load_prompts
+    from batchrl.training.evaluation.plain_transformers import evaluated_rows, plain_answers
     from batchrl.training.rewards.registry import get_reward_function
 
     _, instance, root = pipeline
@@ -491,20 +488,10 @@ def test_an_exported_policy_answers_as_its_evaluation_did_in_plain_transformers(
     assert shown["iterations_chart"].startswith("![the RL chain per iteration](data:image/png;base64,")
 
     assert main(["export", policy["uri"], "--to", str(tmp_path / "export")]) == 0
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
     config = lineage["config"]
-    rows = load_prompts(lineage["input_files"][0]["uri"], shape=config["shape"], suffix=config["prompt_suffix"])
-    rows = rows.head(config["max_eval_prompts"] or len(rows)).to_dict("records")
-    answers, lengths = [], []
-    for row in rows:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
-                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        with torch.no_grad():
-            out = model.generate(**prompt, do_sample=False, max_new_tokens=config["max_new_tokens"])
-        answer_ids = out[0, prompt["input_ids"].shape[1]:]
-        answers.append(tokenizer.decode(answer_ids, skip_special_tokens=True))
-        lengths.append(len(answer_ids))
+    rows = evaluated_rows(lineage)
+    answers, lengths = plain_answers(str(tmp_path / "export"), [row["prompt"] for row in rows],
+                                     config["max_new_tokens"])
     correct, partial = get_reward_function(config["reward"]), get_reward_function("arith_partial")
     assert len(rows) == reported["arith_n"]
     assert sum(correct(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows) == \
