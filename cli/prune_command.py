@@ -9,9 +9,14 @@ import sys
 
 from batchrl.cli.instance import ensure_dagster_home, open_instance
 
-def _at_least_one(text: str) -> int:
+KEEP_ALL = "all"  # a flag's way past a profile's number: keep every version
+
+
+def _at_least_one(text: str) -> int | str:
+    if text == KEEP_ALL:
+        return KEEP_ALL
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number, at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number, at least 1, or {KEEP_ALL}")
     return int(text)
 
 
@@ -19,10 +24,12 @@ def add_retention_arguments(parser: argparse.ArgumentParser, what: str) -> None:
     """The retention flags of `batchrl prune` and `batchrl run` (``what``: when the policy applies)."""
     parser.add_argument("--keep-last", "--keep-last-checkpoints", dest="keep_last_checkpoints", type=_at_least_one,
                         metavar="N", help=f"{what}: per trained asset, the N newest versions keep their files; older "
-                        "ones expire (data files and trainer work dir deleted, lineage.json and EXPIRED.json stay)")
+                        "ones expire (data files and trainer work dir deleted, lineage.json and EXPIRED.json stay); "
+                        f"{KEEP_ALL}: none expires, whatever the profile says")
     parser.add_argument("--optimizer-states", "--keep-optimizer-states", dest="keep_optimizer_states",
                         type=_at_least_one, metavar="K", help=f"{what}: the carried AdamW moments stay on the K newest "
-                        "checkpoints that have them (carry_optimizer_state), removed from older ones")
+                        f"checkpoints that have them (carry_optimizer_state), removed from older ones; {KEEP_ALL}: "
+                        "kept on every one")
     parser.add_argument("--keep", action="append", default=[], metavar="DATA_VERSION",
                         help="never expire this artifact version (repeatable); latest, promoted and in-use ones are "
                              "kept anyway")
@@ -44,7 +51,8 @@ def policy_of(args: argparse.Namespace, written: dict | None = None):
     from batchrl.resources.retention import RetentionPolicy
 
     flags = {name: getattr(args, name, None) for name in RetentionPolicy.model_fields}
-    policy = RetentionPolicy(**{**(written or {}), **{k: v for k, v in flags.items() if v is not None}})
+    given = {k: None if v == KEEP_ALL else v for k, v in flags.items() if v is not None}
+    policy = RetentionPolicy(**{**(written or {}), **given})
     return policy if policy.active else None
 
 

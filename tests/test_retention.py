@@ -220,7 +220,7 @@ def test_the_policy_is_checked_where_it_is_written(tmp_path, capsys):
     add_command(parser.add_subparsers())
     with pytest.raises(SystemExit):
         parser.parse_args(["prune", "--keep-last", "0"])
-    assert "'0': a whole number, at least 1" in capsys.readouterr().err
+    assert "'0': a whole number, at least 1, or all" in capsys.readouterr().err
     # `batchrl run`: the profile's, a -c file's over it, the flags over both
     written = tmp_path / "keep.yaml"
     written.write_text("retention: {keep_optimizer_states: 2}\n")
@@ -228,6 +228,13 @@ def test_the_policy_is_checked_where_it_is_written(tmp_path, capsys):
                               keep_optimizer_states=None)
     assert run_retention(args).model_dump() == {"keep_last_checkpoints": 5, "keep_optimizer_states": 2}
     assert policy_of(argparse.Namespace(keep_last_checkpoints=None, keep_optimizer_states=None)) is None
+    # `all` undoes a profile's number: the gsm8k profile with both flags at all keeps everything (no prune)
+    keep_all = parser.parse_args(["prune", "--keep-last", "all", "--optimizer-states", "all"])
+    assert run_retention(argparse.Namespace(profile="gsm8k", config=[], keep_last_checkpoints=
+                                            keep_all.keep_last_checkpoints, keep_optimizer_states=
+                                            keep_all.keep_optimizer_states)) is None
+    args.keep_last_checkpoints = "all"
+    assert run_retention(args).model_dump() == {"keep_last_checkpoints": None, "keep_optimizer_states": 2}
 
 
 def test_a_pin_that_names_no_version_or_a_work_dir_outside_the_cache_deletes_nothing(chain):
