@@ -41,6 +41,7 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   starts each iteration with a fresh optimiser: a measured answer to whether that costs accuracy);
 - ``more:trl`` / ``more:trl_vllm`` / ``more:trl_reset``: that arm's run goes on from the checkpoint its last call
   saved until ``--minutes`` of training in all (``bench/trl_arm.py``: an 8-minute TRL arm in two device calls);
+- ``ARM@SEED`` (``full@1``, ``prep:full@1``): a replicate of a batchrl arm with that seed, under its own name;
 - ``eval``: the evaluation of base and every arm that finished and is not evaluated yet, and of each arm's
   policy every ``--curve-every`` iterations / rounds (held-out accuracy against samples: does more training on
   the 500 prompts keep helping?); every part writes ``$OUT/rl_vs_trl.json``.
@@ -147,7 +148,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     # not the profile's retention: every checkpoint kept until the arm ends (the curve points are picked after it,
     # then prune_checkpoints); an arm that carries AdamW's state keeps it on the newest only (~5 GB a checkpoint at
     # 0.5B), the others run no prune (its ~0.2 s an iteration off their clocks)
-    overrides = ARM_CONFIGS.get(arm, {"ops": {}})
+    overrides = ARM_CONFIGS.get(arm.partition("@")[0], {"ops": {}})  # ARM@SEED: ARM's replicate
     carries = overrides["ops"].get("policy_checkpoint", {}).get("config", {}).get("carry_optimizer_state", False)
     overrides = {**overrides, "retention": {"keep_last_checkpoints": None, "keep_optimizer_states": 1 if carries
                                             else None}}
@@ -195,7 +196,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     curve = {str(k): uri for k, uri in enumerate(history["uris"]["policy_checkpoint"], 1)
              if curve_every and k % curve_every == 0}
     freed = prune_checkpoints(env["BATCHRL_STORAGE"], keep={history["uri"].get("policy_checkpoint"), *curve.values()})
-    return {"disk_freed_gb": freed, "workers_stopped": workers_stopped, "exit_code": code, "prep_s": round(prep_s, 1),
+    return {"seed": seed, "disk_freed_gb": freed, "workers_stopped": workers_stopped, "exit_code": code, "prep_s": round(prep_s, 1),
             "worker_start_s": round(worker_s, 1),
             "wall_s": round(wall, 1), "loop_wall_s": round(loop, 1),
             "iterations": iterations, "samples": samples, "samples_per_s": round(samples / wall, 1),
@@ -293,9 +294,9 @@ def main() -> None:
         try:
             if part.startswith("prep:"):
                 record.setdefault("prepared", {})[part[5:]] = prepare_arm(args.state, part[5:], args.out)
-            elif part == "full" or part in ARM_CONFIGS:
-                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every,
-                                                       args.seed)
+            elif (arm := part.partition("@")[0]) == "full" or arm in ARM_CONFIGS:  # ARM@SEED: a replicate, its own
+                seed = int(part.partition("@")[2] or args.seed)                          # state, record and scores
+                record["arms"][part] = run_batchrl_arm(args.state, part, args.minutes, args.out, args.curve_every, seed)
             elif part.removeprefix("more:") in ("trl", "trl_reset", "trl_vllm"):
                 arm = part.removeprefix("more:")  # more:ARM: the arm's run goes on to --minutes of training in all
                 known = [r.get("base") for r in [record["arms"].get("full", {}), *record["arms"].values(),
