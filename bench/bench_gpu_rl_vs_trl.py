@@ -81,6 +81,10 @@ def _arm_env(state: str, arm: str) -> dict[str, str]:
             "DAGSTER_HOME": os.path.join(root, "home"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _log(out: str, arm: str, what: str) -> str:
+    return os.path.join(out, f"{arm.replace('@', '_seed')}_{what}.log")  # `@` in a name: not fetched from $OUT
+
+
 def _batchrl(env: dict[str, str], args: list[str], log: str) -> tuple[int, float]:
     started = time.monotonic()
     with open(log, "a") as out:
@@ -130,7 +134,7 @@ def prepare_arm(state: str, arm: str, out: str) -> dict:
 
     shutil.rmtree(os.path.join(state, arm), ignore_errors=True)
     env = _arm_env(state, arm)
-    code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1"], os.path.join(out, f"{arm}_prep.log"))
+    code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1"], _log(out, arm, "prep"))
     if code:
         raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code})")
     open(os.path.join(state, arm, PREPARED), "w").close()
@@ -144,14 +148,13 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     if not prepared:
         shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
     env = _arm_env(state, arm)
-    log = os.path.join(out, f"{arm}_run.log")
-    # not the profile's retention: every checkpoint kept until the arm ends (the curve points are picked after it,
-    # then prune_checkpoints); an arm that carries AdamW's state keeps it on the newest only (~5 GB a checkpoint at
-    # 0.5B), the others run no prune (its ~0.2 s an iteration off their clocks)
+    log = _log(out, arm, "run")
+    # not the profile's retention: the 2 newest checkpoints and every curve point (a 64 GiB disk holds ~20 of 0.5B's
+    # with the rest: the thirty-sixth session's arms ran out of it at 16-17 iterations); the AdamW state on the newest
     overrides = ARM_CONFIGS.get(arm.partition("@")[0], {"ops": {}})  # ARM@SEED: ARM's replicate
     carries = overrides["ops"].get("policy_checkpoint", {}).get("config", {}).get("carry_optimizer_state", False)
-    overrides = {**overrides, "retention": {"keep_last_checkpoints": None, "keep_optimizer_states": 1 if carries
-                                            else None}}
+    overrides = {**overrides, "retention": {"keep_last_checkpoints": 2, "keep_every": curve_every or None,
+                                            "keep_optimizer_states": 1 if carries else None}}
     if seed:  # a replicate: iteration i samples with seed + i, the update's data order from seed
         from batchrl.resources.profiles import deep_merge
 

@@ -30,6 +30,9 @@ def add_retention_arguments(parser: argparse.ArgumentParser, what: str) -> None:
                         type=_at_least_one, metavar="K", help=f"{what}: the carried AdamW moments stay on the K newest "
                         f"checkpoints that have them (carry_optimizer_state), removed from older ones; {KEEP_ALL}: "
                         "kept on every one")
+    parser.add_argument("--keep-every", dest="keep_every", type=_at_least_one, metavar="M",
+                        help=f"{what}: besides the newest, keep every M-th version of each trained asset whole (RL "
+                        f"iterations M, 2M, ...: points for an accuracy curve); {KEEP_ALL}: no such points")
     parser.add_argument("--keep", action="append", default=[], metavar="DATA_VERSION",
                         help="never expire this artifact version (repeatable); latest, promoted and in-use ones are "
                              "kept anyway")

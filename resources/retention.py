@@ -35,6 +35,11 @@ class RetentionPolicy(BaseModel):
         None, ge=1, description="the carried AdamW moments (carry_optimizer_state: optimizer/ in a checkpoint, "
         "8 bytes per trainable parameter) stay on the N newest checkpoints that have them; older ones lose that "
         "folder alone (the weights stay). None: keep all")
+    keep_every: int | None = Field(
+        None, ge=1, description="besides the newest, keep every N-th version of each trained asset whole (its N-th, "
+        "2N-th, ... in the catalog: in an RL chain, the policies after iterations N, 2N, ...), for accuracy-over-"
+        "training curves and rollback points (Orbax's keep_period); keep_optimizer_states still applies to them. "
+        "None: no such points")
 
     @property
     def active(self) -> bool:

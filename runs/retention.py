@@ -6,7 +6,8 @@ version of every trained asset, newest materialisation first) and the Dagster in
 
 - ``keep_last_checkpoints`` N: per trained asset, the versions older than the N newest expire whole;
 - ``keep_optimizer_states`` K: per asset, the carried optimizer state of checkpoints older than the K newest that
-  have one expires (``optimizer/`` alone; the weights stay).
+  have one expires (``optimizer/`` alone; the weights stay);
+- ``keep_every`` M: the asset's M-th, 2M-th, ... version (catalog order of first publication) is kept whole.
 
 Never expired: each asset's latest materialisation (what the IO manager hands the next step; for a companion such
 as ``critic_checkpoint``, which Dagster does not materialise, its newest version in the catalog), the checkpoint
@@ -163,6 +164,16 @@ def has_optimizer_state(storage, version: Version) -> bool:
     return fs.isdir(f"{path.rstrip('/')}/{OPTIMIZER_FOLDER}")
 
 
+def _ordinals(versions: dict[tuple[str, str], Version]) -> dict[tuple[str, str], int]:
+    """Each version's place (1-based) among its asset's versions in order of first publication (``versions`` keeps
+    the catalog's order); the same content published again keeps its first place."""
+    counts: dict[str, int] = {}
+    places = {}
+    for key in versions:
+        counts[key[0]] = places[key] = counts.get(key[0], 0) + 1
+    return places
+
+
 def plan(storage, catalog, instance, policy: RetentionPolicy, pins: Iterable[str] = ()) -> Plan:
     """The expiries ``policy`` asks for now (see the module docstring); ValueError for a pin that names no
     version."""
@@ -178,11 +189,14 @@ def plan(storage, catalog, instance, policy: RetentionPolicy, pins: Iterable[str
         if ALL not in version.expired:
             by_asset.setdefault(version.asset, []).append(version)
     expiries, kept = [], {}
+    ordinal = _ordinals(versions)
     for asset, live in sorted(by_asset.items()):
-        n, k = policy.keep_last_checkpoints, policy.keep_optimizer_states
+        n, k, m = policy.keep_last_checkpoints, policy.keep_optimizer_states, policy.keep_every
         for version in live[n:] if n is not None else []:
             if version.key in whole:
                 kept[version.key] = whole[version.key]
+            elif m and ordinal[version.key] % m == 0:
+                kept[version.key] = f"keep_every {m}: {asset}'s version no. {ordinal[version.key]}"
             else:
                 expiries.append(Expiry(version, ALL, f"keep_last_checkpoints {n}: older than the {n} newest "
                                                      f"{asset} versions"))

@@ -170,6 +170,21 @@ def test_the_policy_the_promotion_gate_may_promote_again_keeps_its_optimizer_sta
     assert planned.kept[("policy_checkpoint", v[2]["ref"].data_version)].startswith("read by the latest evaluation")
 
 
+def test_keep_every_keeps_each_assets_every_mth_version_whole(chain):
+    storage, catalog, instance, v, c, r = chain
+    planned = plan(storage, catalog, instance, RetentionPolicy(keep_last_checkpoints=1, keep_every=3))
+    assert {(e.version.asset, e.version.data_version) for e in planned.expiries} == {
+        ("policy_checkpoint", v[1]["ref"].data_version), ("critic_checkpoint", c[1]["ref"].data_version),
+        ("reward_model", r[1]["ref"].data_version)}
+    assert planned.kept[("policy_checkpoint", v[3]["ref"].data_version)] == \
+        "keep_every 3: policy_checkpoint's version no. 3"
+    assert planned.kept[("critic_checkpoint", c[3]["ref"].data_version)].startswith("keep_every 3")
+    # the points keep their places when the same content is published again later
+    _checkpoint(storage, catalog, "policy_checkpoint", 1, workdir=v[1]["workdir"] + "-again")
+    again = plan(storage, catalog, instance, RetentionPolicy(keep_last_checkpoints=1, keep_every=3))
+    assert again.kept[("policy_checkpoint", v[3]["ref"].data_version)].startswith("keep_every 3")
+
+
 def test_an_s3_root_loses_its_objects_and_this_hosts_cached_copy(s3_options, tmp_path):
     import s3fs
 
@@ -226,7 +241,8 @@ def test_the_policy_is_checked_where_it_is_written(tmp_path, capsys):
     written.write_text("retention: {keep_optimizer_states: 2}\n")
     args = argparse.Namespace(profile="gsm8k", config=[str(written)], keep_last_checkpoints=5,
                               keep_optimizer_states=None)
-    assert run_retention(args).model_dump() == {"keep_last_checkpoints": 5, "keep_optimizer_states": 2}
+    assert run_retention(args).model_dump() == {"keep_last_checkpoints": 5, "keep_optimizer_states": 2,
+                                                "keep_every": None}
     assert policy_of(argparse.Namespace(keep_last_checkpoints=None, keep_optimizer_states=None)) is None
     # `all` undoes a profile's number: the gsm8k profile with both flags at all keeps everything (no prune)
     keep_all = parser.parse_args(["prune", "--keep-last", "all", "--optimizer-states", "all"])
@@ -234,7 +250,9 @@ def test_the_policy_is_checked_where_it_is_written(tmp_path, capsys):
                                             keep_all.keep_last_checkpoints, keep_optimizer_states=
                                             keep_all.keep_optimizer_states)) is None
     args.keep_last_checkpoints = "all"
-    assert run_retention(args).model_dump() == {"keep_last_checkpoints": None, "keep_optimizer_states": 2}
+    assert run_retention(args).model_dump() == {"keep_last_checkpoints": None, "keep_optimizer_states": 2,
+                                                "keep_every": None}
+    assert parser.parse_args(["prune", "--keep-every", "7"]).keep_every == 7
 
 
 def test_a_pin_that_names_no_version_or_a_work_dir_outside_the_cache_deletes_nothing(chain):
