@@ -42,6 +42,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
 - ``more:trl`` / ``more:trl_vllm`` / ``more:trl_reset``: that arm's run goes on from the checkpoint its last call
   saved until ``--minutes`` of training in all (``bench/trl_arm.py``: an 8-minute TRL arm in two device calls);
 - ``ARM@SEED`` (``full@1``, ``prep:full@1``): a replicate of a batchrl arm with that seed, under its own name;
+- ``export:ARM``: ``batchrl export`` of the arm's final policy, asked every held-out question in plain transformers
+  (batched, bf16; ``check_export_answers.export_accuracy``): its accuracy beside the ``eval`` part's of that policy;
 - ``eval``: the evaluation of base and every arm that finished and is not evaluated yet, and of each arm's
   policy every ``--curve-every`` iterations / rounds (held-out accuracy against samples: does more training on
   the 500 prompts keep helping?); every part writes ``$OUT/rl_vs_trl.json``.
@@ -61,6 +63,7 @@ import sys
 import time
 
 from bench_disk import prune_checkpoints, stop_job_workers  # noqa: E402  (bench/ on sys.path)
+from check_export_answers import export_accuracy  # noqa: E402
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
 from rl_arms import ARM_CONFIGS  # noqa: E402
 from trl_arm import run_trl_arm  # noqa: E402
@@ -308,6 +311,14 @@ def main() -> None:
                 record["arms"][arm] = run_trl_arm(
                     base, args.minutes, args.state, arm, (ROUND_PROMPTS, SAMPLES_PER_PROMPT, MICRO_BATCH, NEW_TOKENS),
                     bf16=not SMOKE, resume=part.startswith("more:"), curve_every=args.curve_every, seed=args.seed)
+            elif part.startswith("export:"):  # the arm's final policy exported, in plain transformers
+                arm = part[7:]
+                heldout = task_prompts("eval")[:8] if SMOKE else task_prompts("eval")
+                checked = export_accuracy(record["arms"][arm]["policy"], _arm_env(args.state, arm), heldout,
+                                          TASK["eval_tokens"], TASK["reward"], SMOKE)
+                checked["evaluation_accuracy"] = record.get("eval", {}).get(arm, {}).get("arith_accuracy")
+                record.setdefault("export", {})[arm] = checked
+                print(arm, "export:", {k: v for k, v in checked.items() if k != "examples"}, flush=True)
             elif part == "eval":
                 bases = [r["base"] for r in [*record["arms"].values(), *record.get("prepared", {}).values()]
                          if r.get("base")]

@@ -7,15 +7,21 @@ In the run's environment (BATCHRL_STORAGE, DAGSTER_HOME as the run had them), af
 It exports the policy the latest evaluation scored, asks each held-out prompt it scored one at a time (chat
 template, greedy, the evaluation's token budget: ``training.evaluation.plain_transformers``) and compares accuracy,
 mean answer length and each answer the evaluation kept (``num_examples``) with the evaluation's report.
+``export_accuracy``: the same for a GPU bench arm's final policy (bench_gpu_rl_vs_trl.py's ``export:ARM``), all
+the bench's test questions batched on the GPU, against the bench's own evaluation of that policy.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
+
+CLI = "import sys; from batchrl.cli.main import console_main; sys.exit(console_main(sys.argv[1:]))"
 
 
 def first_difference(a: str, b: str) -> int | None:
@@ -23,6 +29,28 @@ def first_difference(a: str, b: str) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def export_accuracy(policy: str, env: dict, rows: list[dict], max_new_tokens: int, reward: str, smoke: bool) -> dict:
+    """`batchrl export` of ``policy`` (in the arm's environment ``env``), then plain transformers' greedy answers to
+    ``rows`` (bf16 on the GPU, 128 at a time; ``smoke``: float32 on the CPU, 4 at a time): accuracy, mean tokens."""
+    from batchrl.training.evaluation.plain_transformers import plain_answers
+    from batchrl.training.rewards.registry import get_reward_function
+
+    export = os.path.join(tempfile.mkdtemp(prefix="export-check-"), "export")
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", CLI, "export", policy, "--to", export], env=env, check=True)
+    exported = time.monotonic()
+    answers, lengths = plain_answers(export, [row["prompt"] for row in rows], max_new_tokens,
+                                     **({"batch_size": 4} if smoke else {"batch_size": 128, "device": "cuda",
+                                                                         "dtype": "bfloat16"}))
+    correct = get_reward_function(reward)
+    shutil.rmtree(os.path.dirname(export), ignore_errors=True)
+    return {"policy": policy, "n": len(rows), "export_s": round(exported - started, 1),
+            "plain_transformers_s": round(time.monotonic() - exported, 1),
+            "export_accuracy": sum(correct(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows),
+            "export_mean_tokens": sum(lengths) / len(rows), "examples": [
+                {"prompt": r["prompt"][:80], "answer": a} for r, a in zip(rows[:2], answers)]}
 
 
 def main() -> int:

@@ -501,3 +501,6 @@ def test_an_exported_policy_answers_as_its_evaluation_did_in_plain_transformers(
     assert sum(lengths) / len(rows) == pytest.approx(reported["mean_response_tokens"], abs=1e-6)
     mine = {row["prompt"]: answer for row, answer in zip(rows, answers)}
     assert reported["examples"] and all(mine[e["prompt"]] == e["response"] for e in reported["examples"])
+    # batched with left padding (how the GPU check asks all 1,319 GSM8K questions): the same answers
+    assert plain_answers(str(tmp_path / "export"), [row["prompt"] for row in rows], config["max_new_tokens"],
+                         batch_size=5) == (answers, lengths)
