@@ -21,6 +21,7 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
 - ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``rl_recipe.old_logprobs:
   rollout``): no old-policy pass before the update (0.78 s of a 8.8 s iteration on the H200), the ratio taken
   against the bf16 engine's numbers;
+- ``no_kl``: the same without the KL loss term (no reference log-prob pass in the update);
 - ``no_ahead``: the same without ``rl_recipe.sample_ahead`` (on in the profile since the twenty-fifth session: the
   update samples the next iteration from its new weights while it exports them; the next rollouts step takes the
   samples: same data versions);
