@@ -74,6 +74,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     pair_max_length, base_is_reference = reference_pass(reference_logprobs, base_model, compute)
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,
+                   paired_with="base_model",  # each model's held-out gain over the base, question by question
                    seed=config.seed, reward=config.reward, format_reward=config.format_reward, num_examples=config.num_examples, device=compute.device,
                    dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine,
                    agent=None if config.agent is None else config.agent.model_dump())
@@ -173,6 +174,9 @@ OVERALL = {"accuracy": "arith_accuracy", "n": "arith_n", "preference_accuracy": 
            "preference_n": "preference_n", "logratio_accuracy": "logratio_accuracy"}
 
 
+UNCERTAINTY = ("_stderr", "_ci95_low", "_ci95_high", "_questions_won", "_questions_lost")  # training.evaluation.paired
+
+
 def without_single_group_copies(metrics: dict) -> dict:
     """``metrics`` less a per-group family of one group equal to its overall value (one category ``arith``:
     ``accuracy/arith`` repeats ``arith_accuracy``, ``n/arith`` repeats ``arith_n``); evaluation.json keeps all."""
@@ -186,7 +190,8 @@ def without_single_group_copies(metrics: dict) -> dict:
 
 def overlay_panels(results: dict) -> dict[str, dict[str, dict[str, float]]]:
     """``{metric: {group: {model: value}}}`` for the side-by-side chart: a panel per metric (its per-category or
-    per-source values as groups beside ``all``), counts left out."""
+    per-source values as groups beside ``all``), counts and the numbers around a gain or accuracy (standard error,
+    interval, questions won and lost: the table shows them) left out."""
     panels: dict[str, dict[str, dict[str, float]]] = {}
     overall_of = {overall: family for family, overall in OVERALL.items()}
     for model, metrics in results.items():
@@ -195,7 +200,7 @@ def overlay_panels(results: dict) -> dict[str, dict[str, dict[str, float]]]:
                 continue
             family, _, group = key.partition("/")
             family = overall_of.get(key, family) if not group else family
-            if family == "n" or family.endswith("_n"):
+            if family == "n" or family.endswith(("_n", *UNCERTAINTY)):
                 continue
             panels.setdefault(family, {}).setdefault(group or "all", {})[model] = value
     return panels

@@ -255,16 +255,30 @@ def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
         metrics = evaluate_models({name: folder}, arith_eval=heldout, max_new_tokens=TASK["eval_tokens"],
                                   batch_size=384 if TASK["name"] == "gsm8k" else 256, reward=TASK["reward"],
                                   format_reward="format_gsm8k" if TASK["name"] == "gsm8k" else None, **device,
-                                  num_examples=2)[name]
+                                  num_examples=2, with_scores=True)[name]
         results[name] = {k: v for k, v in metrics.items() if k.startswith(("arith_accuracy", "accuracy/", "n/",
                                                                            "mean_response", "arith_stop", "format_rate",
                                                                            "truncation_rate", "loop_rate",
                                                                            "mean_answer_tokens"))}
+        results[name]["arith_scores"] = metrics["arith_scores"]  # per question: paired gains (with_gains)
         results[name]["eval_s"] = round(time.monotonic() - started, 1)
         results[name]["examples"] = metrics.get("examples", [])[:4]
         if verbose:
             print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
     return results
+
+
+def with_gains(record: dict) -> None:
+    """Each evaluated policy's gain over the base, question by question (``arith_gain``, its paired standard error,
+    95% interval, questions won and lost: ``training.evaluation.paired``), where both kept per-question scores."""
+    from batchrl.training.evaluation.paired import paired_gain
+
+    base = record.get("eval", {}).get("base", {}).get("arith_scores")
+    scored = [r for name, r in record.get("eval", {}).items() if name != "base"]
+    scored += [r for points in record.get("eval_curve", {}).values() for r in points.values()]
+    for result in scored if base else []:
+        if "arith_scores" in result:
+            result.update(paired_gain(result["arith_scores"], base))
 
 
 def main() -> None:
@@ -336,6 +350,11 @@ def main() -> None:
                     print(arm, "held-out after k:", {k: round(v["arith_accuracy"], 3)
                                                      for k, v in sorted(curves[arm].items(), key=lambda i: int(i[0]))},
                           flush=True)
+                with_gains(record)
+                for arm, result in record["eval"].items():
+                    if "arith_gain" in result:
+                        print(f"{arm}: {result['arith_gain']:+.3f} over base (95% {result['arith_gain_ci95_low']:+.3f}"
+                              f" to {result['arith_gain_ci95_high']:+.3f})", flush=True)
         except Exception as error:  # the other parts still run; the error is in the record
             import traceback
 

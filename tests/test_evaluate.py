@@ -140,6 +140,18 @@ def test_evaluate_models_loads_the_reward_model_once_same_scores(model_path, pai
         assert together[name]["rm_mean_score"] == pytest.approx(alone[name]["rm_mean_score"], abs=1e-5)
         assert together[name]["arith_accuracy"] == alone[name]["arith_accuracy"]
         assert together[name]["preference_margin"] == pytest.approx(alone[name]["preference_margin"], abs=1e-5)
+        assert "arith_scores" not in together[name]  # per-question scores only when asked for
+    # each model against the base, question by question: the gain is the accuracies' difference, counted per question
+    paired = evaluate_models(models, arith_eval=load_rows("eval.jsonl")[:12], max_new_tokens=4, paired_with="base",
+                             with_scores=True)
+    base = paired["base"]["arith_scores"]
+    assert len(base) == 12 and "arith_gain" not in paired["base"]
+    for name in ("other", "third"):
+        mine = paired[name]["arith_scores"]
+        assert sum(mine) / 12 == pytest.approx(paired[name]["arith_accuracy"])
+        assert paired[name]["arith_gain"] == pytest.approx(paired[name]["arith_accuracy"] - paired["base"]["arith_accuracy"])
+        assert paired[name]["arith_gain_questions_won"] == sum(m > b for m, b in zip(mine, base))
+        assert paired[name]["arith_gain_questions_lost"] == sum(m < b for m, b in zip(mine, base))
 
 
 def test_weights_copied_into_a_loaded_model_only_when_they_fit_it(model_path, tmp_path):

@@ -35,11 +35,16 @@ def test_a_category_breakdown_of_one_category_is_not_shown_twice():
 
 def test_overlay_puts_every_model_in_each_metric_panel_grouped_by_category_and_source():
     results = _results(one_category=False)
+    results["policy_checkpoint"].update({"arith_accuracy_stderr": 0.01, "arith_gain": 0.05, "arith_gain_stderr": 0.01,
+                                         "arith_gain_ci95_low": 0.03, "arith_gain_ci95_high": 0.07,
+                                         "arith_gain_questions_won": 9, "arith_gain_questions_lost": 4})
     panels = overlay_panels(results)
-    assert set(panels) == {"accuracy", "arith_stop_rate", "preference_accuracy", "rm_mean_score"}  # no counts
+    # no counts, and of a gain the gain alone (its error, interval and question counts: the table's)
+    assert set(panels) == {"accuracy", "arith_stop_rate", "preference_accuracy", "rm_mean_score", "arith_gain"}
     assert list(panels["accuracy"]) == ["all", "arith", "gsm8k"]
     assert panels["accuracy"]["all"] == {m: results[m]["arith_accuracy"] for m in MODELS}
     assert list(panels["preference_accuracy"]) == ["all", "logged/a.jsonl", "logged/b.jsonl"]
+    assert panels.pop("arith_gain") == {"all": {"policy_checkpoint": 0.05}}  # only the models that have one
     assert all(list(group) == list(MODELS) for panel in panels.values() for group in panel.values())
 
 

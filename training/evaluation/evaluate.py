@@ -5,7 +5,8 @@ Metrics (all plain floats/ints, so they can go straight into Dagster metadata):
 - ``arith_accuracy`` = mean of the ``reward`` function (default ``arith_exact``; ``final_answer``
   for the real task) over greedy responses, ``accuracy/<category>`` the same per prompt category;
   ``arith_mean_reward`` = mean ``arith_partial``; ``arith_format_rate`` = fraction of responses
-  containing an integer; ``format_rate`` = mean of the ``format_reward`` (e.g. ``format_gsm8k``) when one is
+  containing an integer; ``arith_accuracy_stderr`` its standard error (``training.evaluation.paired``);
+  ``format_rate`` = mean of the ``format_reward`` (e.g. ``format_gsm8k``) when one is
   given; ``truncation_rate``, ``loop_rate``, ``mean_answer_tokens`` (``training.answer_stats``);
 - ``preference_accuracy`` = mean 1[log pi(chosen|x) > log pi(rejected|x)] and
   ``preference_margin`` = mean (log pi(chosen|x) - log pi(rejected|x)), log-probs summed over the
@@ -26,12 +27,15 @@ import numpy as np
 import pandas as pd
 
 from batchrl.training.evaluation.answer_stats import answer_stats
+from batchrl.training.evaluation.paired import mean_stderr, paired_gain
 from batchrl.training.data.batch_layout import encode_pairs, pair_logprobs
 from batchrl.training.timing.phases import phase
 from batchrl.training.rewards.registry import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.models.loading import cached_in_worker, load_checkpoint_in_place, load_tokenizer, tokenizer_key
 from batchrl.training.models.weights import read_weights, same_model_files
+
+SCORES = "arith_scores"  # each held-out question's score, by question: taken out of the results unless asked for
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str,
@@ -42,9 +46,14 @@ def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str,
     by_category: dict[str, list[float]] = {}
     for (_, row), score in zip(rows, correct):
         by_category.setdefault(str(row.get("category") or "none"), []).append(score)
+    by_question = [0.0] * len(arith_eval)  # in the held-out set's order: what a paired comparison lines up
+    for s, score in zip(samples, correct):
+        by_question[s["prompt_index"]] = float(score)
     return {
         "arith_n": len(rows),
         "arith_accuracy": float(np.mean(correct)),
+        "arith_accuracy_stderr": mean_stderr(correct),
+        SCORES: by_question,
         **{f"accuracy/{cat}": float(np.mean(scores)) for cat, scores in sorted(by_category.items())},
         **{f"n/{cat}": len(scores) for cat, scores in sorted(by_category.items())},
         "arith_mean_reward": float(np.mean([partial(s["prompt"], s["response"], row) for s, row in rows])),
@@ -173,14 +182,17 @@ def evaluate_policy(model_path: str, *, arith_eval: list[dict], reward_model_pat
 def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_model_path: str | None = None,
                     engine: str = "transformers", max_new_tokens: int = 16, batch_size: int = 32,
                     max_length: int = 256, pair_max_length: int | None = None, device: str = "cpu",
-                    dtype: str = "float32", reference_model: str | None = None,
-                    **options: Any) -> dict[str, dict[str, Any]]:
+                    dtype: str = "float32", reference_model: str | None = None, paired_with: str | None = None,
+                    with_scores: bool = False, **options: Any) -> dict[str, dict[str, Any]]:
     """``evaluate_policy`` of each named model folder; checkpoints of the same model share one engine
     (weights copied in place; the next checkpoint's are read into host memory while the current one is
     evaluated), and the reward model is loaded once and scores every model's greedy
     answers (``rm_mean_score``, ``max_length`` tokens). ``pair_max_length``: the pairs' truncation (the
     reference pass's: a log-ratio margin over other tokens would mean nothing; default ``max_length``);
-    ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again)."""
+    ``reference_model``: the name of the model whose pair log-probs ``reference`` holds (not computed again).
+    ``paired_with``: the name of the baseline (e.g. the base model) every other model's held-out accuracy is
+    compared with question by question (``paired.paired_gain``: ``arith_gain``, its standard error, 95% interval,
+    questions won and lost); ``with_scores``: keep each model's per-question scores (``arith_scores``)."""
     results, samples, current, encoded = {}, {}, None, {}  # current: (folder, engine) of the last model
     paths, ahead = list(models.values()), {}  # ahead: later checkpoints' weights, being read meanwhile
     with ThreadPoolExecutor(3, thread_name_prefix="read-ahead") as reader:
@@ -216,4 +228,10 @@ def evaluate_models(models: dict[str, str], *, arith_eval: list[dict], reward_mo
             mine = [score for (owner, _), score in zip(answered, scores) if owner == name]
             if mine:
                 results[name]["rm_mean_score"] = float(np.mean(mine))
+    baseline = results.get(paired_with, {}).get(SCORES)
+    for name, metrics in results.items():
+        if baseline is not None and name != paired_with and SCORES in metrics:
+            metrics.update(paired_gain(metrics[SCORES], baseline))
+        if not with_scores:
+            metrics.pop(SCORES, None)
     return results
