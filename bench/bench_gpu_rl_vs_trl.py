@@ -15,7 +15,7 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   timed command's process (CLI start, model and engine builds, hand-offs included); ``steady_iteration_s``: the
   mean iteration after the first;
 - ``lora``: the same with ``policy_checkpoint`` as a LoRA adapter (rank 32, alpha 32, lr 1e-4: LoRA's usual
-  10x the full-weight rate; all linear layers);
+  10x the full-weight rate; all linear layers); ``lora_lr2``: the same at lr 2e-4;
 - ``eager``: the same with ``policy_checkpoint.torch_compile`` off (the profile compiles each decoder layer: the
   update of a thin 30-layer model is launch-bound);
 - ``rollout_old``: the same with the engine's sampled-token log-probs as the old policy's (``rl_recipe.old_logprobs:
