@@ -38,6 +38,9 @@ PANELS: dict[str, list[tuple[str, str]]] = {
     "response tokens": [("rollouts", "mean_response_tokens")],
     "stop rate": [("rollouts", "stop_rate")],
     "held-out accuracy": [(EVALUATION, "arith_accuracy"), (EVALUATION, "format_rate")],
+    # the policy's gain over the base model, question by question, with its 95% interval (training.evaluation.paired)
+    "held-out gain over base (95%)": [(EVALUATION, "arith_gain"), (EVALUATION, "arith_gain_ci95_low"),
+                                      (EVALUATION, "arith_gain_ci95_high")],
     "held-out truncation, loops": [(EVALUATION, "truncation_rate"), (EVALUATION, "loop_rate")],
     "held-out answer tokens": [(EVALUATION, "mean_answer_tokens")],
 }

@@ -73,7 +73,8 @@ def test_eval_every_is_a_whole_number_of_iterations(capsys):
 def _evaluation(iteration: int, accuracy: float, chain: str = CHAIN_A, base: str | None = CHAIN_A) -> dict:
     """An evaluation's metadata as the asset publishes it: per model its numbers, the policy's chain position."""
     policy = {"arith_accuracy": accuracy, "format_rate": accuracy + 0.1, "truncation_rate": 0.5 - accuracy / 2,
-              "loop_rate": 0.2, "mean_answer_tokens": 300.0 - 100 * accuracy, "arith_n": 1319}
+              "loop_rate": 0.2, "mean_answer_tokens": 300.0 - 100 * accuracy, "arith_n": 1319,
+              "arith_gain": accuracy - 0.27, "arith_gain_ci95_low": accuracy - 0.29, "arith_gain_ci95_high": accuracy - 0.25}
     metadata = {f"policy_checkpoint/{k}": v for k, v in policy.items()}
     metadata.update({"base_model/arith_accuracy": 0.27, "base_model/format_rate": 0.6, "dpo_checkpoint/arith_accuracy":
                      0.9, ITERATION: iteration, CHAIN: chain})
@@ -106,6 +107,9 @@ def test_the_iteration_chart_draws_each_evaluation_at_its_policys_iteration(inst
     assert panels["held-out accuracy"]["format_rate"] == ([0, 2, 4], pytest.approx([0.6, 0.4, 0.45]))
     assert panels["held-out truncation, loops"]["loop_rate"] == ([2, 4], [0.2, 0.2])  # the base model's not recorded
     assert panels["held-out answer tokens"]["mean_answer_tokens"] == ([2, 4], [270.0, 265.0])
+    gain = panels["held-out gain over base (95%)"]  # from the first evaluated policy: the base has no gain over itself
+    assert gain["arith_gain"] == ([2, 4], pytest.approx([0.03, 0.08]))
+    assert gain["arith_gain_ci95_low"] == ([2, 4], pytest.approx([0.01, 0.06]))
     assert panels["reward"]["mean_reward"][0] == [1, 2, 3, 4]
 
 
