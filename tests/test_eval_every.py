@@ -74,7 +74,8 @@ def _evaluation(iteration: int, accuracy: float, chain: str = CHAIN_A, base: str
     """An evaluation's metadata as the asset publishes it: per model its numbers, the policy's chain position."""
     policy = {"arith_accuracy": accuracy, "format_rate": accuracy + 0.1, "truncation_rate": 0.5 - accuracy / 2,
               "loop_rate": 0.2, "mean_answer_tokens": 300.0 - 100 * accuracy, "arith_n": 1319,
-              "arith_gain": accuracy - 0.27, "arith_gain_ci95_low": accuracy - 0.29, "arith_gain_ci95_high": accuracy - 0.25}
+              "arith_gain": accuracy - 0.27, "arith_gain_ci95_low": accuracy - 0.29,
+              "arith_gain_ci95_high": accuracy - 0.25}
     metadata = {f"policy_checkpoint/{k}": v for k, v in policy.items()}
     metadata.update({"base_model/arith_accuracy": 0.27, "base_model/format_rate": 0.6, "dpo_checkpoint/arith_accuracy":
                      0.9, ITERATION: iteration, CHAIN: chain})
