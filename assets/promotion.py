@@ -8,7 +8,8 @@ model and held-out file (the one before it, kept or not: a withdrawn one scored 
 ``MIN_PROMPTS`` held-out prompts. When the policy falls more than ``evaluation.max_regression`` below the better
 baseline, the check fails (the run fails, the UI shows why) and the promotion is withdrawn: ``promoted_policy`` is
 materialised again as that baseline, so the next iteration or nightly retrain starts from it, not from the
-regressed checkpoint.
+regressed checkpoint. The verdict is the point estimate's; the check shows beside it the policy's paired gain over
+the base model with its 95% interval (``training.evaluation.paired``), to read how sure it is.
 """
 
 import json
@@ -86,7 +87,12 @@ def policy_not_regressed(context: dg.AssetCheckExecutionContext, evaluation: Art
         return dg.AssetCheckResult(passed=True, metadata={"policy_accuracy": accuracy, "why": why}, description=why)
     max_regression = float(evaluation.lineage.get("config", {}).get("max_regression", 0.0))
     kept, why = verdict(accuracy, baselines, max_regression)
-    metadata = {"policy_accuracy": accuracy, "max_regression": max_regression, "why": why,
+    paired = {key.replace("arith_gain", "gain_over_base"): value for key, value in results[POLICY].items()
+              if key in ("arith_gain", "arith_gain_ci95_low", "arith_gain_ci95_high")}  # training.evaluation.paired
+    if len(paired) == 3:  # the verdict is the point estimate's; how sure it is against the base, shown beside it
+        why += (f"; against {BASE}, question by question: {paired['gain_over_base']:+.3f} (95% interval "
+                f"{paired['gain_over_base_ci95_low']:+.3f} to {paired['gain_over_base_ci95_high']:+.3f})")
+    metadata = {"policy_accuracy": accuracy, "max_regression": max_regression, "why": why, **paired,
                 **{f"{name}_accuracy".replace(" ", "_"): b.accuracy for name, b in baselines.items()}}
     if not kept:
         restored = max(baselines.values(), key=lambda b: b.accuracy).ref

@@ -51,8 +51,10 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: Scores, base_mo
 @dg.asset(metadata=declared_files(results="evaluation.json"))
 def evaluation(context: dg.AssetExecutionContext, config: Scores, base_model, policy_checkpoint,
                storage: StorageResource, catalog: CatalogResource):
+    gain = config.policy - config.base  # as training.evaluation.paired reports it, an interval of +-0.02 around it
     results = {"base_model": {"arith_accuracy": config.base, "arith_n": config.prompts},
-               "policy_checkpoint": {"arith_accuracy": config.policy, "arith_n": config.prompts}}
+               "policy_checkpoint": {"arith_accuracy": config.policy, "arith_n": config.prompts, "arith_gain": gain,
+                                     "arith_gain_ci95_low": gain - 0.02, "arith_gain_ci95_high": gain + 0.02}}
     flat = {f"{model}/arith_accuracy": r["arith_accuracy"] for model, r in results.items()}
     return _published(context, storage, catalog, "evaluation", results, metadata=flat,
                       config={"max_regression": config.max_regression},
@@ -92,6 +94,8 @@ def test_a_policy_worse_than_the_base_model_is_withdrawn_for_the_base_model(run)
     check, promoted, _ = run(base=0.3, policy=0.2)
     assert not check.passed and promoted.asset == "base_model"
     assert "more than the allowed regression" in check.description
+    assert "against base_model, question by question: -0.100 (95% interval -0.120 to -0.080)" in check.description
+    assert check.metadata["gain_over_base_ci95_high"].value == pytest.approx(-0.08)
 
 
 def test_a_policy_worse_than_the_previous_one_is_withdrawn_for_it(run):
