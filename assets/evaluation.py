@@ -2,7 +2,7 @@
 
 import json
 import os
-from typing import Optional
+from typing import Literal, Optional
 
 import dagster as dg
 from pydantic import Field
@@ -39,6 +39,11 @@ class EvaluationConfig(PromptFormatConfig):
     max_regression: float = Field(0.05, ge=0.0, le=1.0, description="held-out accuracy (a fraction) the policy may "
                                   "lose against the base model and the previously evaluated policy and stay promoted "
                                   "(the blocking check policy_not_regressed; 1.0: never withdrawn)")
+    regression_test: Literal["point", "paired"] = Field(
+        "point", description="how policy_not_regressed judges a loss beyond max_regression: point = the accuracies "
+        "alone; paired = only a significant one withdraws the policy (question by question against that baseline: "
+        "the 95% interval of the policy's paired gain lies below 0), for held-out sets small enough that one run's "
+        "noise exceeds the margin")
     agent: Optional[AgentRunConfig] = Field(None, description="also answer the held-out prompts with tools "
                                             "(docs/AGENT.md): tool_accuracy beside arith_accuracy (no tools), "
                                             "mean_tool_calls, tool_error_rate")
@@ -75,6 +80,7 @@ def evaluation(context: dg.AssetExecutionContext, config: EvaluationConfig, poli
     options = dict(reward_model_path=reward_model.path, max_new_tokens=config.max_new_tokens,
                    pair_max_length=pair_max_length, reference_model="base_model" if base_is_reference else None,
                    paired_with="base_model",  # each model's held-out gain over the base, question by question
+                   with_scores=True,  # evaluation.json keeps per-question scores: the gate's paired test
                    seed=config.seed, reward=config.reward, format_reward=config.format_reward, num_examples=config.num_examples, device=compute.device,
                    dtype=compute.dtype, batch_size=compute.batch_size, engine=compute.generation_engine,
                    agent=None if config.agent is None else config.agent.model_dump())

@@ -8,8 +8,9 @@ model and held-out file (the one before it, kept or not: a withdrawn one scored 
 ``MIN_PROMPTS`` held-out prompts. When the policy falls more than ``evaluation.max_regression`` below the better
 baseline, the check fails (the run fails, the UI shows why) and the promotion is withdrawn: ``promoted_policy`` is
 materialised again as that baseline, so the next iteration or nightly retrain starts from it, not from the
-regressed checkpoint. The verdict is the point estimate's; the check shows beside it the policy's paired gain over
-the base model with its 95% interval (``training.evaluation.paired``), to read how sure it is.
+regressed checkpoint. The check shows beside its verdict the policy's paired gain over the base model with its 95%
+interval (``training.evaluation.paired``); ``evaluation.regression_test: paired`` withdraws only a significant loss
+(``verdict``).
 """
 
 import json
@@ -21,12 +22,15 @@ from batchrl.assets.policy_chain import PROMOTED, repromote
 from batchrl.resources import Artifact, StorageResource
 from batchrl.resources.artifacts import make_local
 from batchrl.resources.storage import ArtifactRef
+from batchrl.training.evaluation.paired import paired_gain
 
 METRIC = "arith_accuracy"  # the held-out accuracy evaluation reports for every model (greedy, the task's reward)
 # fewer held-out prompts than this (the CPU smoke size of the profiles: 4-8) and one answer moves the accuracy by
 # more than any margin: the check then passes, saying it did not judge
 MIN_PROMPTS = 20
 POLICY, BASE = "policy_checkpoint", "base_model"
+RESULTS = "evaluation.json"  # assets.evaluation.RESULTS_FILE
+SCORES = "arith_scores"  # training.evaluation.evaluate.SCORES: each held-out question's score (evaluation.json)
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Baseline:
 
     ref: ArtifactRef
     accuracy: float
+    scores: list[float] | None = None  # per held-out question, where its evaluation kept them (a paired test)
 
 
 def previous_policy(instance: dg.DagsterInstance, storage: StorageResource, current: Artifact) -> Baseline | None:
@@ -45,12 +50,15 @@ def previous_policy(instance: dg.DagsterInstance, storage: StorageResource, curr
     if f"{POLICY}/{METRIC}" not in metadata or "uri" not in metadata:
         return None
     try:
-        earlier = make_local(storage, ArtifactRef("evaluation", metadata["uri"].value, metadata["data_version"].value))
+        earlier = make_local(storage, ArtifactRef("evaluation", metadata["uri"].value, metadata["data_version"].value),
+                             files={"results": RESULTS})
     except OSError:  # its files gone (a root cleaned by hand): no like-for-like number, the base model still judges
         return None
     if earlier.data_version == current.data_version or _basis(earlier) != _basis(current):
         return None
-    return Baseline(earlier.input_ref(POLICY), float(metadata[f"{POLICY}/{METRIC}"].value))
+    with open(earlier.file("results")) as f:
+        scores = json.load(f).get(POLICY, {}).get(SCORES)
+    return Baseline(earlier.input_ref(POLICY), float(metadata[f"{POLICY}/{METRIC}"].value), scores)
 
 
 def _basis(evaluation: Artifact) -> tuple:
@@ -59,14 +67,27 @@ def _basis(evaluation: Artifact) -> tuple:
     return (base.data_version if base else None, tuple(f["sha256"] for f in evaluation.lineage.get("input_files", [])))
 
 
-def verdict(accuracy: float, baselines: dict[str, Baseline], max_regression: float) -> tuple[bool, str]:
+def verdict(accuracy: float, baselines: dict[str, Baseline], max_regression: float, test: str = "point",
+            scores: list[float] | None = None) -> tuple[bool, str]:
     """(kept, why): the policy is kept unless its accuracy is below the best baseline's by more than
-    ``max_regression`` (a fraction: 0.05 = 5 points)."""
+    ``max_regression`` (a fraction: 0.05 = 5 points). ``test`` paired: such a policy is still kept when its loss
+    is not significant, question by question against that baseline (``scores``, the policy's per-question scores:
+    the 95% interval of its paired gain reaches 0); where either side has no per-question scores, or not on the
+    same questions, the point estimate judges, said."""
     name, best = max(baselines.items(), key=lambda item: item[1].accuracy)
     kept = accuracy >= best.accuracy - max_regression
     relation = "within" if kept else "more than"
-    return kept, (f"held-out {METRIC} {accuracy:.3f} vs {name} {best.accuracy:.3f}: {relation} the allowed "
-                  f"regression of {max_regression:.3f}")
+    why = f"held-out {METRIC} {accuracy:.3f} vs {name} {best.accuracy:.3f}: {relation} the allowed regression of " \
+          f"{max_regression:.3f}"
+    if kept or test != "paired":
+        return kept, why
+    if scores is None or best.scores is None or len(scores) != len(best.scores):
+        return kept, why + f"; not tested paired: no per-question scores of both on the same questions ({name})"
+    gain = paired_gain(scores, best.scores, prefix="gain")
+    interval = f"{gain['gain_ci95_low']:+.3f} to {gain['gain_ci95_high']:+.3f}"
+    if gain["gain_ci95_high"] >= 0:
+        return True, why + f", but not significantly: the paired 95% interval of its gain over {name} is {interval}"
+    return False, why + f", significantly: the paired 95% interval of its gain over {name} is {interval}"
 
 
 @dg.asset_check(asset="evaluation", blocking=True,
@@ -77,7 +98,7 @@ def policy_not_regressed(context: dg.AssetCheckExecutionContext, evaluation: Art
                          storage: StorageResource) -> dg.AssetCheckResult:
     with open(evaluation.file("results")) as f:
         results = json.load(f)
-    baselines = {BASE: Baseline(evaluation.input_ref(BASE), float(results[BASE][METRIC]))}
+    baselines = {BASE: Baseline(evaluation.input_ref(BASE), float(results[BASE][METRIC]), results[BASE].get(SCORES))}
     previous = previous_policy(context.instance, storage, evaluation)
     if previous is not None:
         baselines["previous policy"] = previous
@@ -85,8 +106,10 @@ def policy_not_regressed(context: dg.AssetCheckExecutionContext, evaluation: Art
     if prompts < MIN_PROMPTS:
         why = f"{prompts} held-out prompts, fewer than {MIN_PROMPTS}: too few to judge a regression, not judged"
         return dg.AssetCheckResult(passed=True, metadata={"policy_accuracy": accuracy, "why": why}, description=why)
-    max_regression = float(evaluation.lineage.get("config", {}).get("max_regression", 0.0))
-    kept, why = verdict(accuracy, baselines, max_regression)
+    config = evaluation.lineage.get("config", {})
+    max_regression = float(config.get("max_regression", 0.0))
+    kept, why = verdict(accuracy, baselines, max_regression, config.get("regression_test", "point"),
+                        results[POLICY].get(SCORES))
     paired = {key.replace("arith_gain", "gain_over_base"): value for key, value in results[POLICY].items()
               if key in ("arith_gain", "arith_gain_ci95_low", "arith_gain_ci95_high")}  # training.evaluation.paired
     if len(paired) == 3:  # the verdict is the point estimate's; how sure it is against the base, shown beside it

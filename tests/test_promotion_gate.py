@@ -29,6 +29,13 @@ class Scores(dg.Config):
     policy: float = 0.5
     max_regression: float = 0.05
     prompts: int = 50
+    regression_test: str = "point"
+
+
+def _per_question(accuracy: float, prompts: int) -> list[float]:
+    """Scores of ``prompts`` questions at ``accuracy``: the first ones right (two such lists share their answers)."""
+    right = round(accuracy * prompts)
+    return [1.0] * right + [0.0] * (prompts - right)
 
 
 @dg.asset
@@ -52,12 +59,14 @@ def policy_checkpoint(context: dg.AssetExecutionContext, config: Scores, base_mo
 def evaluation(context: dg.AssetExecutionContext, config: Scores, base_model, policy_checkpoint,
                storage: StorageResource, catalog: CatalogResource):
     gain = config.policy - config.base  # as training.evaluation.paired reports it, an interval of +-0.02 around it
-    results = {"base_model": {"arith_accuracy": config.base, "arith_n": config.prompts},
+    results = {"base_model": {"arith_accuracy": config.base, "arith_n": config.prompts,
+                              "arith_scores": _per_question(config.base, config.prompts)},
                "policy_checkpoint": {"arith_accuracy": config.policy, "arith_n": config.prompts, "arith_gain": gain,
-                                     "arith_gain_ci95_low": gain - 0.02, "arith_gain_ci95_high": gain + 0.02}}
+                                     "arith_gain_ci95_low": gain - 0.02, "arith_gain_ci95_high": gain + 0.02,
+                                     "arith_scores": _per_question(config.policy, config.prompts)}}
     flat = {f"{model}/arith_accuracy": r["arith_accuracy"] for model, r in results.items()}
     return _published(context, storage, catalog, "evaluation", results, metadata=flat,
-                      config={"max_regression": config.max_regression},
+                      config={"max_regression": config.max_regression, "regression_test": config.regression_test},
                       inputs={"base_model": base_model, "policy_checkpoint": policy_checkpoint})
 
 
@@ -111,6 +120,22 @@ def test_a_loss_within_the_margin_is_kept(run):
     assert check.passed and promoted.data_version == evaluated
 
 
+def test_a_paired_test_withdraws_only_a_significant_loss(run):
+    # 0.30 -> 0.20 on 20 questions: 2 lost, the paired interval reaches above 0: kept, said why
+    check, promoted, evaluated = run(base=0.3, policy=0.2, prompts=20, regression_test="paired")
+    assert check.passed and promoted.data_version == evaluated
+    assert "but not significantly: the paired 95% interval of its gain over base_model is -0.235 to +0.035" in \
+        check.description
+    # the same loss on 200 questions (20 lost) is significant: withdrawn for the base model
+    check, promoted, _ = run(base=0.3, policy=0.2, prompts=200, regression_test="paired")
+    assert not check.passed and promoted.asset == "base_model" and ", significantly: " in check.description
+    # against the previous policy, from its evaluation's kept scores: 0.6 -> 0.45 on 200 questions
+    _, first, _ = run(base=0.1, policy=0.6, prompts=200, regression_test="paired")
+    check, promoted, _ = run(base=0.1, policy=0.45, prompts=200, regression_test="paired")
+    assert not check.passed and promoted.data_version == first.data_version
+    assert "gain over previous policy is" in check.description
+
+
 def test_a_smoke_size_evaluation_is_not_judged(run):
     check, promoted, evaluated = run(base=0.5, policy=0.25, prompts=4)
     assert check.passed and "not judged" in check.description and promoted.data_version == evaluated
@@ -121,3 +146,6 @@ def test_verdict_compares_with_the_best_baseline():
     baselines = {"base_model": Baseline(ref, 0.2), "previous policy": Baseline(ref, 0.6)}
     assert verdict(0.56, baselines, 0.05)[0] and not verdict(0.54, baselines, 0.05)[0]
     assert "previous policy 0.600" in verdict(0.54, baselines, 0.05)[1]
+    # paired without per-question scores on both sides: the point estimate judges, and says so
+    kept, why = verdict(0.54, baselines, 0.05, "paired", [1.0, 0.0])
+    assert not kept and "not tested paired: no per-question scores of both on the same questions" in why
