@@ -112,7 +112,7 @@ def policy_not_regressed(context: dg.AssetCheckExecutionContext, evaluation: Art
                         results[POLICY].get(SCORES))
     paired = {key.replace("arith_gain", "gain_over_base"): value for key, value in results[POLICY].items()
               if key in ("arith_gain", "arith_gain_ci95_low", "arith_gain_ci95_high")}  # training.evaluation.paired
-    if len(paired) == 3:  # the verdict is the point estimate's; how sure it is against the base, shown beside it
+    if len(paired) == 3:  # how sure the policy's gain over the base is, shown beside the verdict whatever the test
         why += (f"; against {BASE}, question by question: {paired['gain_over_base']:+.3f} (95% interval "
                 f"{paired['gain_over_base_ci95_low']:+.3f} to {paired['gain_over_base_ci95_high']:+.3f})")
     metadata = {"policy_accuracy": accuracy, "max_regression": max_regression, "why": why, **paired,
