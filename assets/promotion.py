@@ -18,19 +18,18 @@ from dataclasses import dataclass
 
 import dagster as dg
 
+from batchrl.assets.evaluation import RESULTS_FILE
 from batchrl.assets.policy_chain import PROMOTED, repromote
 from batchrl.resources import Artifact, StorageResource
 from batchrl.resources.artifacts import make_local
 from batchrl.resources.storage import ArtifactRef
-from batchrl.training.evaluation.paired import paired_gain
+from batchrl.training.evaluation.paired import SCORES, paired_gain
 
 METRIC = "arith_accuracy"  # the held-out accuracy evaluation reports for every model (greedy, the task's reward)
 # fewer held-out prompts than this (the CPU smoke size of the profiles: 4-8) and one answer moves the accuracy by
 # more than any margin: the check then passes, saying it did not judge
 MIN_PROMPTS = 20
 POLICY, BASE = "policy_checkpoint", "base_model"
-RESULTS = "evaluation.json"  # assets.evaluation.RESULTS_FILE
-SCORES = "arith_scores"  # training.evaluation.evaluate.SCORES: each held-out question's score (evaluation.json)
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ def previous_policy(instance: dg.DagsterInstance, storage: StorageResource, curr
         return None
     try:
         earlier = make_local(storage, ArtifactRef("evaluation", metadata["uri"].value, metadata["data_version"].value),
-                             files={"results": RESULTS})
+                             files={"results": RESULTS_FILE})
     except OSError:  # its files gone (a root cleaned by hand): no like-for-like number, the base model still judges
         return None
     if earlier.data_version == current.data_version or _basis(earlier) != _basis(current):

@@ -31,26 +31,36 @@ def first_difference(a: str, b: str) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def export_accuracy(policy: str, env: dict, rows: list[dict], max_new_tokens: int, reward: str, smoke: bool) -> dict:
-    """`batchrl export` of ``policy`` (in the arm's environment ``env``), then plain transformers' greedy answers to
-    ``rows`` (bf16 on the GPU, 128 at a time; ``smoke``: float32 on the CPU, 4 at a time): accuracy, mean tokens."""
+def exported_answers(policy: str, env: dict, rows: list[dict], max_new_tokens: int, reward: str,
+                     **plain) -> tuple[list[str], dict]:
+    """`batchrl export` of ``policy`` (in the environment ``env``) into a temporary folder, then plain transformers'
+    greedy answers to ``rows`` (``plain``: ``plain_answers``' batch size, device, dtype): the answers and the
+    numbers (accuracy by ``reward``, mean tokens, seconds of each part)."""
     from batchrl.training.evaluation.plain_transformers import plain_answers
     from batchrl.training.rewards.registry import get_reward_function
 
     export = os.path.join(tempfile.mkdtemp(prefix="export-check-"), "export")
     started = time.monotonic()
-    subprocess.run([sys.executable, "-c", CLI, "export", policy, "--to", export], env=env, check=True)
-    exported = time.monotonic()
-    answers, lengths = plain_answers(export, [row["prompt"] for row in rows], max_new_tokens,
-                                     **({"batch_size": 4} if smoke else {"batch_size": 128, "device": "cuda",
-                                                                         "dtype": "bfloat16"}))
+    try:
+        subprocess.run([sys.executable, "-c", CLI, "export", policy, "--to", export], env=env, check=True)
+        exported = time.monotonic()
+        answers, lengths = plain_answers(export, [row["prompt"] for row in rows], max_new_tokens, **plain)
+    finally:
+        shutil.rmtree(os.path.dirname(export), ignore_errors=True)
     correct = get_reward_function(reward)
-    shutil.rmtree(os.path.dirname(export), ignore_errors=True)
-    return {"policy": policy, "n": len(rows), "export_s": round(exported - started, 1),
-            "plain_transformers_s": round(time.monotonic() - exported, 1),
-            "export_accuracy": sum(correct(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows),
-            "export_mean_tokens": sum(lengths) / len(rows), "examples": [
-                {"prompt": r["prompt"][:80], "answer": a} for r, a in zip(rows[:2], answers)]}
+    return answers, {"policy": policy, "n": len(rows), "max_new_tokens": max_new_tokens,
+                     "export_s": round(exported - started, 1),
+                     "plain_transformers_s": round(time.monotonic() - exported, 1),
+                     "export_accuracy": sum(correct(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows),
+                     "export_mean_tokens": sum(lengths) / len(rows)}
+
+
+def export_accuracy(policy: str, env: dict, rows: list[dict], max_new_tokens: int, reward: str, smoke: bool) -> dict:
+    """``exported_answers`` for a bench arm's policy: bf16 on the GPU, 128 at a time (``smoke``: float32 on the
+    CPU, 4 at a time), with two answers to look at."""
+    answers, result = exported_answers(policy, env, rows, max_new_tokens, reward, **(
+        {"batch_size": 4} if smoke else {"batch_size": 128, "device": "cuda", "dtype": "bfloat16"}))
+    return {**result, "examples": [{"prompt": r["prompt"][:80], "answer": a} for r, a in zip(rows[:2], answers)]}
 
 
 def main() -> int:
@@ -59,9 +69,7 @@ def main() -> int:
     args = parser.parse_args()
     import dagster as dg
 
-    from batchrl.cli.main import main as batchrl
-    from batchrl.training.evaluation.plain_transformers import evaluated_rows, plain_answers
-    from batchrl.training.rewards.registry import get_reward_function
+    from batchrl.training.evaluation.plain_transformers import evaluated_rows
 
     with dg.DagsterInstance.get() as instance:
         event = instance.get_latest_materialization_event(dg.AssetKey("evaluation"))
@@ -73,24 +81,16 @@ def main() -> int:
     with open(os.path.join(folder, "evaluation.json")) as f:
         reported = json.load(f)["policy_checkpoint"]
     config, policy = lineage["config"], lineage["inputs"]["policy_checkpoint"]
-    export = os.path.join(tempfile.mkdtemp(prefix="export-check-"), "export")
-    if batchrl(["export", policy["uri"], "--to", export]) != 0:
-        sys.exit("batchrl export failed")
-    rows = evaluated_rows(lineage)
-    started = time.monotonic()
-    answers, lengths = plain_answers(export, [row["prompt"] for row in rows], config["max_new_tokens"])
-    correct = get_reward_function(config["reward"])
+    rows = evaluated_rows(lineage)  # one at a time on the CPU, as the evaluation's user would ask them
+    answers, result = exported_answers(policy["uri"], dict(os.environ), rows, config["max_new_tokens"],
+                                       config["reward"])
     mine = {row["prompt"]: answer for row, answer in zip(rows, answers)}
     kept = [{"prompt": e["prompt"][:80], "equal": mine[e["prompt"]] == e["response"],
              "first_difference_at": first_difference(mine[e["prompt"]], e["response"])}
             for e in reported.get("examples", [])]
-    result = {"policy": policy, "n": len(rows), "max_new_tokens": config["max_new_tokens"],
-              "evaluation_accuracy": reported["arith_accuracy"],
-              "export_accuracy": sum(correct(r["prompt"], a, r) for r, a in zip(rows, answers)) / len(rows),
-              "evaluation_mean_tokens": reported["mean_response_tokens"],
-              "export_mean_tokens": sum(lengths) / len(rows),
-              "answers_compared": len(kept), "answers_equal": sum(k["equal"] for k in kept), "answers": kept,
-              "plain_transformers_s": round(time.monotonic() - started, 1)}
+    result.update(policy=policy, evaluation_accuracy=reported["arith_accuracy"],
+                  evaluation_mean_tokens=reported["mean_response_tokens"], answers_compared=len(kept),
+                  answers_equal=sum(k["equal"] for k in kept), answers=kept)
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -27,15 +27,13 @@ import numpy as np
 import pandas as pd
 
 from batchrl.training.evaluation.answer_stats import answer_stats
-from batchrl.training.evaluation.paired import mean_stderr, paired_gain
+from batchrl.training.evaluation.paired import SCORES, mean_stderr, paired_gain
 from batchrl.training.data.batch_layout import encode_pairs, pair_logprobs
 from batchrl.training.timing.phases import phase
 from batchrl.training.rewards.registry import REWARD_FUNCTIONS, first_integer, get_reward_function, score_with_reward_model
 from batchrl.training.rollout import make_rollout_engine
 from batchrl.training.models.loading import cached_in_worker, load_checkpoint_in_place, load_tokenizer, tokenizer_key
 from batchrl.training.models.weights import read_weights, same_model_files
-
-SCORES = "arith_scores"  # each held-out question's score, by question: taken out of the results unless asked for
 
 
 def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str,
@@ -46,7 +44,7 @@ def _arith_metrics(samples: list[dict], arith_eval: list[dict], reward: str,
     by_category: dict[str, list[float]] = {}
     for (_, row), score in zip(rows, correct):
         by_category.setdefault(str(row.get("category") or "none"), []).append(score)
-    by_question = [0.0] * len(arith_eval)  # in the held-out set's order: what a paired comparison lines up
+    by_question = [0.0] * len(arith_eval)  # SCORES: taken out of the results unless asked for (evaluate_models)
     for s, score in zip(samples, correct):
         by_question[s["prompt_index"]] = float(score)
     return {

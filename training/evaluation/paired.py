@@ -17,6 +17,9 @@ from typing import Sequence
 import numpy as np
 
 Z95 = 1.959964  # the standard normal's two-sided 95% quantile
+# each held-out question's score, in the held-out set's order, as an evaluation keeps it per model
+# (``training.evaluation.evaluate``, evaluation.json): what a paired comparison lines up
+SCORES = "arith_scores"
 
 
 def mean_stderr(scores: Sequence[float]) -> float:
