@@ -10,6 +10,7 @@ import pandas as pd
 from pydantic import Field, model_validator
 
 from batchrl.assets.common import code_version, publish, run_config_for, train_and_publish, work_dir
+from batchrl.common.fsutil import link_tree
 from batchrl.ingest.window import first_drop
 from batchrl.resources import Artifact, CatalogResource, StorageResource, TrackingResource, TrainerLauncherResource
 from batchrl.resources.artifacts import OPTIONAL_KEY
@@ -126,11 +127,14 @@ def base_model(context: dg.AssetExecutionContext, config: BaseModelConfig, prefe
 
 def _from_gguf(gguf_file: str, storage: StorageResource, staging: str,
                expected_sha256: str | None = None) -> tuple[dict, list[dict]]:
-    """The GGUF's cached HF folder copied into ``staging``: (its info, the GGUF as the lineage's input file)."""
+    """The GGUF's cached HF folder put into ``staging`` as hard links (copied only across filesystems): (its info,
+    the GGUF as the lineage's input file)."""
     from batchrl.training.models.gguf import cached_hf_from_gguf
 
     folder, info = cached_hf_from_gguf(gguf_file, storage.cache_dir, expected_sha256=expected_sha256)
-    shutil.copytree(folder, staging, dirs_exist_ok=True)
+    # linked, not copied: at 1.5B the dequantized fp32 weights are 7.1 GB, and a second copy per base model stopped
+    # a GSM8K run on a 64 GiB disk (bench/RESULTS.md, 2026-12-06); both files are write-once, ours alone
+    link_tree(folder, staging)
     return info, [{"uri": gguf_file, "sha256": info["gguf_sha256"], "bytes": info["gguf_bytes"],
                    "package": info.get("package"), "package_version": info.get("package_version")}]
 

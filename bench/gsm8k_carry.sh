@@ -24,4 +24,5 @@ if [[ ${1:-} != --src-only ]]; then
     --platform manylinux_2_31_x86_64; fi
 fi
 rm -rf .carry/src && mkdir -p .carry/src && git archive HEAD | tar -x -C .carry/src
+git rev-parse --short HEAD > .carry/src/SOURCE_COMMIT  # gsm8k_device.sh refuses a snapshot unlike the checkout
 du -sh .carry/*/ 2>/dev/null

@@ -10,6 +10,7 @@
 #                                                      #   BENCH_ARGS="--gsm8k-profile gsm8k-1.5b" (or gsm8k-1.5b-lora)
 #   bash bench/gsm8k_device.sh bench PARTS [MIN] [K]   # carry: [".carry/src", ".carry/gsm8k_data"]; PARTS as the bench's
 set -uo pipefail
+SOURCES="assets bench cli common ingest lineage profiles resources runs schemas training definitions.py"
 step=$1; shift
 case $step in
   graph) bash bench/carry_assemble.sh graph ".carry/graph/part-$(printf %03d "$1")" ;;
@@ -17,6 +18,14 @@ case $step in
   qwen15) bash bench/carry_assemble.sh qwen15 ".carry/qwen15/part-$(printf %03d "$1")" ;;
   vllm) bash bench/carry_assemble.sh vllm ".carry/vllm/part-$(printf %03d "$1")" ;;
   bench)
+    # the snapshot must be this checkout's code: a stale .carry/src ran a session's 1.5B arms on old bench code
+    stale=$(for d in $SOURCES; do diff -rq -x __pycache__ -x '*.pyc' -x results "$d" ".carry/src/$d" 2>&1; done | head -5)
+    if [[ -n $stale && ${BENCH_ANY_SRC:-0} != 1 ]]; then
+      printf 'refused: .carry/src (commit %s) is not this checkout:\n%s\ncommit, then bash bench/gsm8k_carry.sh ' \
+        "$(cat .carry/src/SOURCE_COMMIT 2>/dev/null || echo unknown)" "$stale" >&2
+      echo '--src-only (or BENCH_ANY_SRC=1 to run the snapshot anyway)' >&2; exit 3
+    fi
+    echo "code: $(cat .carry/src/SOURCE_COMMIT 2>/dev/null || echo unknown)"
     mkdir -p /tmp/pkgroot "${OUT:=/tmp/out}" && ln -sfn "$PWD/.carry/src" /tmp/pkgroot/batchrl
     export PYTHONPATH=/tmp/pkgroot:/tmp/carry/graph/site:/tmp/carry/qwen05/site:/tmp/carry/qwen15/site
     export PATH=/tmp/carry/graph/site/bin:$PATH

@@ -140,6 +140,11 @@ def test_the_joined_gguf_is_hashed_once_and_a_changed_cache_still_fails(parts, t
     info, _ = _from_gguf_parts(parts["specs"], parts["sha256"], storage, str(tmp_path / "staging1"))
     assert info["gguf_sha256"] == parts["sha256"] and os.path.isfile(tmp_path / "staging1" / "config.json")
     assert counts.get(joined, 0) < 64  # the magic bytes only: the joined file was not hashed a second time
+    cached = next(f for f in os.listdir(tmp_path / "staging1") if f.endswith(".safetensors"))
+    converted = os.path.dirname(next(os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cache" / "gguf")
+                                     for f in fs if f == cached))
+    # the base model's weights are the cache's bytes, linked: one copy on disk, not two (7.1 GB each at 1.5B)
+    assert os.path.samefile(tmp_path / "staging1" / cached, os.path.join(converted, cached))
 
     later = os.stat(joined).st_mtime_ns + 10**9  # the same bytes as a later run finds them: hashed there, once
     os.utime(joined, ns=(later, later))
