@@ -63,7 +63,7 @@ import subprocess
 import sys
 import time
 
-from bench_disk import prune_checkpoints, stop_job_workers  # noqa: E402  (bench/ on sys.path)
+from bench_disk import prune_checkpoints, share_converted_base, stop_job_workers  # noqa: E402  (bench/ on sys.path)
 from check_export_answers import export_accuracy  # noqa: E402
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
 from rl_arms import ARM_CONFIGS  # noqa: E402
@@ -137,12 +137,13 @@ def prepare_arm(state: str, arm: str, out: str) -> dict:
     import shutil
 
     shutil.rmtree(os.path.join(state, arm), ignore_errors=True)
+    shared = share_converted_base(state, arm)
     env = _arm_env(state, arm)
     code, prep_s = _batchrl(env, ["--select", PREP, "--rl-iterations", "1"], _log(out, arm, "prep"))
     if code:
         raise SystemExit(f"{arm}: the preparation ({PREP}) failed ({code})")
     open(os.path.join(state, arm, PREPARED), "w").close()
-    return {"prep_s": round(prep_s, 1), "base": _arm_history(env)["uri"]["base_model"]}
+    return {"prep_s": round(prep_s, 1), "base": _arm_history(env)["uri"]["base_model"], "base_linked_from": shared}
 
 
 def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every: int = 0, seed: int = 0) -> dict:
@@ -151,6 +152,7 @@ def run_batchrl_arm(state: str, arm: str, minutes: float, out: str, curve_every:
     prepared = os.path.exists(os.path.join(state, arm, PREPARED))  # `--parts prep:ARM` in an earlier device call
     if not prepared:
         shutil.rmtree(os.path.join(state, arm), ignore_errors=True)  # an arm run again starts afresh (no old runs)
+        share_converted_base(state, arm)
     env = _arm_env(state, arm)
     log = _log(out, arm, "run")
     # not the profile's retention: the 2 newest checkpoints and every curve point (a 64 GiB disk holds ~20 of 0.5B's
