@@ -19,7 +19,8 @@ case $step in
   vllm) bash bench/carry_assemble.sh vllm ".carry/vllm/part-$(printf %03d "$1")" ;;
   bench)
     # the snapshot must be this checkout's code: a stale .carry/src ran a session's 1.5B arms on old bench code
-    stale=$(for d in $SOURCES; do diff -rq -x __pycache__ -x '*.pyc' -x results "$d" ".carry/src/$d" 2>&1; done | head -5)
+    stale=$(for d in $SOURCES; do diff -rq -x __pycache__ -x '*.pyc' -x results -x '*.md' "$d" ".carry/src/$d" 2>&1; done |
+            head -5)
     if [[ -n $stale && ${BENCH_ANY_SRC:-0} != 1 ]]; then
       printf 'refused: .carry/src (commit %s) is not this checkout:\n%s\ncommit, then bash bench/gsm8k_carry.sh ' \
         "$(cat .carry/src/SOURCE_COMMIT 2>/dev/null || echo unknown)" "$stale" >&2
