@@ -12,14 +12,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 TASK = {"name": "real", "profile": "real", "reward": "final_answer", "eval_tokens": 16 if SMOKE else 96, "lr": 1e-5,
         "beta": 0.01}
-GSM8K_TASK = {"name": "gsm8k", "profile": "gsm8k", "reward": "gsm8k", "lr": 2e-6, "beta": 0.001}
+GSM8K_TASK = {"name": "gsm8k", "profile": "gsm8k", "reward": "gsm8k"}  # lr, beta: the profile's (use_gsm8k)
 
 
 def use_gsm8k(folder: str, state: str, smoke: bool, profile_name: str = "gsm8k") -> tuple | None:
     """The gsm8k task: ``profile_name`` (gsm8k: the 0.5B; gsm8k-1.5b, gsm8k-1.5b-lora) extended by a profile file in
     ``state`` (the arms run it by path) whose landing is the release in ``folder``; the eval set and rewards
     switched. Returns the round's sizes (prompts, samples per prompt, micro-batch, new tokens) of the profile's gpu
-    size, None at smoke size."""
+    size, None at smoke size. The TRL arms take these and the profile's lr and KL coefficient: the same settings as
+    the batchrl arm of that profile (at 1.5B: lr 1e-6, micro-batch 16). They train full weights, so a LoRA profile
+    is refused for them (``TASK["lora"]``)."""
     import yaml
 
     from batchrl.resources.profiles import load_profile
@@ -32,8 +34,13 @@ def use_gsm8k(folder: str, state: str, smoke: bool, profile_name: str = "gsm8k")
     with open(path, "w") as f:
         yaml.safe_dump({"extends": os.path.join(REPO, "profiles", f"{profile_name}.yaml"),
                         "resources": {"landing": landing}}, f)
-    TASK.update(GSM8K_TASK, profile=path, landing=landing, eval_tokens=16 if smoke else 512)
-    return None if smoke else (128, 8, 32, 512)
+    gpu = load_profile(profile_name, "gpu")
+    update, recipe = gpu["ops"]["policy_checkpoint"]["config"], gpu["resources"]["rl_recipe"]
+    TASK.update(GSM8K_TASK, profile=path, landing=landing, eval_tokens=16 if smoke else 512, lr=update["lr"],
+                beta=0.0 if recipe.get("kl_placement") == "none" else recipe["kl_loss_coef"],
+                lora=bool(update.get("lora_rank")))
+    return None if smoke else (gpu["ops"]["rollouts"]["config"]["max_prompts"], recipe["samples_per_prompt"],
+                               update["micro_batch_size"], gpu["resources"]["rollout_engine"]["max_new_tokens"])
 
 
 def task_prompts(split: str) -> list[dict]:

@@ -25,6 +25,9 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     process: ``vllm_mode="colocate"``, TRL's fast path, its other vLLM settings at their defaults), ``trl_reset``
     (AdamW's moments cleared at every round boundary, as batchrl's policy_checkpoint starts each RL iteration with a
     fresh optimiser: does that reset explain a held-out accuracy gap?)."""
+    if TASK.get("lora"):
+        raise ValueError(f"{arm}: the TRL arms train full weights; run them with a full-weight --gsm8k-profile "
+                         "(gsm8k, gsm8k-1.5b), beside the bench's own lora arm")
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
