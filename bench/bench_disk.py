@@ -63,8 +63,8 @@ def stop_job_workers(storage: str, wait_s: float = 15.0) -> int:
 def share_converted_base(state: str, arm: str) -> list[str]:
     """Before ``arm``'s first run: another arm's joined and converted base GGUF (``_cache/gguf-parts``,
     ``_cache/gguf``) hard-linked into this arm's empty cache, where base_model then finds it. The join and conversion
-    run once a sitting instead of once an arm (at 1.5B ~80 s of device time and 8.2 GB each). Returns what was
-    linked."""
+    run once a sitting instead of once an arm (at 1.5B the base_model step took 83 s on an H100; 8.2 GB each).
+    Returns what was linked."""
     from batchrl.common.fsutil import link_tree
 
     mine = os.path.join(state, arm, "storage", "_cache")

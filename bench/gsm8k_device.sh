@@ -10,8 +10,9 @@
 #                                                      #   BENCH_ARGS="--gsm8k-profile gsm8k-1.5b" (or gsm8k-1.5b-lora)
 #   bash bench/gsm8k_device.sh bench PARTS [MIN] [K]   # carry: [".carry/src", ".carry/gsm8k_data"]; PARTS as the bench's
 # `bench` refuses a .carry/src that differs from this checkout's code: commit, then `gsm8k_carry.sh --src-only`.
-# Device time at 1.5B (H100, 2026-12-06): carries ~185 s, prep of two arms ~110 s (the second links the first's
-# conversion), an 8-minute arm ~530 s, eval ~40 s a model, export:ARM ~235 s; a full 1.5B checkpoint is 7.1 GB.
+# Device time at 1.5B (H100, 2026-12-06): carries ~185 s, prep ~95 s an arm (a later arm now links the first's
+# conversion: seconds on the CPU at 0.5B, not yet timed on the device), an 8-minute arm ~530 s, eval 25-41 s a model,
+# export:ARM ~235 s; a full 1.5B checkpoint is 7.1 GB.
 set -uo pipefail
 SOURCES="assets bench cli common ingest lineage profiles resources runs schemas training definitions.py"
 step=$1; shift
