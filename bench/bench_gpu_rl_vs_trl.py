@@ -57,6 +57,7 @@ On the device, after the graph bundle (3 parts) and the trl bundle are assembled
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
@@ -244,7 +245,9 @@ def prepare_base(state: str, out: str) -> str:
     return _arm_history(env)["uri"]["base_model"]
 
 
-def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
+def evaluate(models: dict[str, str], verbose: bool = True, answers_dir: str | None = None) -> dict:
+    """Each model's held-out metrics; ``answers_dir``: every greedy answer also goes to NAME.jsonl.gz there (what
+    kind of answer a policy writes is counted afterwards, on any machine: ``bench/answer_kinds.py``)."""
     from batchrl.training.evaluation.evaluate import evaluate_models
 
     heldout = task_prompts("eval")
@@ -257,7 +260,9 @@ def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
         metrics = evaluate_models({name: folder}, arith_eval=heldout, max_new_tokens=TASK["eval_tokens"],
                                   batch_size=384 if TASK["name"] == "gsm8k" else 256, reward=TASK["reward"],
                                   format_reward="format_gsm8k" if TASK["name"] == "gsm8k" else None, **device,
-                                  num_examples=2, with_scores=True)[name]
+                                  num_examples=len(heldout) if answers_dir else 2, with_scores=True)[name]
+        if answers_dir:
+            _write_answers(os.path.join(answers_dir, f"{name.replace(':', '_')}.jsonl.gz"), metrics["examples"])
         results[name] = {k: v for k, v in metrics.items() if k.startswith(("arith_accuracy", "accuracy/", "n/",
                                                                            "mean_response", "arith_stop", "format_rate",
                                                                            "truncation_rate", "loop_rate",
@@ -268,6 +273,13 @@ def evaluate(models: dict[str, str], verbose: bool = True) -> dict:
         if verbose:
             print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
     return results
+
+
+def _write_answers(path: str, examples: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        for row in examples:
+            f.write(json.dumps({k: row[k] for k in ("prompt", "response", "answer")}) + "\n")
 
 
 def with_gains(record: dict) -> None:
@@ -342,11 +354,15 @@ def main() -> None:
                 models = {"base": bases[0]}
                 models.update({arm: r["policy"] for arm, r in record["arms"].items() if r.get("policy")})
                 done = record.setdefault("eval", {})  # each model once, over consecutive calls
-                done.update(evaluate({name: path for name, path in models.items() if name not in done}))
+                answers = os.path.join(args.out, "answers")
+                done.update(evaluate({name: path for name, path in models.items() if name not in done},
+                                     answers_dir=answers))
                 curves = record.setdefault("eval_curve", {})  # held-out accuracy after k iterations / rounds
                 for arm, r in record["arms"].items():
                     points = {k: path for k, path in r.get("curve", {}).items() if k not in curves.get(arm, {})}
-                    scored = evaluate(points, verbose=False)
+                    scored = evaluate({f"{arm}@it{k}": path for k, path in points.items()}, verbose=False,
+                                      answers_dir=answers)
+                    scored = {name.rpartition("@it")[2]: result for name, result in scored.items()}
                     curves.setdefault(arm, {}).update({k: {m: v for m, v in result.items() if m != "examples"}
                                                        for k, result in scored.items()})
                     print(arm, "held-out after k:", {k: round(v["arith_accuracy"], 3)

@@ -18,6 +18,10 @@ ARM_CONFIGS = {"lora": {"ops": {"policy_checkpoint": {"config": {"lora_rank": 32
                # (half of its fixed log-prob pass: ~2.2 s of a 23 s GSM8K iteration on the H100)
                # (kl_loss_coef back at its default: rl_recipe refuses a field that placement none does not read)
                "no_kl": {"ops": {}, "resources": {"rl_recipe": {"kl_placement": "none", "kl_loss_coef": 0.01}}},
+               # both fixed log-prob passes gone: old log-probs from the sampling engine (the same weights, in the
+               # same process when sampled ahead) and no reference: the update is AdamW's steps and the export
+               "lean": {"ops": {}, "resources": {"rl_recipe": {"old_logprobs": "rollout", "kl_placement": "none",
+                                                               "kl_loss_coef": 0.01}}},
                # one-step off-policy: the next iteration's rollouts sampled by the rollouts worker during the update
                "off_policy": {"ops": {}, "resources": {"rl_recipe": {"off_policy_steps": 1, "sample_ahead": False}}},
                # each update samples the next iteration from its new weights while it exports them (the profile's)
