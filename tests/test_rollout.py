@@ -117,3 +117,30 @@ def test_in_memory_model_matches_path_and_keeps_train_mode(kind, model_path):
     from_path = make_rollout_engine(kind, model_path=model_path, max_new_tokens=8, batch_size=4)
     assert in_memory.generate(PROMPTS, n=2, seed=5) == from_path.generate(PROMPTS, n=2, seed=5)
     assert model.training
+
+
+def test_kept_logits_fit_their_budget_and_evaluation_keeps_none(model_path, monkeypatch):
+    """``generate`` keeps every step's fp32 logits of a chunk: a real vocabulary at 512 tokens is ~311 MB a row, so
+    32 rows OOM'd a 24 GB host. Chunks are cut to the budget (same samples per chunk seed, bounded memory); a
+    greedy engine without log-probs (evaluation's) asks for no logits and keeps its batch."""
+    import batchrl.training.rollout.transformers_engine as module
+
+    full = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=8, batch_size=4)
+    vocab = full.model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(module, "LOGITS_BUDGET_BYTES", 2 * 8 * vocab * 4)  # room for two rows of 8 tokens
+    cut = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=8, batch_size=4)
+    assert cut.batch_size == 2
+    one_row = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=64, batch_size=4)
+    assert one_row.batch_size == 1  # never below one row
+    static = make_rollout_engine("static", model_path=model_path, max_new_tokens=8, batch_size=4)
+    assert static.batch_size == 4  # its decode loop keeps the sampled tokens' log-probs only
+    greedy_cut = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=8, temperature=0.0,
+                                     batch_size=4)
+    quiet = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=8, temperature=0.0,
+                                batch_size=4, keep_logprobs=False)
+    assert (greedy_cut.batch_size, quiet.batch_size) == (2, 4)
+    kept, answered = greedy_cut.generate(PROMPTS, n=1), quiet.generate(PROMPTS, n=1)
+    assert [s["response_ids"] for s in answered] == [s["response_ids"] for s in kept]
+    assert [s["finish_reason"] for s in answered] == [s["finish_reason"] for s in kept]
+    assert all(s["rollout_logprobs"] == [] for s in answered)
+    assert all(len(s["rollout_logprobs"]) == len(s["response_ids"]) for s in kept)

@@ -57,6 +57,9 @@ class StaticCacheRolloutEngine(TransformersRolloutEngine):
         self.cuda_graphs = cuda_graphs
         self._decoders: dict[int, StaticKVDecoder] = {}  # by cache length; one captured graph each
 
+    def _rows_per_chunk(self, batch_size: int) -> int:
+        return batch_size  # its decode loop keeps the sampled tokens' log-probs only, not the logits
+
     def _decoder(self, slots: int) -> StaticKVDecoder:
         if slots not in self._decoders:
             self._decoders[slots] = StaticKVDecoder(self.model, batch=self.batch_size, slots=slots,

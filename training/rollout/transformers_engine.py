@@ -6,7 +6,10 @@ messages) and left-padded; ``prompts * n`` rows are generated in
 chunks of ``batch_size``. Each chunk reseeds torch from ``(seed, chunk index)`` inside a forked RNG,
 so a run is deterministic for a fixed seed and batch size and leaves the caller's RNG untouched.
 Rows are chunked in order of prompt length (less padding); samples come back in ``(prompt, sample)`` order.
-``rollout_logprobs`` come from the raw logits (``output_logits``), see ``base`` for the convention.
+``rollout_logprobs`` come from the raw logits (``output_logits``), see ``base`` for the convention. ``generate``
+keeps every step's logits of a chunk until it returns (fp32: rows x new tokens x vocabulary x 4 bytes, 10 GB for 32
+rows of 512 tokens at Qwen2.5's 152k vocabulary), so chunks are cut to ``LOGITS_BUDGET_BYTES``; an engine built
+with ``keep_logprobs=False`` (evaluation's greedy answers) asks for no logits and keeps its batch size.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import torch
 from batchrl.training.rollout.base import make_sample
 from batchrl.training.data.text import Messages, context_texts, encode_prompts
 from batchrl.training.models.loading import load_model_and_tokenizer
+
+LOGITS_BUDGET_BYTES = 2 << 30
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -43,8 +48,10 @@ class TransformersRolloutEngine:
         dtype: str = "float32",
         model: Any = None,
         tokenizer: Any = None,
+        keep_logprobs: bool = True,
     ) -> None:
-        """Load ``model_path``, or use an already loaded ``model`` + ``tokenizer`` (e.g. the trainer's)."""
+        """Load ``model_path``, or use an already loaded ``model`` + ``tokenizer`` (e.g. the trainer's).
+        ``keep_logprobs=False``: samples carry no ``rollout_logprobs`` (nothing reads them), no logits are kept."""
         if model is None:
             model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
         elif tokenizer is None:
@@ -54,10 +61,18 @@ class TransformersRolloutEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
-        self.batch_size = batch_size
+        self.keep_logprobs = keep_logprobs
+        self.batch_size = self._rows_per_chunk(batch_size)
         self.device = next(model.parameters()).device
         self.stop_ids = _stop_token_ids(model, tokenizer)
         self._last_encoded: tuple[tuple | None, list[list[int]]] = (None, [])
+
+    def _rows_per_chunk(self, batch_size: int) -> int:
+        """``batch_size``, cut so that a chunk's kept logits (``generate``'s, fp32) fit ``LOGITS_BUDGET_BYTES``."""
+        if not self.keep_logprobs:
+            return batch_size
+        row_bytes = self.max_new_tokens * self.model.get_output_embeddings().weight.shape[0] * 4
+        return min(batch_size, max(1, LOGITS_BUDGET_BYTES // row_bytes))
 
     def _generation_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
@@ -65,7 +80,7 @@ class TransformersRolloutEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=sorted(self.stop_ids),
             return_dict_in_generate=True,
-            output_logits=True,
+            output_logits=self.keep_logprobs,
         )
         if self.temperature > 0:
             # top_k=0 switches off the library default of 50: we sample from the full distribution.
@@ -98,9 +113,11 @@ class TransformersRolloutEngine:
         with self._seeded_inference(seed):
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
         new_tokens = out.sequences[:, width:]
-        # logits: one [B, V] tensor per generated step -> [B, steps, V] log-probs of the sampled tokens.
-        logits = torch.stack(out.logits, dim=1).float()
-        token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        if not self.keep_logprobs:
+            return self._cut_at_stop(new_tokens.tolist(), [[] for _ in prompt_ids])
+        # logits: one [B, V] tensor per generated step; a step at a time, not a second [B, steps, V] copy
+        token_logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
+                                      for t, step in enumerate(out.logits)], dim=1)
         return self._cut_at_stop(new_tokens.tolist(), token_logprobs.tolist())
 
     def _cut_at_stop(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[tuple[list[int], list[float], bool]]:
