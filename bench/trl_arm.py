@@ -85,7 +85,9 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
         output_dir=out_dir, per_device_train_batch_size=micro_batch,
         num_generations=samples_per_prompt, steps_per_generation=steps_per_round, max_completion_length=new_tokens,
         temperature=1.0, learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["beta"], bf16=bf16,
-        gradient_checkpointing=False,  # TRL's default is on; off it is faster at this size (its best, not its default)
+        # TRL's default is on; off is faster at 0.5B (its best there), and at 1.5B with micro-batch 16 it is CUDA OOM
+        # on an 80 GB H100 beside vLLM's 35% (2026-12-06): on there (BENCH_TRL_CHECKPOINTING=1, its default)
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",
         max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
         seed=seed, dataloader_num_workers=0, **vllm)
     built = time.monotonic()  # TRL's model and (vllm) engine builds: off its clock, reported as setup_s
