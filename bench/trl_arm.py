@@ -86,8 +86,10 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
         num_generations=samples_per_prompt, steps_per_generation=steps_per_round, max_completion_length=new_tokens,
         temperature=1.0, learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["beta"], bf16=bf16,
         # TRL's default is on; off is faster at 0.5B (its best there), and at 1.5B with micro-batch 16 it is CUDA OOM
-        # on an 80 GB H100 beside vLLM's 35% (2026-12-06): on there (BENCH_TRL_CHECKPOINTING=1, its default)
-        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING") == "1",
+        # on an 80 GB H100 beside vLLM's 35% (2026-12-06): on there (the task's trl_checkpointing;
+        # BENCH_TRL_CHECKPOINTING=0/1 overrides)
+        gradient_checkpointing=os.environ.get("BENCH_TRL_CHECKPOINTING", str(int(TASK.get("trl_checkpointing",
+                                                                                          False)))) == "1",
         max_steps=steps_per_round * 1000, logging_steps=steps_per_round, save_strategy="no", report_to="none",
         seed=seed, dataloader_num_workers=0, **vllm)
     built = time.monotonic()  # TRL's model and (vllm) engine builds: off its clock, reported as setup_s
@@ -119,4 +121,5 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
             "curve": curve, "curve_saves_s": round(clock["saves_s"], 1),
             "train_reward_first_last": [rewards[0], rewards[-1]] if rewards else None, "policy": folder,
             "config": {"loss_type": config.loss_type, "scale_rewards": config.scale_rewards,
-                       "gradient_checkpointing": False, "generation_batch_size": config.generation_batch_size}}
+                       "gradient_checkpointing": config.gradient_checkpointing,
+                       "generation_batch_size": config.generation_batch_size}}
