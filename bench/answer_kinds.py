@@ -5,6 +5,8 @@ RL's fast gain looked like it came from leaving that habit; this counts it over 
 the record keeps. Reads the ``answers/NAME.jsonl.gz`` files ``bench_gpu_rl_vs_trl.py``'s ``eval`` writes:
 
     python bench/answer_kinds.py OUT/answers [--json out.json]
+    python bench/answer_kinds.py DIR --answer MODEL_FOLDER --first 64 --gsm8k ../shared/data/gsm8k   # on the CPU:
+        # the model's greedy answers (512 tokens, float32) to the first 64 test questions into DIR/NAME.jsonl.gz
 
 Kinds, first match wins: ``program+output`` (a code block, then an ``output`` block: the run is imagined, as no
 tool runs in these rollouts), ``program`` (a code block only), ``text`` (no code block). Right = the gsm8k reward.
@@ -40,11 +42,34 @@ def kinds_of(rows: list[dict], reward) -> dict[str, dict[str, float]]:
     return out
 
 
+def answer_on_cpu(model: str, gsm8k: str, first: int, out: str) -> None:
+    """``model``'s greedy answers to the first ``first`` GSM8K test questions (the profiles' prompt), as the bench's
+    evaluation writes them."""
+    from batchrl.training.data.prompt_shapes import PromptQuarantine
+    from batchrl.training.data.prompts import load_prompts
+    from batchrl.training.evaluation.evaluate import evaluate_models
+
+    rows = load_prompts(os.path.join(gsm8k, "test.jsonl.gz"), shape="gsm8k",
+                        quarantine=PromptQuarantine()).to_dict("records")[:first]
+    name = os.path.basename(os.path.normpath(model))
+    result = evaluate_models({name: model}, arith_eval=rows, max_new_tokens=512, batch_size=32, reward="gsm8k",
+                             format_reward="format_gsm8k", num_examples=len(rows))[name]
+    os.makedirs(out, exist_ok=True)
+    with gzip.open(os.path.join(out, f"{name}.jsonl.gz"), "wt") as f:
+        for row in result["examples"]:
+            f.write(json.dumps({k: row[k] for k in ("prompt", "response", "answer")}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("answers", help="the folder of NAME.jsonl.gz files")
     parser.add_argument("--json", help="also write the table here")
+    parser.add_argument("--answer", metavar="MODEL_FOLDER", help="first answer with this model on the CPU")
+    parser.add_argument("--first", type=int, default=64, help="--answer: this many test questions")
+    parser.add_argument("--gsm8k", default="../shared/data/gsm8k", help="--answer: the GSM8K release's folder")
     args = parser.parse_args()
+    if args.answer:
+        answer_on_cpu(args.answer, args.gsm8k, args.first, args.answers)
     from batchrl.training.rewards.registry import get_reward_function
 
     reward = get_reward_function("gsm8k")

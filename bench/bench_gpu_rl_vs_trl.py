@@ -22,6 +22,7 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   rollout``): no old-policy pass before the update (0.78 s of a 8.8 s iteration on the H200), the ratio taken
   against the bf16 engine's numbers;
 - ``no_kl``: the same without the KL loss term (no reference log-prob pass in the update);
+- ``lean``: both (no fixed log-prob pass: the update is its AdamW steps and the export);
 - ``no_ahead``: the same without ``rl_recipe.sample_ahead`` (on in the profile since the twenty-fifth session: the
   update samples the next iteration from its new weights while it exports them; the next rollouts step takes the
   samples: same data versions);
@@ -37,7 +38,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   model load and trainer construction (with vLLM: the engine's start), off the clock, as batchrl's
   ``worker_start_s`` is (batchrl's model and engine builds are on its clock);
 - ``trl_vllm``: the same with TRL's generation on vLLM colocated in its process (``use_vllm=True``,
-  ``vllm_mode="colocate"``, 35% of the GPU for vLLM; the vllm bundle: ``bench/vllm_device_wheels.txt``);
+  ``vllm_mode="colocate"``, 35% of the GPU for vLLM; the vllm bundle: ``bench/vllm_device_wheels.txt``; gradient
+  checkpointing off at 0.5B, on at 1.5B: ``trl_arm``);
 - ``trl_reset``: the same with AdamW's state cleared at every round boundary (batchrl's policy_checkpoint
   starts each iteration with a fresh optimiser: a measured answer to whether that costs accuracy);
 - ``more:trl`` / ``more:trl_vllm`` / ``more:trl_reset``: that arm's run goes on from the checkpoint its last call
@@ -47,7 +49,8 @@ Arms (``--parts``, in order; state under ``--state`` survives between device cal
   (batched, bf16; ``check_export_answers.export_accuracy``): its accuracy beside the ``eval`` part's of that policy;
 - ``eval``: the evaluation of base and every arm that finished and is not evaluated yet, and of each arm's
   policy every ``--curve-every`` iterations / rounds (held-out accuracy against samples: does more training on
-  the 500 prompts keep helping?); every part writes ``$OUT/rl_vs_trl.json``.
+  the 500 prompts keep helping?), every greedy answer kept in ``$OUT/answers/`` (``bench/answer_kinds.py``
+  counts their kinds); every part writes ``$OUT/rl_vs_trl.json``.
 
 On the device, after the graph bundle (3 parts) and the trl bundle are assembled::
 
