@@ -54,9 +54,14 @@ def answer_on_cpu(model: str, gsm8k: str, first: int, out: str) -> None:
     name = os.path.basename(os.path.normpath(model))
     result = evaluate_models({name: model}, arith_eval=rows, max_new_tokens=512, batch_size=32, reward="gsm8k",
                              format_reward="format_gsm8k", num_examples=len(rows))[name]
-    os.makedirs(out, exist_ok=True)
-    with gzip.open(os.path.join(out, f"{name}.jsonl.gz"), "wt") as f:
-        for row in result["examples"]:
+    write_answers(os.path.join(out, f"{name}.jsonl.gz"), result["examples"])
+
+
+def write_answers(path: str, examples: list[dict]) -> None:
+    """An evaluation's kept answers (``num_examples`` all of them) as the NAME.jsonl.gz this module reads."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        for row in examples:
             f.write(json.dumps({k: row[k] for k in ("prompt", "response", "answer")}) + "\n")
 
 

@@ -60,13 +60,13 @@ On the device, after the graph bundle (3 parts) and the trl bundle are assembled
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import subprocess
 import sys
 import time
 
+from answer_kinds import write_answers  # noqa: E402  (bench/ on sys.path)
 from bench_disk import prune_checkpoints, share_converted_base, stop_job_workers  # noqa: E402  (bench/ on sys.path)
 from check_export_answers import export_accuracy  # noqa: E402
 from bench_tasks import TASK, task_prompts, use_gsm8k  # noqa: E402
@@ -265,7 +265,7 @@ def evaluate(models: dict[str, str], verbose: bool = True, answers_dir: str | No
                                   format_reward="format_gsm8k" if TASK["name"] == "gsm8k" else None, **device,
                                   num_examples=len(heldout) if answers_dir else 2, with_scores=True)[name]
         if answers_dir:
-            _write_answers(os.path.join(answers_dir, f"{name.replace(':', '_')}.jsonl.gz"), metrics["examples"])
+            write_answers(os.path.join(answers_dir, f"{name.replace(':', '_')}.jsonl.gz"), metrics["examples"])
         results[name] = {k: v for k, v in metrics.items() if k.startswith(("arith_accuracy", "accuracy/", "n/",
                                                                            "mean_response", "arith_stop", "format_rate",
                                                                            "truncation_rate", "loop_rate",
@@ -276,13 +276,6 @@ def evaluate(models: dict[str, str], verbose: bool = True, answers_dir: str | No
         if verbose:
             print(name, {k: round(v, 3) for k, v in results[name].items() if isinstance(v, float)}, flush=True)
     return results
-
-
-def _write_answers(path: str, examples: list[dict]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with gzip.open(path, "wt") as f:
-        for row in examples:
-            f.write(json.dumps({k: row[k] for k in ("prompt", "response", "answer")}) + "\n")
 
 
 def with_gains(record: dict) -> None:

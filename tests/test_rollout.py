@@ -134,10 +134,13 @@ def test_kept_logits_fit_their_budget_and_evaluation_keeps_none(model_path, monk
     assert one_row.batch_size == 1  # never below one row
     static = make_rollout_engine("static", model_path=model_path, max_new_tokens=8, batch_size=4)
     assert static.batch_size == 4  # its decode loop keeps the sampled tokens' log-probs only
+    static_quiet = make_rollout_engine("static", model_path=model_path, max_new_tokens=8, temperature=0.0,
+                                       batch_size=4, sampled_logprobs=False)
+    assert all(s["rollout_logprobs"] == [] for s in static_quiet.generate(PROMPTS, n=1))
     greedy_cut = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=8, temperature=0.0,
                                      batch_size=4)
     quiet = make_rollout_engine("transformers", model_path=model_path, max_new_tokens=8, temperature=0.0,
-                                batch_size=4, keep_logprobs=False)
+                                batch_size=4, sampled_logprobs=False)
     assert (greedy_cut.batch_size, quiet.batch_size) == (2, 4)
     kept, answered = greedy_cut.generate(PROMPTS, n=1), quiet.generate(PROMPTS, n=1)
     assert [s["response_ids"] for s in answered] == [s["response_ids"] for s in kept]

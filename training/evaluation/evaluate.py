@@ -78,9 +78,9 @@ def _engine_for(model_path: str, same_model: Any, *, engine: str, max_new_tokens
                                         tensors=weights.result() if weights else None):
                 return same_model
     with phase("load_model"):
-        quiet = {} if engine == "vllm" else {"keep_logprobs": False}  # greedy answers: no log-probs read
         return make_rollout_engine(engine, model_path=model_path, max_new_tokens=max_new_tokens, temperature=0.0,
-                                   batch_size=batch_size, device=device, dtype=dtype, **quiet)
+                                   batch_size=batch_size, device=device, dtype=dtype,
+                                   sampled_logprobs=False)  # greedy answers: nothing reads their log-probs
 
 
 def _encoded_pairs(tokenizer: Any, pairs: pd.DataFrame, max_length: int) -> list[dict]:

@@ -14,8 +14,8 @@
   what vLLM reports in its default ``raw_logprobs`` mode. At temperature 1 and top_p 1 this is
   exactly the sampling distribution; otherwise it is the policy's own log-prob, which is what
   PPO/GRPO importance ratios need;
-  An engine built not to report them (vLLM's default, ``sampled_logprobs=False``: the trainer recomputes
-  log-probs faster than vLLM reports them) leaves the list empty for every sample;
+  An engine built not to report them (``sampled_logprobs=False``: vLLM's default, as the trainer recomputes
+  log-probs faster than vLLM reports them; evaluation's greedy engines) leaves the list empty for every sample;
 - ``finish_reason``: ``"stop"`` (eos generated) or ``"length"`` (``max_new_tokens`` reached).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ Rows are chunked in order of prompt length (less padding); samples come back in 
 ``rollout_logprobs`` come from the raw logits (``output_logits``), see ``base`` for the convention. ``generate``
 keeps every step's logits of a chunk until it returns (fp32: rows x new tokens x vocabulary x 4 bytes, 10 GB for 32
 rows of 512 tokens at Qwen2.5's 152k vocabulary), so chunks are cut to ``LOGITS_BUDGET_BYTES``; an engine built
-with ``keep_logprobs=False`` (evaluation's greedy answers) asks for no logits and keeps its batch size.
+with ``sampled_logprobs=False`` (evaluation's greedy answers) asks for no logits and keeps its batch size.
 """
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ class TransformersRolloutEngine:
         dtype: str = "float32",
         model: Any = None,
         tokenizer: Any = None,
-        keep_logprobs: bool = True,
+        sampled_logprobs: bool = True,
     ) -> None:
         """Load ``model_path``, or use an already loaded ``model`` + ``tokenizer`` (e.g. the trainer's).
-        ``keep_logprobs=False``: samples carry no ``rollout_logprobs`` (nothing reads them), no logits are kept."""
+        ``sampled_logprobs=False``: samples carry no ``rollout_logprobs`` (nothing reads them), no logits are kept."""
         if model is None:
             model, tokenizer = load_model_and_tokenizer(model_path, dtype=dtype, device=device)
         elif tokenizer is None:
@@ -61,7 +61,7 @@ class TransformersRolloutEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
-        self.keep_logprobs = keep_logprobs
+        self.sampled_logprobs = sampled_logprobs
         self.batch_size = self._rows_per_chunk(batch_size)
         self.device = next(model.parameters()).device
         self.stop_ids = _stop_token_ids(model, tokenizer)
@@ -69,7 +69,7 @@ class TransformersRolloutEngine:
 
     def _rows_per_chunk(self, batch_size: int) -> int:
         """``batch_size``, cut so that a chunk's kept logits (``generate``'s, fp32) fit ``LOGITS_BUDGET_BYTES``."""
-        if not self.keep_logprobs:
+        if not self.sampled_logprobs:
             return batch_size
         row_bytes = self.max_new_tokens * self.model.get_output_embeddings().weight.shape[0] * 4
         return min(batch_size, max(1, LOGITS_BUDGET_BYTES // row_bytes))
@@ -80,7 +80,7 @@ class TransformersRolloutEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=sorted(self.stop_ids),
             return_dict_in_generate=True,
-            output_logits=self.keep_logprobs,
+            output_logits=self.sampled_logprobs,
         )
         if self.temperature > 0:
             # top_k=0 switches off the library default of 50: we sample from the full distribution.
@@ -113,7 +113,7 @@ class TransformersRolloutEngine:
         with self._seeded_inference(seed):
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **self._generation_kwargs())
         new_tokens = out.sequences[:, width:]
-        if not self.keep_logprobs:
+        if not self.sampled_logprobs:
             return self._cut_at_stop(new_tokens.tolist(), [[] for _ in prompt_ids])
         # logits: one [B, V] tensor per generated step; a step at a time, not a second [B, steps, V] copy
         token_logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None])[:, 0]
