@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -265,7 +266,10 @@ def evaluate(models: dict[str, str], verbose: bool = True, answers_dir: str | No
                                   format_reward="format_gsm8k" if TASK["name"] == "gsm8k" else None, **device,
                                   num_examples=len(heldout) if answers_dir else 2, with_scores=True)[name]
         if answers_dir:
-            write_answers(os.path.join(answers_dir, f"{name.replace(':', '_')}.jsonl.gz"), metrics["examples"])
+            # a file name of letters, digits, dots, dashes and underscores: the device's $OUT returns no other
+            # (2026-12-06: `trl_vllm@it2.jsonl.gz` stayed there)
+            safe = re.sub(r"[^A-Za-z0-9._-]", "_", name.replace("@it", ".it"))
+            write_answers(os.path.join(answers_dir, f"{safe}.jsonl.gz"), metrics["examples"])
         results[name] = {k: v for k, v in metrics.items() if k.startswith(("arith_accuracy", "accuracy/", "n/",
                                                                            "mean_response", "arith_stop", "format_rate",
                                                                            "truncation_rate", "loop_rate",

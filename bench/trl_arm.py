@@ -60,6 +60,10 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     clock = {"saves_s": 0.0}
     curve = dict(progress["curve"])
 
+    def save_policy(model, folder: str) -> None:  # bf16, as every evaluation runs it: half the disk of fp32
+        model.save_pretrained(folder, state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+        tokenizer.save_pretrained(folder)
+
     def trained_s() -> float:  # this call's training time, curve saves off, plus the earlier calls'
         return progress["wall_s"] + time.monotonic() - clock["start"] - clock["saves_s"]
 
@@ -69,14 +73,15 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
             if curve_every and state.global_step % steps_per_round == 0 and rounds % curve_every == 0:
                 saved = time.monotonic()  # a curve point, off the clock (batchrl publishes every policy anyway)
                 folder = os.path.join(state_dir, f"{arm}_curve", str(rounds))
-                kwargs["model"].save_pretrained(folder)
-                tokenizer.save_pretrained(folder)
+                save_policy(kwargs["model"], folder)
                 curve[str(rounds)] = folder
                 clock["saves_s"] += time.monotonic() - saved
             if state.global_step % steps_per_round == 0 and trained_s() > 60 * minutes:
                 clock["trained_s"] = trained_s()
                 control.should_training_stop = True
                 control.should_save = True  # off the clock: what a later call (more:ARM) goes on from
+                if progress["checkpoint"]:  # the one this call resumed from, read long ago: its GBs make room for it
+                    shutil.rmtree(progress["checkpoint"], ignore_errors=True)
             if reset_optimizer and state.global_step % steps_per_round == 0:
                 kwargs["optimizer"].state.clear()  # the next step starts AdamW afresh, as a new batchrl job does
 
@@ -102,9 +107,9 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     trainer.train(resume_from_checkpoint=progress["checkpoint"])
     wall = clock.get("trained_s", trained_s())
     rounds = trainer.state.global_step // steps_per_round
-    folder = os.path.join(state, f"{arm}_final")
-    trainer.save_model(folder)
-    tokenizer.save_pretrained(folder)
+    folder = curve.get(str(rounds)) or os.path.join(state, f"{arm}_final")  # the last curve point is the policy
+    if folder.endswith("_final"):
+        save_policy(trainer.model, folder)
     checkpoints = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
                          key=lambda d: int(d.split("-")[1])) if os.path.isdir(out_dir) else []
     for older in checkpoints[:-1]:  # weights and AdamW's moments in fp32, GBs each: the last one is enough

@@ -87,3 +87,34 @@ def test_prompts_asset_publishes_the_quarantine(tmp_path):
         assert meta["reasons"] == {"missing_gold_answer": 1}
     quarantined = pd.read_parquet(os.path.join(meta["uri"], "quarantine.parquet"))
     assert quarantined["reason"].tolist() == ["missing_gold_answer"] and "No gold here?" in quarantined["raw"].iloc[0]
+
+
+def _answer_kinds_module():
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "answer_kinds.py")
+    spec = importlib.util.spec_from_file_location("answer_kinds", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_answer_kinds_pair_each_question_before_and_after():
+    """bench/answer_kinds.py --against: where a policy's gain came from, question by question (RESULTS' table of the
+    1.5B's answers rests on it)."""
+    kinds = _answer_kinds_module()
+    program = "```python\nprint(3 + 4)\n```\n```output\n7\n```\n#### {}"
+    before = [{"prompt": "q1", "answer": "7", "response": program.format(8)},   # program+output, wrong
+              {"prompt": "q2", "answer": "7", "response": program.format(7)},   # program+output, right
+              {"prompt": "q3", "answer": "5", "response": "2 + 3 = 5\n#### 5"}]  # text, right
+    after = [{"prompt": "q1", "answer": "7", "response": "3 + 4 = 7\n#### 7"},   # left the program: now right
+             {"prompt": "q2", "answer": "7", "response": program.format(7)},
+             {"prompt": "q3", "answer": "5", "response": "2 + 3 = 6\n#### 6"}]  # text, now wrong
+    reward = REWARD_FUNCTIONS["gsm8k"]
+    table = kinds.kind_transitions(before, after, reward)
+    assert table == {"program+output -> text": {"n": 1, "right_before": 0, "right_after": 1},
+                     "program+output -> program+output": {"n": 1, "right_before": 1, "right_after": 1},
+                     "text -> text": {"n": 1, "right_before": 1, "right_after": 0}}
+    assert kinds.kinds_of(after, reward)["text"] == {"share": 2 / 3, "accuracy": 0.5, "n": 2}
+    with pytest.raises(ValueError, match="not paired"):
+        kinds.kind_transitions(before, after[::-1], reward)
