@@ -360,6 +360,9 @@ def main() -> None:
                 curves = record.setdefault("eval_curve", {})  # held-out accuracy after k iterations / rounds
                 for arm, r in record["arms"].items():
                     points = {k: path for k, path in r.get("curve", {}).items() if k not in curves.get(arm, {})}
+                    for k in [k for k, path in points.items() if path == r.get("policy") and arm in done]:
+                        del points[k]  # the final policy's own folder (a TRL arm's last curve point): scored above
+                        curves.setdefault(arm, {})[k] = {m: v for m, v in done[arm].items() if m != "examples"}
                     scored = evaluate({f"{arm}@it{k}": path for k, path in points.items()}, verbose=False,
                                       answers_dir=answers)
                     scored = {name.rpartition("@it")[2]: result for name, result in scored.items()}

@@ -60,8 +60,9 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     clock = {"saves_s": 0.0}
     curve = dict(progress["curve"])
 
-    def save_policy(model, folder: str) -> None:  # bf16, as every evaluation runs it: half the disk of fp32
-        model.save_pretrained(folder, state_dict={k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    def save_policy(model, folder: str) -> None:  # in the dtype the bench's evaluation loads it in (bf16 on the GPU:
+        dtype = torch.bfloat16 if bf16 else torch.float32  # half the disk of fp32, 3.5 GB at 1.5B)
+        model.save_pretrained(folder, state_dict={k: v.to(dtype) for k, v in model.state_dict().items()})
         tokenizer.save_pretrained(folder)
 
     def trained_s() -> float:  # this call's training time, curve saves off, plus the earlier calls'
@@ -107,8 +108,9 @@ def run_trl_arm(base: str, minutes: float, state: str, arm: str, sizes: tuple[in
     trainer.train(resume_from_checkpoint=progress["checkpoint"])
     wall = clock.get("trained_s", trained_s())
     rounds = trainer.state.global_step // steps_per_round
-    folder = curve.get(str(rounds)) or os.path.join(state, f"{arm}_final")  # the last curve point is the policy
-    if folder.endswith("_final"):
+    folder = curve.get(str(rounds))  # the last curve point is the final policy: no second copy
+    if folder is None:
+        folder = os.path.join(state, f"{arm}_final")
         save_policy(trainer.model, folder)
     checkpoints = sorted((d for d in os.listdir(out_dir) if d.startswith("checkpoint-")),
                          key=lambda d: int(d.split("-")[1])) if os.path.isdir(out_dir) else []
