@@ -166,6 +166,10 @@ def test_first_policy_update_takes_the_reference_log_probs_from_its_own_pass(dpo
     assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(same["ref"], other["ref"]))
     assert np.allclose(runs["same"]["loss_curve"], runs["copy"]["loss_curve"], atol=1e-6)
     assert runs["same"]["final"]["kl_loss"] == pytest.approx(runs["copy"]["final"]["kl_loss"], abs=1e-6)
+    # the fixed passes' time, apart: the old policy's, the reference's, and the separate reference's load
+    copy_phases, same_phases = runs["copy"]["phase_s"], runs["same"]["phase_s"]
+    assert copy_phases["load_model"] > 0 and "load_model" not in same_phases
+    assert copy_phases["reference_pass"] > 0 and copy_phases["fixed_logprobs"] > 0
 
 
 def test_resume_refuses_checkpoints_of_another_run(dpo_inputs, tmp_path):

@@ -71,9 +71,10 @@ def _annotation(name: str) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[PhaseClock]:
-    """Make a fresh clock the one ``phase`` records into, for the duration of the block."""
-    clock = PhaseClock()
+def recording(clock: PhaseClock | None = None) -> Iterator[PhaseClock]:
+    """Make ``clock`` (default: a fresh one) the one ``phase`` records into, for the duration of the block: a
+    library phase (a model's load) inside one of a job's own phases is then timed apart and taken out of it."""
+    clock = clock if clock is not None else PhaseClock()
     token = _ACTIVE.set(clock)
     try:
         yield clock

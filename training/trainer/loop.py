@@ -14,7 +14,7 @@ import torch
 from batchrl.training.models import lora
 
 from batchrl.training.models import resident_weights
-from batchrl.training.timing.phases import PhaseClock
+from batchrl.training.timing.phases import PhaseClock, recording
 from batchrl.training.trainer.batching import epoch_order, step_micro_batches, steps_per_epoch, world
 from batchrl.training.trainer.checkpoint import (export_hf_model, load_checkpoint, needs_universal, read_completion,
                                                  save_checkpoint, seed_everything, write_completion,
@@ -266,6 +266,7 @@ class TrainLoop:
         (~14 s at the 0.5B shape on an H200, once per job) for passes that run once or twice. Timed as ``phase``."""
         stack = contextlib.ExitStack()
         stack.enter_context(self.phase(phase))
+        stack.enter_context(recording(self._clock))  # a model loaded inside: its own load_model phase
         stack.enter_context(self.forward_context())
         if self.cfg.torch_compile:
             stack.enter_context(torch.compiler.set_stance("force_eager"))

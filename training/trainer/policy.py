@@ -6,7 +6,9 @@ loss (GRPO's ``use_kl_loss``; 0 where the RL recipe puts the KL in the reward or
 ``entropy_coef · H``; aggregated by ``loss_agg_mode``.
 
 ``logπ_old`` and ``logπ_ref`` are computed once before the first update and cached in
-``out_dir/fixed_logprobs.pt``, so a resumed run uses exactly the same ones as an uninterrupted run.
+``out_dir/fixed_logprobs.pt``, so a resumed run uses exactly the same ones as an uninterrupted run. Their time is
+reported apart (``phase_s/``): ``fixed_logprobs`` the old policy's pass, ``reference_pass`` the reference's, and
+``load_model`` a reference model read for it.
 With ``old_logprobs="rollout"`` the rollout engine's log-probs serve as ``logπ_old``; with
 "recompute" (default) the trainer's own are used and, when the rows carry rollout log-probs and
 ``rollout_is_threshold`` is set, the loss is reweighted by truncated IS min(π_old/π_rollout, C).
@@ -70,22 +72,29 @@ def _fixed_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list],
     else:
         fixed["old"] = [np.asarray(x, dtype=np.float32) for x in rows["rollout_logprobs"]]
     if cfg.kl_loss_coef > 0 and reference_model_path:
-        if _same_model(reference_model_path, loop.model_path):  # the chain's first update: the policy is the reference
-            fixed["ref"] = fixed["old"] if cfg.old_logprobs == "recompute" else \
-                sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)  # its pass, no second model
-        elif loop.lora_base is not None and _same_model(reference_model_path, loop.lora_base):
-            with loop.engine.module.disable_adapter():  # LoRA: the frozen base is the reference, no second model
-                fixed["ref"] = sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
-        else:
-            from batchrl.training.models.loading import load_model_and_tokenizer
-
-            ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
-            fixed["ref"] = sequence_token_logprobs(ref, rows, pad_id, loop.device, **kw)
-            del ref
+        with loop.phase("reference_pass"):  # timed apart from the old policy's pass (a loaded reference: load_model)
+            fixed["ref"] = _reference_logprobs(loop, cfg, rows, reference_model_path, fixed["old"], kw)
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(fixed, tmp)
     os.replace(tmp, path)
     return fixed
+
+
+def _reference_logprobs(loop: TrainLoop, cfg: PolicyConfig, rows: dict[str, list], reference_model_path: str,
+                        old: list, kw: dict[str, Any]) -> list:
+    """The reference's log-probs: the old policy's own where the policy is the reference (the chain's first
+    update), the LoRA base's with the adapter off, else a loaded reference model's."""
+    pad_id = loop.tokenizer.pad_token_id
+    if _same_model(reference_model_path, loop.model_path):  # the chain's first update: the policy is the reference
+        return old if cfg.old_logprobs == "recompute" else \
+            sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)  # its pass, no second model
+    if loop.lora_base is not None and _same_model(reference_model_path, loop.lora_base):
+        with loop.engine.module.disable_adapter():  # LoRA: the frozen base is the reference, no second model
+            return sequence_token_logprobs(loop.model, rows, pad_id, loop.device, **kw)
+    from batchrl.training.models.loading import load_model_and_tokenizer
+
+    ref, _ = load_model_and_tokenizer(reference_model_path, dtype=torch.float32, device=str(loop.device))
+    return sequence_token_logprobs(ref, rows, pad_id, loop.device, **kw)  # the model is freed on return
 
 
 def _policy_loss(cfg: PolicyConfig, policy_loss_fn, rows, fixed, idx, batch, old, logp, entropy, use_is, device):
