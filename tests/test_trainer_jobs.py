@@ -59,6 +59,21 @@ def test_job_runs_standalone_and_prints_json(arith_job_inputs, tmp_path):
     assert [s["step"] for s in steps] == [1, 2] and all("loss" in s for s in steps)
     final = [line for line in lines if "materialization" in line][-1]
     assert final["materialization"]["global_step"] == 2 and len(final["data_version"]) == 64
+    assert not any(k.startswith("gpu_") for k in final["materialization"])  # a CPU job initialises no CUDA
+
+
+def test_a_gpu_job_reports_its_peak_memory_and_the_headroom_left():
+    """``gpu_memory``: the numbers a GPU job's metadata carries (CUDA cannot run on this box; a stand-in for
+    ``torch.cuda``'s four calls), in decimal GB."""
+    from types import SimpleNamespace
+
+    from batchrl.training.jobs._runtime import gpu_memory
+
+    cuda = SimpleNamespace(mem_get_info=lambda: (12.5e9, 85.0e9), max_memory_allocated=lambda: 61.234e9,
+                           max_memory_reserved=lambda: 66.0e9)
+    assert gpu_memory(cuda) == {"gpu_peak_allocated_gb": 61.23, "gpu_peak_reserved_gb": 66.0,
+                                "gpu_free_gb_after": 12.5, "gpu_total_gb": 85.0}
+    assert gpu_memory(None) == {}
 
 
 def test_killed_job_resumes_to_the_uninterrupted_result(arith_job_inputs, tmp_path):

@@ -137,11 +137,30 @@ def _settling_sampling_ahead() -> Iterator[Callable[[str | None], dict]]:
         settle(None)  # after a settle with the version: nothing left to drop
 
 
+def _gpu_cuda():
+    """``torch.cuda`` where this process already uses a GPU, else None (a CPU job never initialises CUDA for this)."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def gpu_memory(cuda) -> dict[str, float]:
+    """This process's peak GPU memory since the last reset (PyTorch's allocator: what the job's own tensors took, and
+    what the allocator held) and the device's free memory now (every process on it): the headroom a larger weight
+    cache or batch would have to fit in. Empty without ``cuda``."""
+    if cuda is None:
+        return {}
+    free, total = cuda.mem_get_info()
+    return {"gpu_peak_allocated_gb": round(cuda.max_memory_allocated() / 1e9, 2),
+            "gpu_peak_reserved_gb": round(cuda.max_memory_reserved() / 1e9, 2),
+            "gpu_free_gb_after": round(free / 1e9, 2), "gpu_total_gb": round(total / 1e9, 1)}
+
+
 def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: list[str] | None = None) -> int:
     """Read the config, run ``work(config, reporter) -> (result, output_dir)``, report materialisation
     with ``data_version`` = content hash of ``output_dir`` and the job's ``weight_cache_hits``/``_misses``
     (its model loads built from the job worker's weight cache / read from their files while the cache was on;
-    both 0 where it is off)."""
+    both 0 where it is off) and, on a GPU, its peak memory (``gpu_memory``: from this job's start in a warm worker,
+    and for the worker's first job from the process's start)."""
     from batchrl.training.timing import profiling
     from batchrl.training.models import resident_weights
     from batchrl.training.models import weight_cache
@@ -150,6 +169,8 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
     config = read_job_config(argv if argv is not None else sys.argv[1:])
     choose_attention_kernels()
     before = weight_cache.stats()
+    if (cuda := _gpu_cuda()) is not None:  # a warm worker's earlier jobs: not this one's peak
+        cuda.reset_peak_memory_stats()
     with reporter() as rep, _settling_sampling_ahead() as settle_ahead:
         if config.get("out_dir"):
             os.makedirs(config["out_dir"], exist_ok=True)
@@ -161,6 +182,7 @@ def run_job(work: Callable[[dict, Reporter], tuple[dict, str | None]], argv: lis
         meta = metadata_from(result)
         after = weight_cache.stats()  # models this job built from the warm worker's cached weights, or loaded
         meta.update({f"weight_cache_{k}": after[k] - before[k] for k in ("hits", "misses")})
+        meta.update(gpu_memory(_gpu_cuda()))
         started = time.perf_counter()
         version = tree_hash(output) if output and os.path.exists(output) and is_rank0() else None
         if version:
