@@ -117,5 +117,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
+
 if __name__ == "__main__":
     main()

@@ -39,7 +39,8 @@ def use_gsm8k(folder: str, state: str, smoke: bool, profile_name: str = "gsm8k")
     TASK.update(GSM8K_TASK, profile=path, landing=landing, eval_tokens=16 if smoke else 512, lr=update["lr"],
                 beta=0.0 if recipe.get("kl_placement") == "none" else recipe["kl_loss_coef"],
                 lora=bool(update.get("lora_rank")),
-                trl_checkpointing=profile_name != "gsm8k")  # TRL beside vLLM's 35%: OOM at 1.5B without it
+                trl_checkpointing=profile_name != "gsm8k")  # both TRL arms at 1.5B: OOM without it beside vLLM's
+    # 35% (2026-12-06); plain `generate` without it is not tried: BENCH_TRL_CHECKPOINTING=0 (trl_arm.py)
     return None if smoke else (gpu["ops"]["rollouts"]["config"]["max_prompts"], recipe["samples_per_prompt"],
                                update["micro_batch_size"], gpu["resources"]["rollout_engine"]["max_new_tokens"])
 

@@ -91,5 +91,6 @@ class StaticCacheRolloutEngine(TransformersRolloutEngine):
                 if steps == self.max_new_tokens or (steps % STOP_CHECK_EVERY == 0 and bool(stopped.all())):
                     break
                 logits = decoder.decode_step(tokens)
-        logprobs = logprobs_out[:real_rows, :steps].tolist() if self.sampled_logprobs else [[]] * real_rows
+        logprobs = logprobs_out[:real_rows, :steps].tolist() if self.sampled_logprobs else \
+            [[] for _ in range(real_rows)]
         return self._cut_at_stop(tokens_out[:real_rows, :steps].tolist(), logprobs)
