@@ -42,7 +42,7 @@ def test_a_profiled_job_writes_its_phases(tmp_path, monkeypatch):
     monkeypatch.setenv(profiling.ENV, str(tmp_path))
     with phases.recording(), profiling.profiled("reference_logprobs"):
         with phases.phase("logprobs"):
-            torch.randn(64, 64) @ torch.randn(64, 64)
+            torch.randn(512, 512) @ torch.randn(512, 512)  # long enough not to round to 0.0 s
     (written,) = [f for f in os.listdir(tmp_path) if f.endswith(".json")]  # the raw trace is not kept
     assert written.startswith("reference_logprobs-")
     summary = json.load(open(tmp_path / written))
