@@ -282,6 +282,11 @@ def evaluate(models: dict[str, str], verbose: bool = True, answers_dir: str | No
     return results
 
 
+def _curve_point(result: dict) -> dict:
+    """An evaluation's result as a point of an arm's accuracy curve: its metrics and scores, not its answers."""
+    return {m: v for m, v in result.items() if m != "examples"}
+
+
 def with_gains(record: dict) -> None:
     """Each evaluated policy's gain over the base, question by question (``arith_gain``, its paired standard error,
     95% interval, questions won and lost: ``training.evaluation.paired``), where both kept per-question scores."""
@@ -362,12 +367,11 @@ def main() -> None:
                     points = {k: path for k, path in r.get("curve", {}).items() if k not in curves.get(arm, {})}
                     for k in [k for k, path in points.items() if path == r.get("policy") and arm in done]:
                         del points[k]  # the final policy's own folder (a TRL arm's last curve point): scored above
-                        curves.setdefault(arm, {})[k] = {m: v for m, v in done[arm].items() if m != "examples"}
+                        curves.setdefault(arm, {})[k] = _curve_point(done[arm])
                     scored = evaluate({f"{arm}@it{k}": path for k, path in points.items()}, verbose=False,
                                       answers_dir=answers)
                     scored = {name.rpartition("@it")[2]: result for name, result in scored.items()}
-                    curves.setdefault(arm, {}).update({k: {m: v for m, v in result.items() if m != "examples"}
-                                                       for k, result in scored.items()})
+                    curves.setdefault(arm, {}).update({k: _curve_point(result) for k, result in scored.items()})
                     print(arm, "held-out after k:", {k: round(v["arith_accuracy"], 3)
                                                      for k, v in sorted(curves[arm].items(), key=lambda i: int(i[0]))},
                           flush=True)
